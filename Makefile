@@ -1,0 +1,29 @@
+# Two entry points, both self-contained on a fresh machine with only Python:
+#   make run   -- set up, then run the main job
+#   make test  -- set up, then lint and run the test suite
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint
+
+setup: $(VENV)/.installed
+
+# The venv sees system site-packages so an existing (e.g. CUDA) torch is reused; only when no
+# torch is importable do we install torch==2.13.0, whose CPU wheel lies on these machines (any
+# other spec may pull a multi-GB CUDA build).
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test,report]'
+	touch $@
+
+run: setup
+	$(BIN)/raggedfsdp plan --model llama3-8b --world 8,64,1024,10000 --block-size 128
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+test: lint
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,335 @@
+"""Parameter shapes of public large language models, as real ``nn.Module`` trees.
+
+These models exist for *planning*: the sharding planner walks ``named_parameters()`` of a model
+built on the meta device (which allocates no storage), so the exact shapes and module order of a
+405B- or 671B-parameter model can be planned on a laptop. Their ``forward`` raises
+``NotImplementedError``; only the GPT entries (built by :class:`~raggedfsdp.models.gpt.GPT`) run.
+
+Built on a real device, the zoo models hold torch's default initialisation for Linear, Embedding
+and RMSNorm layers and uninitialised memory (``torch.empty``) for the fused expert tensors.
+
+Parameter counts (untied embeddings, this module's shapes):
+
+==================  ==================  ==========================================
+name                parameters          public figure
+==================  ==================  ==========================================
+llama3-8b           8,030,261,248       8.03B
+llama3-70b          70,553,706,496      70.6B
+llama3-405b         405,853,388,800     405.9B (reported as 405B)
+deepseek-v3-671b    671,026,404,352     671B (main model, without the 14B MTP module)
+gpt-oss-120b        116,829,156,672     116.8B
+==================  ==================  ==========================================
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
+
+__all__ = [
+    "GPTOSS",
+    "MODEL_NAMES",
+    "DeepSeekV3",
+    "Llama3",
+    "build_model",
+]
+
+DeviceLike = torch.device | str
+
+
+class _PlanningOnly(nn.Module):
+    """Base for shape-only models: a forward that explains itself instead of failing obscurely."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{type(self).__name__} is a shape-only model for sharding plans; it has no forward"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Llama 3 / 3.1
+# --------------------------------------------------------------------------------------------
+
+
+class _LlamaAttention(nn.Module):
+    """Grouped-query attention projections (no biases)."""
+
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.wq = nn.Linear(hidden, n_heads * head_dim, bias=False)
+        self.wk = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.wv = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, hidden, bias=False)
+
+
+class _SwiGLU(nn.Module):
+    """SwiGLU feed-forward projections: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inner, bias=False)
+        self.w2 = nn.Linear(inner, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inner, bias=False)
+
+
+class _LlamaBlock(nn.Module):
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn: int) -> None:
+        super().__init__()
+        self.attention = _LlamaAttention(hidden, n_heads, n_kv_heads, head_dim)
+        self.feed_forward = _SwiGLU(hidden, ffn)
+        self.attention_norm = nn.RMSNorm(hidden)
+        self.ffn_norm = nn.RMSNorm(hidden)
+
+
+class Llama3(_PlanningOnly):
+    """Llama 3 / 3.1 decoder shapes (Meta's reference ``model.py`` module names).
+
+    Shapes from the public ``params.json`` / Hugging Face ``config.json`` of
+    meta-llama/Meta-Llama-3.1-{8B,70B,405B}: ``dim`` 4096/8192/16384, ``n_layers`` 32/80/126,
+    ``n_heads`` 32/64/128, ``n_kv_heads`` 8, head_dim 128, ``intermediate_size``
+    14336/28672/53248, ``vocab_size`` 128256, ``tie_word_embeddings`` false.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int,
+        n_layers: int,
+        n_heads: int,
+        ffn: int,
+        n_kv_heads: int = 8,
+        vocab: int = 128256,
+    ) -> None:
+        super().__init__()
+        head_dim = hidden // n_heads
+        self.tok_embeddings = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            _LlamaBlock(hidden, n_heads, n_kv_heads, head_dim, ffn) for _ in range(n_layers)
+        )
+        self.norm = nn.RMSNorm(hidden)
+        self.output = nn.Linear(hidden, vocab, bias=False)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek-V3
+# --------------------------------------------------------------------------------------------
+
+
+class _MLA(nn.Module):
+    """Multi-head latent attention: low-rank query and key/value paths."""
+
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_dim: int,
+        qk_rope_dim: int,
+        v_dim: int,
+    ) -> None:
+        super().__init__()
+        self.wq_a = nn.Linear(hidden, q_lora_rank, bias=False)
+        self.q_norm = nn.RMSNorm(q_lora_rank)
+        self.wq_b = nn.Linear(q_lora_rank, n_heads * (qk_nope_dim + qk_rope_dim), bias=False)
+        # The rope part of the key is shared by all heads, so it rides along with the latent.
+        self.wkv_a = nn.Linear(hidden, kv_lora_rank + qk_rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(kv_lora_rank)
+        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_dim), bias=False)
+        self.wo = nn.Linear(n_heads * v_dim, hidden, bias=False)
+
+
+class _FusedSwiGLUExperts(nn.Module):
+    """``n`` SwiGLU experts stored as 3-D stacks ``[n, out, in]`` (one tensor per projection).
+
+    Fused stacks are what grouped-GEMM MoE kernels consume, and they are the case the planner's
+    ``[E, out, in]`` row rule exists for.
+    """
+
+    def __init__(self, n_experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, inner, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, inner))
+        self.w3 = nn.Parameter(torch.empty(n_experts, inner, hidden))
+
+
+class _DeepSeekMoE(nn.Module):
+    def __init__(self, hidden: int, n_routed: int, moe_inner: int, n_shared: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, n_routed, bias=False)
+        # Auxiliary-loss-free balancing bias: adjusted by a rule, not by gradients, so it is a
+        # buffer (it must not enter the optimizer or the gradient buckets).
+        self.gate.register_buffer("e_score_correction_bias", torch.zeros(n_routed))
+        self.experts = _FusedSwiGLUExperts(n_routed, hidden, moe_inner)
+        self.shared_experts = _SwiGLU(hidden, n_shared * moe_inner)
+
+
+class _DeepSeekBlock(nn.Module):
+    def __init__(self, hidden: int, mla: _MLA, ffn: nn.Module) -> None:
+        super().__init__()
+        self.attn = mla
+        self.ffn = ffn
+        self.attn_norm = nn.RMSNorm(hidden)
+        self.ffn_norm = nn.RMSNorm(hidden)
+
+
+class DeepSeekV3(_PlanningOnly):
+    """DeepSeek-V3 (671B) shapes, module names after DeepSeek's reference inference ``model.py``.
+
+    Shapes from deepseek-ai/DeepSeek-V3 ``config.json``: ``hidden_size`` 7168,
+    ``num_hidden_layers`` 61, ``first_k_dense_replace`` 3, ``intermediate_size`` 18432,
+    ``moe_intermediate_size`` 2048, ``n_routed_experts`` 256, ``n_shared_experts`` 1,
+    ``num_attention_heads`` 128, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
+    ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, ``vocab_size`` 129280,
+    ``tie_word_embeddings`` false. The multi-token-prediction module (``num_nextn_predict_layers``
+    1, about 14B more) is not included: the 671B figure is the main model.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int = 7168,
+        n_layers: int = 61,
+        n_dense_layers: int = 3,
+        dense_inner: int = 18432,
+        moe_inner: int = 2048,
+        n_routed: int = 256,
+        n_shared: int = 1,
+        n_heads: int = 128,
+        q_lora_rank: int = 1536,
+        kv_lora_rank: int = 512,
+        qk_nope_dim: int = 128,
+        qk_rope_dim: int = 64,
+        v_dim: int = 128,
+        vocab: int = 129280,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        layers = []
+        for i in range(n_layers):
+            mla = _MLA(hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_dim)
+            ffn: nn.Module = (
+                _SwiGLU(hidden, dense_inner)
+                if i < n_dense_layers
+                else _DeepSeekMoE(hidden, n_routed, moe_inner, n_shared)
+            )
+            layers.append(_DeepSeekBlock(hidden, mla, ffn))
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-OSS
+# --------------------------------------------------------------------------------------------
+
+
+class _GPTOSSAttention(nn.Module):
+    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=True)
+        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=True)
+        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=True)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=True)
+        # One learned "attention sink" logit per head.
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+
+
+class _GPTOSSExperts(nn.Module):
+    """Fused experts in the Hugging Face layout ``[E, in, out]`` (gate and up interleaved)."""
+
+    def __init__(self, n_experts: int, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, hidden, 2 * inner))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, inner, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, hidden))
+
+
+class _GPTOSSMoE(nn.Module):
+    def __init__(self, hidden: int, n_experts: int, inner: int) -> None:
+        super().__init__()
+        self.router = nn.Linear(hidden, n_experts, bias=True)
+        self.experts = _GPTOSSExperts(n_experts, hidden, inner)
+
+
+class _GPTOSSBlock(nn.Module):
+    def __init__(
+        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, n_experts: int, inner: int
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden)
+        self.self_attn = _GPTOSSAttention(hidden, n_heads, n_kv_heads, head_dim)
+        self.post_attention_layernorm = nn.RMSNorm(hidden)
+        self.mlp = _GPTOSSMoE(hidden, n_experts, inner)
+
+
+class GPTOSS(_PlanningOnly):
+    """GPT-OSS-120B shapes, module names after the Hugging Face ``GptOssForCausalLM``.
+
+    Shapes from openai/gpt-oss-120b ``config.json``: ``hidden_size`` 2880,
+    ``num_hidden_layers`` 36, ``num_attention_heads`` 64, ``num_key_value_heads`` 8,
+    ``head_dim`` 64, ``num_local_experts`` 128, ``intermediate_size`` 2880, ``vocab_size`` 201088,
+    ``tie_word_embeddings`` false; attention and expert projections carry biases, each layer has
+    per-head attention sinks. Total 116.8B parameters (model card).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int = 2880,
+        n_layers: int = 36,
+        n_heads: int = 64,
+        n_kv_heads: int = 8,
+        head_dim: int = 64,
+        n_experts: int = 128,
+        inner: int = 2880,
+        vocab: int = 201088,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(
+            _GPTOSSBlock(hidden, n_heads, n_kv_heads, head_dim, n_experts, inner)
+            for _ in range(n_layers)
+        )
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+_PUBLIC_BUILDERS = {
+    "llama3-8b": lambda: Llama3(hidden=4096, n_layers=32, n_heads=32, ffn=14336),
+    "llama3-70b": lambda: Llama3(hidden=8192, n_layers=80, n_heads=64, ffn=28672),
+    "llama3-405b": lambda: Llama3(hidden=16384, n_layers=126, n_heads=128, ffn=53248),
+    "deepseek-v3-671b": DeepSeekV3,
+    "gpt-oss-120b": GPTOSS,
+}
+
+MODEL_NAMES: tuple[str, ...] = (*GPT_CONFIGS, *_PUBLIC_BUILDERS)
+"""Every name :func:`build_model` accepts."""
+
+
+def build_model(name: str, device: DeviceLike = "meta") -> nn.Module:
+    """Build a named model; on the meta device (no storage) by default.
+
+    Args:
+        name: one of :data:`MODEL_NAMES`.
+        device: where to put the parameters. GPT models built on a real device are initialised
+            by :meth:`GPT.init_weights`; the public models are meant for the meta device (a real
+            device would need their full size in memory).
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists the known names).
+    """
+    if name in GPT_CONFIGS:
+        return GPT(GPT_CONFIGS[name], device=device)
+    builder = _PUBLIC_BUILDERS.get(name)
+    if builder is None:
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(MODEL_NAMES)}")
+    with torch.device(device):
+        return builder()
