@@ -1,0 +1,87 @@
+"""The collectives the runtime issues, as free functions over explicit buffers.
+
+Each returns a :class:`Pending` that carries the work handle; ``wait()`` blocks (timed into the
+stats as exposed communication) and is idempotent. Everything is labelled for the profiler.
+Collectives use the process group's timeout, so a rank that fails leaves the others with an
+error rather than a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .metrics import RuntimeStats
+
+__all__ = ["Pending", "all_gather", "all_reduce", "reduce_scatter"]
+
+# torch >= 2.13 names the tensor forms *_single and deprecates the old names; 2.6 has only these.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Pending:
+    """An issued collective: its work handle (``None`` once waited or when it ran inline)."""
+
+    work: dist.Work | None
+    stats: RuntimeStats
+
+    def wait(self) -> None:
+        if self.work is not None:
+            with self.stats.waiting():
+                self.work.wait()
+            self.work = None
+
+
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: RuntimeStats,
+    *,
+    async_op: bool = True,
+) -> Pending:
+    """``output[r*S:(r+1)*S] = shard of rank r``; ``output`` is the unsharded bucket buffer."""
+    with record_function("raggedfsdp::all_gather"):
+        stats.all_gather_calls += 1
+        stats.all_gather_bytes += shard.numel() * shard.element_size()
+        work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
+    return Pending(work, stats)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: RuntimeStats,
+    *,
+    async_op: bool = True,
+) -> Pending:
+    """``output = mean over ranks of full[r*S:(r+1)*S]`` for this rank ``r``."""
+    with record_function("raggedfsdp::reduce_scatter"):
+        stats.reduce_scatter_calls += 1
+        stats.reduce_scatter_bytes += full.numel() * full.element_size()
+        work = _reduce_scatter_tensor(
+            output, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
+        )
+    return Pending(work, stats)
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: RuntimeStats,
+    *,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+    async_op: bool = True,
+) -> Pending:
+    """In-place all-reduce (HSDP: average the reduced shard over the replicas)."""
+    with record_function("raggedfsdp::all_reduce"):
+        stats.all_reduce_calls += 1
+        stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return Pending(work, stats)

@@ -1,0 +1,230 @@
+"""DBuffer: one flat buffer per bucket, with parameters and gradients as views into it.
+
+A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a global buffer of
+``W * S`` elements; rank ``r`` owns ``[r*S, (r+1)*S)``. A :class:`DBuffer` holds
+
+- ``local``      ``[S]`` master dtype, persistent: the sharded parameters are views of it, so the
+  optimizer updates it in place;
+- ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
+  all-gather writes straight into it and the unsharded parameters are views of it;
+- ``full_grad``  ``[W*S]`` communication dtype, storage alive from a unit's pre-backward to its
+  reduce-scatter's completion: autograd accumulates the unsharded gradients into views of it, and
+  the reduce-scatter reads it as is;
+- ``local_grad`` ``[S]`` master dtype, persistent once created: the reduce-scatter writes into it
+  and the sharded gradients are views of it.
+
+So neither collective needs a copy-in or a copy-out.
+
+[Note: freeing unsharded storage] Unsharded parameters are persistent views, because autograd
+saves them, and views of them (``weight.t()`` in a linear), for backward. Freeing must keep every
+such view valid for the re-unshard before backward, so the *storage* is resized to zero and back
+(as FSDP2 does) rather than replaced. A :class:`FlatStorage` puts several 1-D buffers in one
+storage: with ``group_level=True`` all buckets of a unit share one, so a unit's unshard is one
+allocation (and one free) however many buckets it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layout import ShardInfo, mark_sharded
+from .planner import ShardPlan
+
+__all__ = ["DBuffer", "DBufferConfig", "FlatStorage"]
+
+# Sub-buffers in a FlatStorage start on this many bytes, enough for any dtype and for vector loads.
+_STORAGE_ALIGN = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class DBufferConfig:
+    """How the runtime lays out and manages bucket buffers.
+
+    Attributes:
+        zero_copy: parameters and gradients are views of the bucket buffers, so collectives run
+            in place. ``False`` is an FSDP2-style copy-in/copy-out path kept for A/B measurement.
+        group_level: the unsharded buffers of all buckets of a unit share one storage, allocated
+            and freed as a whole; ``False`` gives each bucket its own.
+        buffer_size: a unit's parameters are split into buckets of at most this many bytes (in
+            the communication dtype); a single larger parameter gets its own bucket; ``None`` makes
+            each unit one bucket per dtype.
+    """
+
+    zero_copy: bool = True
+    group_level: bool = True
+    buffer_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.buffer_size is not None and (
+            isinstance(self.buffer_size, bool)
+            or not isinstance(self.buffer_size, int)
+            or self.buffer_size < 1
+        ):
+            raise ValueError(
+                f"DBufferConfig.buffer_size must be a positive number of bytes or None, "
+                f"got {self.buffer_size!r}"
+            )
+
+
+class FlatStorage:
+    """Several 1-D buffers in one storage that is allocated and freed as a whole.
+
+    The buffer tensors (``views``) are created once and stay valid objects while the storage is
+    freed (resized to zero bytes); using one while freed is a bug the runtime's state machine
+    rules out. It starts allocated, so views of the buffers can be taken; the owner frees it.
+    """
+
+    def __init__(self, sizes: list[tuple[int, torch.dtype]], device: torch.device) -> None:
+        offsets, total = [], 0
+        for numel, dtype in sizes:
+            offsets.append(total)
+            total += -(-numel * dtype.itemsize // _STORAGE_ALIGN) * _STORAGE_ALIGN
+        self.nbytes = total
+        self._bytes = torch.empty(total, dtype=torch.uint8, device=device)  # 1-D byte storage
+        self.views = [
+            self._bytes[o : o + numel * dtype.itemsize].view(dtype)
+            for o, (numel, dtype) in zip(offsets, sizes, strict=True)
+        ]
+
+    @property
+    def allocated(self) -> bool:
+        return self._bytes.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> bool:
+        """Back the buffers with memory (uninitialised); returns whether it allocated."""
+        if self.allocated:
+            return False
+        self._bytes.untyped_storage().resize_(self.nbytes)
+        return True
+
+    def free(self) -> None:
+        self._bytes.untyped_storage().resize_(0)
+
+
+@dataclass
+class ParamSlot:
+    """One parameter of a bucket: its plan entry and its sharded and unsharded forms."""
+
+    fqn: str
+    offset: int  # in the global buffer
+    shape: torch.Size
+    local_start: int  # this rank's piece, in the local buffer
+    local_end: int
+    sharded: nn.Parameter  # persistent; a view of DBuffer.local
+    unsharded: nn.Parameter  # persistent; a view of DBuffer.full (zero copy) or its own tensor
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class DBuffer:
+    """The buffers of one bucket and the views that make parameters and gradients out of them.
+
+    ``full`` and ``full_grad`` are views into :class:`FlatStorage` objects owned by the unit's
+    parameter group (which allocates and frees them); the collectives that fill the buffers live
+    in :mod:`raggedfsdp.collectives`.
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        params: dict[str, nn.Parameter],
+        *,
+        rank: int,
+        group: torch.distributed.ProcessGroup | None,
+        comm_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.world_size = plan.world_size
+        self.shard_numel = plan.shard_numel
+        self.device = device
+        first = next(iter(params.values()))
+        self.dtype = first.dtype  # master dtype of the local shard
+        self.comm_dtype = comm_dtype
+        self.requires_grad = first.requires_grad
+        # Zeros, so the padding between parameters is deterministic in every collective.
+        self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
+        self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
+        self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; set by bind_full_grad
+        self.local_grad: torch.Tensor | None = None  # 1-D [S] master dtype, once reduced
+        self.slots: list[ParamSlot] = []
+        shard_start = rank * self.shard_numel
+        for fqn, entry in plan.entries.items():
+            original = params[fqn]
+            start, end = plan.local_range(fqn, rank)
+            layout = plan.layout(fqn)
+            lo = entry.offset + start - shard_start
+            view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
+            if original.device.type != "meta":
+                view.copy_(layout.to_local(original.detach().to(device), rank))
+            sharded = nn.Parameter(view, requires_grad=original.requires_grad)
+            mark_sharded(sharded, ShardInfo(layout, rank, group))
+            # The unsharded form gets its data (a view) in bind_full.
+            unsharded = nn.Parameter(
+                torch.empty(0, dtype=comm_dtype, device=device),
+                requires_grad=original.requires_grad,
+            )
+            self.slots.append(
+                ParamSlot(
+                    fqn, entry.offset, original.shape, lo, lo + end - start, sharded, unsharded
+                )
+            )
+
+    @property
+    def full_numel(self) -> int:
+        return self.world_size * self.shard_numel
+
+    def bind_full(self, full: torch.Tensor, param_buffer: torch.Tensor) -> None:
+        """Attach the all-gather output ``full`` and make the unsharded parameters views of
+        ``param_buffer``: ``full`` itself with zero copy, or a separate buffer that the
+        FSDP2-style path copies into."""
+        self.full = full
+        for slot in self.slots:
+            view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            slot.unsharded.data = view
+
+    def bind_full_grad(self, full_grad: torch.Tensor) -> None:
+        self.full_grad = full_grad
+
+    def attach_unsharded_grads(self) -> None:
+        """Unsharded gradients become views of ``full_grad`` (autograd accumulates into them)."""
+        assert self.full_grad is not None
+        for slot in self.slots:
+            if slot.unsharded.requires_grad:
+                slot.unsharded.grad = self.full_grad[slot.offset : slot.offset + slot.numel].view(
+                    slot.shape
+                )
+
+    def detach_unsharded_grads(self) -> None:
+        for slot in self.slots:
+            slot.unsharded.grad = None
+
+    def ensure_local_grad(self) -> torch.Tensor:
+        if self.local_grad is None:
+            self.local_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+        return self.local_grad
+
+    def has_sharded_grads(self) -> bool:
+        """Whether any sharded parameter still holds a gradient (not cleared by zero_grad)."""
+        return any(slot.sharded.grad is not None for slot in self.slots)
+
+    def attach_sharded_grads(self) -> None:
+        """Sharded gradients become views of ``local_grad`` (where they are not already)."""
+        assert self.local_grad is not None
+        for slot in self.slots:
+            if slot.sharded.requires_grad and slot.sharded.grad is None:
+                view = self.local_grad[slot.local_start : slot.local_end]
+                slot.sharded.grad = view.view(slot.sharded.shape)
+
+    def persistent_bytes(self) -> int:
+        """Bytes this bucket holds between steps: the local shard and its gradient."""
+        total = self.local.numel() * self.local.element_size()
+        if self.local_grad is not None:
+            total += self.local_grad.numel() * self.local_grad.element_size()
+        return total

@@ -1,0 +1,404 @@
+"""One FSDP unit's parameters: its buckets, and unshard / reshard / reduce over them.
+
+Layering runs one way: hooks (``backend.py``) -> this group -> collectives -> DBuffers.
+The group owns the state of its parameters; the hooks only decide *when* to call it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from .collectives import Pending, all_gather, all_reduce, reduce_scatter
+from .dbuffer import DBuffer, DBufferConfig, FlatStorage
+from .metrics import RuntimeStats
+from .planner import StructAwarePlanner
+
+__all__ = ["FSDPParamGroup", "MeshInfo", "MixedPrecisionPolicy", "ShardedState", "TrainingState"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = enum.auto()  # modules hold the sharded parameters; no unsharded storage
+    UNSHARDING = enum.auto()  # all-gathers issued, not yet waited
+    UNSHARDED = enum.auto()  # modules hold the unsharded parameters (views of DBuffer.full)
+
+
+class TrainingState(enum.Enum):
+    IDLE = enum.auto()  # between steps
+    FORWARD = enum.auto()  # inside this unit's forward
+    PRE_BACKWARD = enum.auto()  # this unit's backward has started (gradients flowing in)
+    POST_BACKWARD = enum.auto()  # this unit's backward is done; its reduce-scatter is issued
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionPolicy:
+    """Dtypes for the unsharded parameters and the gradient reduction; master shards keep their
+    own dtype (fp32). ``None`` keeps the parameter's dtype; ``reduce_dtype=None`` reduces in
+    ``param_dtype`` (as FSDP2). Floating-point forward inputs are cast to ``param_dtype``."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The process groups a unit communicates over: ``shard_group`` (all-gather and
+    reduce-scatter) and, for HSDP, ``replicate_group`` (all-reduce of the reduced shard)."""
+
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: dist.ProcessGroup | None = None
+    replicate_size: int = 1
+
+
+@dataclass
+class Registration:
+    """Where one parameter is registered: every ``(module, attribute)`` (tied parameters have
+    several), so unshard and reshard can swap what the modules hold."""
+
+    fqn: str
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)
+
+
+class ReduceQueue:
+    """Reduce-scatters in flight, shared by all units of a model.
+
+    Issued reduce-scatters are finished in order; at most ``depth`` stay in flight so unsharded
+    gradient buffers go back to the pool while backward proceeds.
+    """
+
+    def __init__(self, depth: int = 1) -> None:
+        self.depth = depth
+        self._queue: deque[_PendingReduce] = deque()
+
+    def push(self, item: _PendingReduce) -> None:
+        self._queue.append(item)
+        while len(self._queue) > self.depth:
+            self._queue.popleft().finish()
+
+    def drain(self) -> None:
+        while self._queue:
+            self._queue.popleft().finish()
+
+
+@dataclass
+class _PendingReduce:
+    """A bucket's issued reduce-scatter and what to do when it completes."""
+
+    group: FSDPParamGroup
+    bucket: DBuffer
+    pending: Pending
+    output: torch.Tensor  # [S] in reduce dtype: local_grad itself, or a temporary
+    rs_input: torch.Tensor  # kept alive until the collective is done
+
+    def finish(self) -> None:
+        self.pending.wait()
+        self.group.complete_reduce(self.bucket, self.output)
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard``-ed module, in one or more buckets."""
+
+    def __init__(
+        self,
+        registrations: list[Registration],
+        *,
+        mesh_info: MeshInfo,
+        planner: StructAwarePlanner,
+        config: DBufferConfig,
+        mp_policy: MixedPrecisionPolicy | None,
+        device: torch.device,
+        label: str,
+    ) -> None:
+        self.mesh_info = mesh_info
+        self.config = config
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.device = device
+        self.label = label
+        self.registrations = registrations
+        # Replaced by the root's shared stats and queue at lazy init.
+        self.stats = RuntimeStats()
+        self.reduce_queue = ReduceQueue()
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.requires_gradient_sync = True
+        self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard()
+        self._reduces_in_flight = 0  # reduce-scatters issued and not yet completed
+        self._owners = {r.fqn: r.owners for r in registrations}
+        self.buckets = self._build_buckets(registrations, planner)
+        # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
+        # of it. The FSDP2-style path copies out into a second storage, as FSDP2 does.
+        self._gather_storage = self._storages(self.buckets)
+        self._param_storage = (
+            self._gather_storage if config.zero_copy else self._storages(self.buckets)
+        )
+        trainable = [b for b in self.buckets if b.requires_grad]
+        self._grad_storage = self._storages(trainable)
+        gathered = _views(self._gather_storage)
+        params = _views(self._param_storage)
+        for bucket, full, param_buffer in zip(self.buckets, gathered, params, strict=True):
+            bucket.bind_full(full, param_buffer)
+        for bucket, full_grad in zip(trainable, _views(self._grad_storage), strict=True):
+            bucket.bind_full_grad(full_grad)
+        for storage in self._gather_storage + self._param_storage + self._grad_storage:
+            storage.free()  # views taken; memory only while unsharded
+        self._swap_params(unsharded=False)
+
+    # -- construction --------------------------------------------------------------------------
+
+    def comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.mp_policy.param_dtype is not None and dtype.is_floating_point:
+            return self.mp_policy.param_dtype
+        return dtype
+
+    def reduce_dtype(self, bucket: DBuffer) -> torch.dtype:
+        if self.mp_policy.reduce_dtype is not None and bucket.dtype.is_floating_point:
+            return self.mp_policy.reduce_dtype
+        return bucket.comm_dtype
+
+    def _build_buckets(
+        self, registrations: list[Registration], planner: StructAwarePlanner
+    ) -> list[DBuffer]:
+        """Group by (dtype, requires_grad) in model order, split at ``buffer_size`` bytes of the
+        communication dtype, plan each bucket, and build its DBuffer."""
+        groups: dict[tuple[torch.dtype, bool], list[Registration]] = {}
+        for reg in registrations:
+            groups.setdefault((reg.param.dtype, reg.param.requires_grad), []).append(reg)
+        buckets = []
+        for (dtype, requires_grad), regs in groups.items():
+            comm = self.comm_dtype(dtype)
+            # Plan in the narrower dtype so the alignment (in elements) suits both buffers.
+            plan_dtype = comm if comm.itemsize < dtype.itemsize else dtype
+            for i, chunk in enumerate(_split_by_bytes(regs, self.config.buffer_size, comm)):
+                name = f"{self.label}/{str(dtype).removeprefix('torch.')}"
+                name += "" if requires_grad else "/frozen"
+                params = {r.fqn: r.param for r in chunk}
+                plan = planner.plan(
+                    params, self.mesh_info.shard_size, plan_dtype, name=f"{name}/{i}"
+                )
+                buckets.append(
+                    DBuffer(
+                        plan,
+                        params,
+                        rank=self.mesh_info.shard_rank,
+                        group=self.mesh_info.shard_group,
+                        comm_dtype=comm,
+                        device=self.device,
+                    )
+                )
+        return buckets
+
+    def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
+        """One storage for all ``buckets`` (``group_level``), or one each."""
+        sizes = [(b.full_numel, b.comm_dtype) for b in buckets]
+        if not sizes:
+            return []
+        if self.config.group_level:
+            return [FlatStorage(sizes, self.device)]
+        return [FlatStorage([size], self.device) for size in sizes]
+
+    def use_shared(self, stats: RuntimeStats, queue: ReduceQueue) -> None:
+        """Adopt the root's stats and reduce queue."""
+        self.stats = stats
+        self.reduce_queue = queue
+
+    def _allocate(self, storages: list[FlatStorage]) -> bool:
+        """Allocate the storages not yet allocated; returns whether any was."""
+        fresh = [s for s in storages if s.allocate()]
+        self.stats.note_unsharded(sum(s.nbytes for s in fresh))
+        return bool(fresh)
+
+    def _free(self, storages: list[FlatStorage]) -> None:
+        live = [s for s in {id(s): s for s in storages}.values() if s.allocated]
+        for storage in live:
+            storage.free()
+        self.stats.note_unsharded(-sum(s.nbytes for s in live))
+
+    def unsharded_bytes(self) -> int:
+        """Bytes of unsharded parameter and gradient storage allocated right now."""
+        storages = {id(s): s for s in self._gather_storage + self._param_storage}
+        storages.update({id(s): s for s in self._grad_storage})
+        return sum(s.nbytes for s in storages.values() if s.allocated)
+
+    # -- parameter swap ------------------------------------------------------------------------
+
+    def _swap_params(self, *, unsharded: bool) -> None:
+        """Make the modules hold the unsharded (or sharded) parameter objects."""
+        for bucket in self.buckets:
+            for slot in bucket.slots:
+                param = slot.unsharded if unsharded else slot.sharded
+                for module, attr in self._owners[slot.fqn]:
+                    module._parameters[attr] = param
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        return [slot.sharded for bucket in self.buckets for slot in bucket.slots]
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Issue the all-gathers of every bucket (asynchronously); idempotent."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            return
+        with record_function(f"raggedfsdp::unshard({self.label})"):
+            self._allocate(self._gather_storage)
+            for bucket in self.buckets:
+                full = bucket.full
+                assert full is not None
+                rank, size = bucket.rank, bucket.shard_numel
+                if full.dtype != bucket.dtype:
+                    # Mixed precision: cast the fp32 shard into its slot of the bf16 buffer;
+                    # this cast is the only copy, and the all-gather then runs in place.
+                    shard = full[rank * size : (rank + 1) * size]
+                    shard.copy_(bucket.local)
+                    self.stats.add_copy(shard)
+                elif self.config.zero_copy:
+                    shard = bucket.local
+                else:
+                    shard = bucket.local.clone()  # FSDP2-style copy-in, for A/B measurement
+                    self.stats.add_copy(shard)
+                self._pending_unshard.append(
+                    all_gather(full, shard, self.mesh_info.shard_group, self.stats)
+                )
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gathers and hand the modules the unsharded parameters."""
+        if self.sharded_state is ShardedState.SHARDED:
+            self.unshard()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        for pending in self._pending_unshard:
+            pending.wait()
+        self._pending_unshard.clear()
+        if not self.config.zero_copy:
+            # FSDP2-style copy-out into the separately stored unsharded parameters.
+            self._allocate(self._param_storage)
+            for bucket in self.buckets:
+                assert bucket.full is not None
+                for slot in bucket.slots:
+                    src = bucket.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                    slot.unsharded.data.copy_(src)
+                    self.stats.add_copy(src)
+            self._free(self._gather_storage)
+        self._swap_params(unsharded=True)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the modules hold the sharded ones again."""
+        if self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()  # never free a buffer a collective is still writing
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self._swap_params(unsharded=False)
+        self._free(self._param_storage + self._gather_storage)
+        self.sharded_state = ShardedState.SHARDED
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def pre_backward(self) -> None:
+        """This unit's backward starts: parameters unsharded, gradient views in place."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.wait_for_unshard()
+        # Under no_sync the gradient storage stays allocated between backwards and keeps
+        # accumulating; only a fresh one is zeroed.
+        if self._allocate(self._grad_storage):
+            for bucket in self.buckets:
+                if bucket.full_grad is not None:
+                    bucket.full_grad.zero_()
+                    bucket.attach_unsharded_grads()
+
+    def post_backward(self) -> None:
+        """This unit's backward is done: reduce its gradients (unless accumulating without
+        sync) and free its unsharded parameters."""
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        with record_function(f"raggedfsdp::post_backward({self.label})"):
+            if self.requires_gradient_sync and any(s.allocated for s in self._grad_storage):
+                for bucket in self.buckets:
+                    if bucket.full_grad is not None:
+                        self._reduce(bucket)
+            self.reshard()
+
+    def _reduce(self, bucket: DBuffer) -> None:
+        full_grad = bucket.full_grad
+        assert full_grad is not None
+        reduce_dtype = self.reduce_dtype(bucket)
+        rs_input = full_grad
+        if reduce_dtype != full_grad.dtype:
+            rs_input = full_grad.to(reduce_dtype)
+            self.stats.add_copy(rs_input)
+        if reduce_dtype == bucket.dtype and not bucket.has_sharded_grads():
+            output = bucket.ensure_local_grad()  # the reduce-scatter writes the grads in place
+        else:
+            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
+        pending = reduce_scatter(output, rs_input, self.mesh_info.shard_group, self.stats)
+        self._reduces_in_flight += 1
+        self.reduce_queue.push(_PendingReduce(self, bucket, pending, output, rs_input))
+
+    def complete_reduce(self, bucket: DBuffer, output: torch.Tensor) -> None:
+        """After a bucket's reduce-scatter: HSDP all-reduce, then sharded gradients."""
+        if self.mesh_info.replicate_group is not None:
+            all_reduce(output, self.mesh_info.replicate_group, self.stats).wait()
+        local_grad = bucket.ensure_local_grad()
+        if output is not local_grad:
+            accumulate = bucket.has_sharded_grads()
+            for slot in bucket.slots:
+                if not slot.sharded.requires_grad:
+                    continue
+                piece = output[slot.local_start : slot.local_end].view(slot.sharded.shape)
+                if accumulate and slot.sharded.grad is not None:
+                    slot.sharded.grad += piece  # gradients accumulate across steps, as in torch
+                else:
+                    target = local_grad[slot.local_start : slot.local_end]
+                    target.view(slot.sharded.shape).copy_(piece)
+                    self.stats.add_copy(piece)
+        bucket.attach_sharded_grads()
+        self._reduces_in_flight -= 1
+        if self._reduces_in_flight == 0:  # the last reduce of this unit has read its grads
+            for b in self.buckets:
+                b.detach_unsharded_grads()
+            self._free(self._grad_storage)
+
+    def finish_iteration(self) -> None:
+        """End of backward: this unit back to idle and sharded. Under no_sync the unsharded
+        gradient buffers stay, to keep accumulating."""
+        self.post_backward()
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # -- accounting ----------------------------------------------------------------------------
+
+    def persistent_bytes(self) -> int:
+        return sum(bucket.persistent_bytes() for bucket in self.buckets)
+
+
+def _split_by_bytes(
+    regs: list[Registration], buffer_size: int | None, dtype: torch.dtype
+) -> list[list[Registration]]:
+    """Model-order chunks of at most ``buffer_size`` bytes; a larger parameter stands alone."""
+    if buffer_size is None:
+        return [regs]
+    chunks: list[list[Registration]] = [[]]
+    used = 0
+    for reg in regs:
+        nbytes = reg.param.numel() * dtype.itemsize
+        if chunks[-1] and used + nbytes > buffer_size:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(reg)
+        used += nbytes
+    return chunks
+
+
+def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
+    """The buffers of ``storages``, in bucket order."""
+    return [view for storage in storages for view in storage.views]
