@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._pytree import tree_map
 
+from .checkpoint import register_state_dict_hooks
 from .collectives import all_gather
 from .dbuffer import DBufferConfig
 from .layout import RaggedShard
@@ -393,6 +394,7 @@ def fully_shard(
         label=label,
     )
     setattr(module, _STATE_ATTR, FSDPState(module, group, reshard_after_forward))
+    register_state_dict_hooks(module)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
