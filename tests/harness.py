@@ -9,6 +9,7 @@ not finish within ``timeout`` seconds fails the call instead of hanging the suit
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 import time
@@ -22,7 +23,13 @@ import torch.multiprocessing as mp
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, args: tuple, tmp: str, env: dict
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    tmp: str,
+    env: dict,
+    pg_timeout: float | None,
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -31,7 +38,11 @@ def _worker(
     out = Path(tmp) / f"result{rank}.pt"
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world_size
+            "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
         torch.save({"ok": True, "value": result}, out)
@@ -51,12 +62,14 @@ def run_distributed(
     *args: Any,
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return their results."""
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; return their results.
+    ``pg_timeout`` (seconds) is the process group's collective timeout."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, args, tmp, env or {}))
+            ctx.Process(target=_worker, args=(fn, r, world_size, args, tmp, env or {}, pg_timeout))
             for r in range(world_size)
         ]
         for p in procs:

@@ -32,7 +32,9 @@ class Pending:
 
     def wait(self) -> None:
         if self.work is not None:
-            with self.stats.waiting():
+            # Labelled so profiles attribute what the backend does inside wait() (Gloo copies
+            # reduce-scatter results out here) to the backend, not to the framework.
+            with self.stats.waiting(), record_function("raggedfsdp::wait"):
                 self.work.wait()
             self.work = None
 

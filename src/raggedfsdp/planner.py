@@ -54,9 +54,9 @@ OPTIMIZER_TYPES: tuple[str, ...] = ("adamw", "muon", "shampoo", "adamw8bit")
 
 # Exact DP while the number of type-count states is at most this; beam search beyond.
 _EXACT_STATES = 4096
-_BEAM_WIDTH = 256
-# Candidate sizes tried one by one before the search starts jumping ahead (see _search).
-_CONSECUTIVE_CANDIDATES = 64
+_BEAM_WIDTH = 128
+# Candidate sizes tried one by one before the search steps geometrically (see _search).
+_CONSECUTIVE_CANDIDATES = 32
 
 
 @dataclass(frozen=True)
@@ -115,11 +115,16 @@ class ShardPlan:
                     f"invalid plan: parameter {e.name!r} at offset {e.offset} (numel {e.numel}) "
                     f"overlaps, is misaligned (alignment {a}) or exceeds W*S = {w * s}"
                 )
-            first, last = e.offset // s + 1 if s else 0, (e.offset + e.numel - 1) // s if s else -1
-            for k in range(first, last + 1):
-                if (k * s - e.offset) % e.unit_numel:
+            if s and e.numel:
+                first, last = e.offset // s + 1, (e.offset + e.numel - 1) // s
+                # Checking the first boundary suffices: the next ones differ by S, which must then
+                # be a multiple of the unit. O(1) per parameter, whatever W is.
+                bad = first <= last and (
+                    (first * s - e.offset) % e.unit_numel or (last > first and s % e.unit_numel)
+                )
+                if bad:
                     raise ValueError(
-                        f"invalid plan: rank boundary {k * s} cuts parameter {e.name!r} "
+                        f"invalid plan: a rank boundary cuts parameter {e.name!r} "
                         f"{list(e.shape)} inside a unit of {e.unit_numel} elements"
                     )
             position = e.offset + e.numel
@@ -355,6 +360,12 @@ def _order_at(items: Sequence[_Item], s: int, a: int, world_size: int) -> list[_
     cap = world_size * s
     if _place(items, s, a, cap) is not None:
         return list(items)
+    # Cheap orders before the dynamic program: large units first (they constrain S most),
+    # then large tensors first. Sorting is stable, so ties keep model order.
+    for key in (lambda it: (-it.unit, -it.numel), lambda it: -it.numel):
+        order = sorted(items, key=key)
+        if _place(order, s, a, cap) is not None:
+            return order
     types: list[tuple[int, int]] = []
     members: dict[tuple[int, int], list[_Item]] = {}
     for it in items:
@@ -371,23 +382,14 @@ def _order_at(items: Sequence[_Item], s: int, a: int, world_size: int) -> list[_
     return [next(queues[types[j]]) for j in type_order]
 
 
-def _needed_size(items: Sequence[_Item], s: int, a: int, world_size: int) -> int:
-    """A hint for the next size to try after ``s`` failed: the end of the model-order placement
-    with no capacity limit, spread over the ranks."""
-    offsets = _place(items, s, a, cap=1 << 62)
-    if offsets is None:  # a parameter cannot be placed at this size at all
-        return s + a
-    end = max((o + it.numel for o, it in zip(offsets, items, strict=True)), default=0)
-    return -(-end // world_size)
-
-
 def _search(items: Sequence[_Item], world_size: int, a: int) -> tuple[int, list[_Item]]:
     """Smallest shard size found feasible, and the order that achieves it.
 
     Candidates are exactly the sizes that meet every parameter's necessary condition, tried in
-    increasing order; after ``_CONSECUTIVE_CANDIDATES`` failures the search jumps ahead to the size
-    the model-order placement needs (feasibility is not monotone, so this can skip a feasible size;
-    only large, awkward buckets get that far, and it bounds planning time).
+    increasing order. After ``_CONSECUTIVE_CANDIDATES`` failures the step grows geometrically,
+    from 2^-14 of ``S`` and doubling every 4 failures: feasibility is not monotone, so this can
+    skip a feasible size, but only large awkward buckets get that far, it stays close to the
+    smallest feasible region, and it bounds planning time.
     """
     nonempty = [it for it in items if it.numel]
     lower = _lower_bound(nonempty, world_size, a)
@@ -400,10 +402,11 @@ def _search(items: Sequence[_Item], world_size: int, a: int) -> tuple[int, list[
         if order is not None:
             return s, _with_empty(items, order)
         tried += 1
-        nxt = s + a
+        step = a
         if tried >= _CONSECUTIVE_CANDIDATES:
-            nxt = max(nxt, _needed_size(nonempty, s, a, world_size))
-        s = _next_valid_size(nxt, nonempty, a)
+            doublings = (tried - _CONSECUTIVE_CANDIDATES) // 4
+            step = max(a, (s >> 14) << doublings)
+        s = _next_valid_size(s + step, nonempty, a)
 
 
 def _with_empty(items: Sequence[_Item], order: list[_Item]) -> list[_Item]:
