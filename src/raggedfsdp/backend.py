@@ -108,7 +108,12 @@ class FSDPState:
 
     def _lazy_init(self) -> None:
         """The first unit to run forward is the root: it gathers every unit below it."""
-        states = [getattr(m, _STATE_ATTR) for m in self.module.modules() if hasattr(m, _STATE_ATTR)]
+        states = []
+        for name, module in self.module.named_modules():
+            state = getattr(module, _STATE_ATTR, None)
+            if state is not None:
+                state.group.label = name or "<root>"  # profiler labels by module path
+                states.append(state)
         ctx = _RootContext(self, states)
         for state in states:
             state.ctx = ctx

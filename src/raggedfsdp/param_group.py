@@ -18,7 +18,7 @@ from torch.autograd.profiler import record_function
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
 from .dbuffer import DBuffer, DBufferConfig, FlatStorage
 from .metrics import RuntimeStats
-from .planner import StructAwarePlanner
+from .planner import StructAwarePlanner, split_by_bytes
 
 __all__ = ["FSDPParamGroup", "MeshInfo", "MixedPrecisionPolicy", "ShardedState", "TrainingState"]
 
@@ -177,7 +177,11 @@ class FSDPParamGroup:
             comm = self.comm_dtype(dtype)
             # Plan in the narrower dtype so the alignment (in elements) suits both buffers.
             plan_dtype = comm if comm.itemsize < dtype.itemsize else dtype
-            for i, chunk in enumerate(_split_by_bytes(regs, self.config.buffer_size, comm)):
+            for i, chunk in enumerate(
+                split_by_bytes(
+                    regs, lambda r, c=comm: r.param.numel() * c.itemsize, self.config.buffer_size
+                )
+            ):
                 name = f"{self.label}/{str(dtype).removeprefix('torch.')}"
                 name += "" if requires_grad else "/frozen"
                 params = {r.fqn: r.param for r in chunk}
@@ -379,24 +383,6 @@ class FSDPParamGroup:
 
     def persistent_bytes(self) -> int:
         return sum(bucket.persistent_bytes() for bucket in self.buckets)
-
-
-def _split_by_bytes(
-    regs: list[Registration], buffer_size: int | None, dtype: torch.dtype
-) -> list[list[Registration]]:
-    """Model-order chunks of at most ``buffer_size`` bytes; a larger parameter stands alone."""
-    if buffer_size is None:
-        return [regs]
-    chunks: list[list[Registration]] = [[]]
-    used = 0
-    for reg in regs:
-        nbytes = reg.param.numel() * dtype.itemsize
-        if chunks[-1] and used + nbytes > buffer_size:
-            chunks.append([])
-            used = 0
-        chunks[-1].append(reg)
-        used += nbytes
-    return chunks
 
 
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:

@@ -33,7 +33,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 from torch import nn
@@ -47,10 +47,12 @@ __all__ = [
     "StructAwarePlanner",
     "default_wrap_units",
     "shard_size_lower_bound",
+    "split_by_bytes",
 ]
 
 OptimizerType = Literal["adamw", "muon", "shampoo", "adamw8bit"]
 OPTIMIZER_TYPES: tuple[str, ...] = ("adamw", "muon", "shampoo", "adamw8bit")
+T = TypeVar("T")
 
 # Exact DP while the number of type-count states is at most this; beam search beyond.
 _EXACT_STATES = 4096
@@ -607,25 +609,27 @@ def bucket_params(
             taken.add(id(p))
             by_dtype.setdefault(p.dtype, {})[pname] = p
         for dt, group in by_dtype.items():
-            for i, chunk in enumerate(_split(group, buffer_size, dt)):
-                yield f"{prefix or '<root>'}/{str(dt).removeprefix('torch.')}/{i}", chunk
+            chunks = split_by_bytes(
+                list(group.items()), lambda kv, dt=dt: kv[1].numel() * dt.itemsize, buffer_size
+            )
+            for i, chunk in enumerate(chunks):
+                yield f"{prefix or '<root>'}/{str(dt).removeprefix('torch.')}/{i}", dict(chunk)
 
 
-def _split(
-    group: dict[str, torch.Tensor], buffer_size: int | None, dtype: torch.dtype
-) -> Iterator[dict[str, torch.Tensor]]:
+def split_by_bytes(
+    items: Sequence[T], nbytes: Callable[[T], int], buffer_size: int | None
+) -> list[list[T]]:
+    """Model-order chunks of at most ``buffer_size`` bytes (``None``: one chunk); a single item
+    larger than that stands alone."""
     if buffer_size is None:
-        yield group
-        return
-    item = dtype.itemsize
-    chunk: dict[str, torch.Tensor] = {}
+        return [list(items)]
+    chunks: list[list[T]] = [[]]
     used = 0
-    for pname, p in group.items():
-        nbytes = p.numel() * item
-        if chunk and used + nbytes > buffer_size:
-            yield chunk
-            chunk, used = {}, 0
-        chunk[pname] = p
-        used += nbytes
-    if chunk:
-        yield chunk
+    for item in items:
+        size = nbytes(item)
+        if chunks[-1] and used + size > buffer_size:
+            chunks.append([])
+            used = 0
+        chunks[-1].append(item)
+        used += size
+    return chunks
