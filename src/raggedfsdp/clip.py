@@ -1,0 +1,91 @@
+"""Gradient clipping by the GLOBAL norm over sharded and unsharded parameters.
+
+``torch.nn.utils.clip_grad_norm_`` on local shards would clip each rank by the norm of its own
+pieces: different ranks would scale by different factors. Here every rank computes the norm of
+the whole gradient: sharded parameters contribute ``sum |g|^p`` of their local pieces, summed over
+their shard process group by ONE all-reduce per group (``MAX`` for the infinity norm); unsharded
+parameters are held whole by every rank and counted once, locally.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from .optim._common import comm_group
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Scale gradients in place so that their global ``norm_type``-norm is at most ``max_norm``.
+
+    torch's semantics and signature; the norm is that of the full (unsharded) gradients, the same
+    on every rank, and every rank of a shard group must call this with the same parameters (it is
+    a collective). ``norm_type`` is a positive number or ``inf``.
+
+    Returns:
+        The total norm of the gradients (before clipping), as a scalar tensor.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or norm_type == math.inf) or math.isnan(norm_type):
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return torch.tensor(0.0)
+    dtype = with_grad[0].grad.dtype
+    device = with_grad[0].grad.device
+    for p in with_grad[1:]:
+        dtype = torch.promote_types(dtype, p.grad.dtype)
+
+    # Norms of the parts that are complete on this rank, and per shard group the partial sums.
+    norms: list[torch.Tensor] = []
+    groups: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    plain: list[torch.Tensor] = []
+    for p in with_grad:
+        group = comm_group(p)
+        if group is None:
+            plain.append(p.grad)
+        else:
+            groups.setdefault(id(group), (group, []))[1].append(p.grad)
+    plain = [g for g in plain if g.numel() > 0]
+    if plain:
+        norms.append(get_total_norm(plain, norm_type, foreach=foreach))
+    for group, grads in groups.values():
+        # Float64 so that |g|^p of large gradients neither overflows nor loses the small ones.
+        local = [g for g in grads if g.numel() > 0]
+        partial = (
+            get_total_norm(local, norm_type, foreach=foreach).to(device, torch.float64)
+            if local
+            else torch.zeros((), dtype=torch.float64, device=device)
+        )
+        if norm_type == math.inf:
+            dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
+        else:
+            partial = partial.pow(norm_type)
+            dist.all_reduce(partial, group=group)
+            partial = partial.pow(1.0 / norm_type)
+        norms.append(partial)
+    total = torch.linalg.vector_norm(
+        torch.stack([n.to(device, torch.float64) for n in norms]), norm_type
+    ).to(dtype)
+    if error_if_nonfinite and not bool(total.isfinite()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+            f"so it cannot be clipped. To disable this error and scale the gradients by the "
+            f"non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    clip_grads_with_norm_(with_grad, max_norm, total, foreach)
+    return total

@@ -1,0 +1,274 @@
+"""What the structure-aware optimizers share: the sharded-parameter view, the global non-finite
+skip rule, the check that a layout keeps an optimizer's blocks whole, and torch's AdamW update.
+
+Every optimizer here runs on *local pieces*: a sharded parameter (see
+:func:`raggedfsdp.layout.mark_sharded`) is this rank's contiguous range of the global tensor's
+row-major flattening, and its ``.grad`` is the matching piece of the global-mean gradient. A plain
+tensor is an ordinary parameter held whole by this process (single device, or replicated).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.optim.adamw import adamw as _torch_adamw
+from torch.optim.optimizer import Optimizer, _get_scalar_dtype
+
+from ..layout import ShardLayout, shard_info
+
+__all__ = [
+    "ShardedOptimizer",
+    "check_block_cuts",
+    "comm_group",
+    "global_shape",
+    "local_range",
+]
+
+
+def global_shape(param: torch.Tensor) -> torch.Size:
+    """Shape of the whole parameter: the layout's global shape, or the tensor's own shape."""
+    info = shard_info(param)
+    return param.shape if info is None else info.layout.global_shape
+
+
+def local_range(param: torch.Tensor) -> tuple[int, int]:
+    """This rank's ``[start, end)`` in the parameter's flattened index space."""
+    info = shard_info(param)
+    return (0, param.numel()) if info is None else info.layout.ranges[info.rank]
+
+
+def comm_group(param: torch.Tensor) -> dist.ProcessGroup | None:
+    """The process group a sharded parameter's pieces are spread over, or ``None`` when this
+    process holds the whole parameter (a plain tensor, or a layout of one rank)."""
+    info = shard_info(param)
+    if info is None or info.layout.world_size == 1:
+        return None
+    if info.group is None and not dist.is_initialized():
+        raise ValueError(
+            f"a parameter of shape {list(info.layout.global_shape)} is sharded over "
+            f"{info.layout.world_size} ranks but has no process group and torch.distributed is "
+            f"not initialized"
+        )
+    # ShardInfo.group=None on a multi-rank layout means the default group.
+    group = info.group if info.group is not None else dist.group.WORLD
+    if (dist.get_world_size(group), dist.get_rank(group)) != (info.layout.world_size, info.rank):
+        raise ValueError(
+            f"a parameter of shape {list(info.layout.global_shape)} is rank {info.rank} of a "
+            f"layout over {info.layout.world_size} ranks, but this process is rank "
+            f"{dist.get_rank(group)} of {dist.get_world_size(group)} in its process group"
+        )
+    return group
+
+
+def check_block_cuts(label: str, layout: ShardLayout, stride: int, block: str, fix: str) -> None:
+    """Raise ``ValueError`` unless every rank boundary inside the parameter falls on a multiple of
+    ``stride`` elements, i.e. the layout never splits one of the optimizer's blocks.
+
+    ``block`` describes one block (for the message), ``fix`` says how to get a valid layout.
+    """
+    numel = layout.numel
+    for rank, (_, end) in enumerate(layout.ranges[:-1]):
+        if 0 < end < numel and end % stride:
+            index = end // stride
+            raise ValueError(
+                f"{label}: the shard of rank {rank} ends at element {end}, inside block {index} "
+                f"(elements [{index * stride}, {min((index + 1) * stride, numel)})) of {block}; "
+                f"the layout's unit is {layout.unit_numel} elements, which does not keep these "
+                f"blocks whole. {fix}"
+            )
+
+
+class ShardedOptimizer(Optimizer):
+    """Base of the structure-aware optimizers: torch.optim semantics plus a global non-finite rule.
+
+    Subclasses implement :meth:`_update` (one step over ``param_groups``, gradients known finite)
+    and may extend :meth:`_check_group` to validate each param group as it is added.
+
+    Args:
+        params: parameters or param groups, as for any ``torch.optim.Optimizer`` (named
+            parameters ``(name, tensor)`` give error messages the names).
+        defaults: the default hyper-parameters of a param group.
+        skip_nonfinite: when any rank sees a NaN or Inf gradient, skip the whole step on every
+            rank, count it in :attr:`skipped_steps` and warn (``True``), or raise ``RuntimeError``
+            on every rank (``False``).
+    """
+
+    #: State keys whose tensors keep their own dtype (uint8 codes, fp32 scales and
+    #: preconditioners): torch's ``load_state_dict`` casts every state tensor of a floating
+    #: parameter to the parameter's dtype, so these are restored from the saved values.
+    _KEEP_DTYPE_STATE_KEYS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *, skip_nonfinite: bool) -> None:
+        self.skip_nonfinite = bool(skip_nonfinite)
+        #: Steps skipped because some gradient was NaN or Inf (the same count on every rank).
+        self.skipped_steps = 0
+        super().__init__(params, defaults)
+
+    # -- param groups ----------------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
+
+    def _check_group(self, group: dict[str, Any], group_index: int) -> None:
+        """Validate a param group just added (hyper-parameters, shapes, layouts)."""
+        for name in ("lr", "weight_decay"):
+            value = group.get(name)
+            if isinstance(value, (int, float)) and value < 0:
+                raise ValueError(f"param group {group_index}: {name} must be >= 0, got {value}")
+
+    @staticmethod
+    def param_label(group: dict[str, Any], index: int, group_index: int) -> str:
+        """How error messages name parameter ``index`` of ``group``: its name when the optimizer
+        was given named parameters, else its position; with its global shape."""
+        param = group["params"][index]
+        names = group.get("param_names")
+        where = (
+            f"parameter {names[index]!r}"
+            if names
+            else f"parameter {index} of param group {group_index}"
+        )
+        return f"{where} (global shape {list(global_shape(param))})"
+
+    def _label_of(self, param: torch.Tensor) -> str:
+        for group_index, group in enumerate(self.param_groups):
+            for index, p in enumerate(group["params"]):
+                if p is param:
+                    return self.param_label(group, index, group_index)
+        raise AssertionError("parameter not in this optimizer")
+
+    # -- step ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One optimization step (skipped on every rank when a gradient is not finite)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._gradients_finite():
+            self._update()
+        return loss
+
+    def _update(self) -> None:
+        raise NotImplementedError
+
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient on every rank is finite; the same answer on every rank.
+
+        One all-reduce per shard process group carries this rank's non-finite flag and, per
+        sharded parameter, whether it has a gradient here: a parameter must have a gradient on all
+        ranks of its group or on none, since the optimizers' collectives depend on it.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+        local_bad = False
+        if grads:
+            # One fused max-abs per tensor and one host sync: NaN and Inf both make it non-finite.
+            norms = torch._foreach_norm(grads, math.inf)
+            device = grads[0].device
+            local_bad = not bool(
+                torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
+            )
+        by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+        for p in params:
+            group = comm_group(p)
+            if group is not None:
+                by_group.setdefault(id(group), (group, []))[1].append(p)
+        any_bad = local_bad
+        for group, members in by_group.values():
+            flags = torch.tensor(
+                [int(local_bad)] + [int(p.grad is not None) for p in members],
+                dtype=torch.int64,
+                device=members[0].device,
+            )
+            dist.all_reduce(flags, group=group)
+            any_bad |= bool(flags[0])
+            world = dist.get_world_size(group)
+            for p, count in zip(members, flags[1:].tolist(), strict=True):
+                if count not in (0, world):
+                    raise RuntimeError(
+                        f"{self._label_of(p)} has a gradient on {count} of the {world} ranks of "
+                        f"its shard group; it needs one on every rank or on none"
+                    )
+        if not any_bad:
+            return True
+        here = [self._label_of(p) for p in params if p.grad is not None and _nonfinite(p.grad)]
+        where = f"; on this rank: {', '.join(here)}" if here else " on another rank"
+        if not self.skip_nonfinite:
+            raise RuntimeError(
+                f"non-finite gradient{where}. Pass skip_nonfinite=True to skip such steps"
+            )
+        self.skipped_steps += 1
+        warnings.warn(
+            f"{type(self).__name__}: skipped a step because of a non-finite gradient{where} "
+            f"({self.skipped_steps} skipped so far)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+    # -- the AdamW update, shared by Muon's auxiliary groups and AdamW8bit's small parameters ----
+
+    def _adamw_update(self, group: dict[str, Any], params: Iterable[torch.Tensor]) -> None:
+        """torch.optim.AdamW's update (its own functional kernel, so the numbers are torch's) on
+        the local pieces of ``params``: elementwise, so a shard needs no communication.
+        Uses ``group`` keys ``lr``, ``betas``, ``eps``, ``weight_decay``; state keys as torch's."""
+        params = list(params)
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _torch_adamw(
+            params,
+            [p.grad for p in params],
+            [self.state[p]["exp_avg"] for p in params],
+            [self.state[p]["exp_avg_sq"] for p in params],
+            [],
+            [self.state[p]["step"] for p in params],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, then the keys in ``_KEEP_DTYPE_STATE_KEYS`` restored in
+        their saved dtype."""
+        super().load_state_dict(state_dict)
+        if not self._KEEP_DTYPE_STATE_KEYS:
+            return
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params, strict=True):
+            saved = state_dict["state"].get(saved_id, {})
+            for key in self._KEEP_DTYPE_STATE_KEYS:
+                if key in saved:
+                    self.state[p][key] = _copy_to(saved[key], p.device)
+
+
+def _nonfinite(tensor: torch.Tensor) -> bool:
+    return tensor.numel() > 0 and not bool(tensor.isfinite().all())
+
+
+def _copy_to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy_to(v, device) for v in value)
+    return value

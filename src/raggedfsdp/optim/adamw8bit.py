@@ -1,0 +1,279 @@
+"""AdamW with block-wise 8-bit moments whose blocks coincide with the shard cuts.
+
+Each moment is stored as one uint8 code per element plus one fp32 scale (the block's absmax) per
+block; a code indexes a 256-value dynamic map (bitsandbytes' dynamic data type, Dettmers 2015,
+arXiv 1511.04561): signed for the first moment, unsigned for the second. A step dequantizes,
+runs torch's AdamW arithmetic in fp32, and requantizes to the nearest map value.
+
+Blocks are 256-element runs of the flattened tensor (``block_numel``), or, with ``block_shape=(r,
+c)``, ``r × c`` tiles of the parameter's ``[rows, row_len]`` matrix view (the 32×32 tiles of
+veScale's 8-bit Adam). A partial last block (or edge tile) is kept as a smaller block.
+
+Sharding: when every rank boundary of a parameter falls on a multiple of ``block_numel`` elements
+(flat) or of ``r`` rows (tiles), each rank's piece is a run of whole global blocks, so quantizing
+its piece locally produces exactly the global codes and scales it holds: codes, scales and
+parameters are bitwise the single-device ones for any world size. A layout that cuts a block is a
+``ValueError``. Whether a parameter is quantized at all is decided from its *global* numel
+(torchao and bitsandbytes decide from the local shard, so the mesh changes the maths: ao#4912,
+bnb#2080).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..layout import ShardLayout, row_numel, shard_info
+from ._common import ShardedOptimizer, check_block_cuts, global_shape
+
+__all__ = ["AdamW8bit", "dequantize_blocks", "dynamic_map", "quantize_blocks"]
+
+
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """The 256 sorted fp32 values of bitsandbytes' ``create_dynamic_map(signed, 7, 8)``.
+
+    For each decade ``i = 0..6`` the values are ``10^(i-6)`` times the midpoints of
+    ``linspace(0.1, 1, k + 1)``, with ``k = 2^i`` (signed: mirrored to negative values too) or
+    ``k = 2^(i+1)`` (unsigned, which spends the sign bit on precision); then 0 and 1. That is
+    127 + 127 + 2 = 256 signed values in [-1, 1] and 254 + 2 = 256 unsigned values in [0, 1], dense
+    near 0 where most optimizer-moment magnitudes lie after absmax scaling.
+    """
+    values = [torch.tensor([0.0, 1.0])]
+    for i in range(7):
+        count = 2**i if signed else 2 ** (i + 1)
+        edges = torch.linspace(0.1, 1.0, count + 1, dtype=torch.float32)
+        means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
+        values += [means, -means] if signed else [means]
+    return torch.cat(values).sort().values
+
+
+_SIGNED_MAP = dynamic_map(signed=True)  # first moment
+_UNSIGNED_MAP = dynamic_map(signed=False)  # second moment (never negative)
+
+
+def _untiled(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The ``[rows, cols]`` matrix of a padded ``[tile_rows, r, tile_cols, c]`` tiling."""
+    tile_rows, r, tile_cols, c = tiles.shape
+    return tiles.reshape(tile_rows * r, tile_cols * c)[:rows, :cols]
+
+
+def _tiled(x2d: torch.Tensor, block_shape: tuple[int, int]) -> torch.Tensor:
+    """``x2d`` zero-padded to whole tiles and viewed as ``[tile_rows, r, tile_cols, c]``."""
+    rows, cols = x2d.shape
+    r, c = block_shape
+    pad_rows, pad_cols = -rows % r, -cols % c
+    if pad_rows or pad_cols:
+        x2d = F.pad(x2d, (0, pad_cols, 0, pad_rows))
+    return x2d.reshape((rows + pad_rows) // r, r, (cols + pad_cols) // c, c)
+
+
+def quantize_blocks(
+    x2d: torch.Tensor, block_shape: tuple[int, int], qmap: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (uint8, ``x2d``'s shape) and per-tile absmax scales (fp32 ``[tile_rows,
+    tile_cols]``) of ``x2d``: each value becomes the index of the nearest value of ``qmap`` after
+    dividing by its tile's absmax (zero padding of edge tiles leaves the absmax unchanged)."""
+    tiles = _tiled(x2d.float(), block_shape)
+    scales = tiles.abs().amax(dim=(1, 3))
+    # An all-zero tile has scale 0; dividing by 1 instead keeps its codes at the map's zero.
+    normalized = tiles / torch.where(scales > 0, scales, 1.0)[:, None, :, None]
+    qmap = qmap.to(x2d.device)
+    midpoints = (qmap[:-1] + qmap[1:]) / 2
+    codes = torch.bucketize(normalized, midpoints, out_int32=True).to(torch.uint8)
+    return _untiled(codes, *x2d.shape).contiguous(), scales
+
+
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int], qmap: torch.Tensor
+) -> torch.Tensor:
+    """The fp32 values of :func:`quantize_blocks`' output (``codes``' shape)."""
+    values = qmap.to(codes.device)[codes.long()]
+    tiles = _tiled(values, block_shape).mul_(scales[:, None, :, None])
+    return _untiled(tiles, *codes.shape)
+
+
+class AdamW8bit(ShardedOptimizer):
+    """AdamW whose moments are block-wise 8-bit; single-device and sharded alike.
+
+    Args:
+        params: parameters or param groups (sharded pieces or plain tensors).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (decoupled weight decay).
+        block_numel: elements per quantization block of the flattened tensor.
+        block_shape: ``(rows, cols)`` tiles of each >= 2-D parameter's ``[rows, row_len]`` view
+            instead of flat blocks (0-D/1-D parameters keep flat blocks of ``block_numel``).
+        min_8bit_numel: parameters whose GLOBAL numel is below this keep fp32 moments (and get
+            exactly ``torch.optim.AdamW``'s update).
+        skip_nonfinite: skip a step with a NaN/Inf gradient on every rank (else raise).
+
+    State of a quantized parameter: ``step``; ``exp_avg_codes``, ``exp_avg_sq_codes`` (uint8, the
+    local piece's shape); ``exp_avg_scales``, ``exp_avg_sq_scales`` (fp32 ``[tile_rows,
+    tile_cols]`` of this rank's blocks; ``[1, blocks]`` for flat blocks). Other parameters have
+    ``torch.optim.AdamW``'s state.
+    """
+
+    _KEEP_DTYPE_STATE_KEYS = (
+        "exp_avg_codes",
+        "exp_avg_scales",
+        "exp_avg_sq_codes",
+        "exp_avg_sq_scales",
+    )
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_numel: int = 256,
+        block_shape: tuple[int, int] | None = None,
+        min_8bit_numel: int = 4096,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "block_numel": block_numel,
+            "block_shape": None if block_shape is None else tuple(block_shape),
+            "min_8bit_numel": min_8bit_numel,
+        }
+        super().__init__(params, defaults, skip_nonfinite=skip_nonfinite)
+
+    def _check_group(self, group: dict[str, Any], group_index: int) -> None:
+        super()._check_group(group, group_index)
+        where = f"param group {group_index}"
+        betas = group["betas"]
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas}")
+        if not group["eps"] >= 0:
+            raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
+        if not (isinstance(group["block_numel"], int) and group["block_numel"] >= 1):
+            raise ValueError(
+                f"{where}: block_numel must be an integer >= 1, got {group['block_numel']!r}"
+            )
+        shape = group["block_shape"]
+        if shape is not None and not (
+            len(shape) == 2 and all(isinstance(s, int) and s >= 1 for s in shape)
+        ):
+            raise ValueError(
+                f"{where}: block_shape must be None or two integers >= 1, got {shape!r}"
+            )
+        if not (isinstance(group["min_8bit_numel"], int) and group["min_8bit_numel"] >= 0):
+            raise ValueError(
+                f"{where}: min_8bit_numel must be an integer >= 0, got {group['min_8bit_numel']!r}"
+            )
+        for index, p in enumerate(group["params"]):
+            info = shard_info(p)
+            geometry = _geometry(p, group)
+            if info is None or geometry is None:
+                continue
+            cols, (r, c) = geometry
+            label = self.param_label(group, index, group_index)
+            if cols is None:
+                stride, block = c, f"AdamW8bit's blocks of {c} elements (block_numel={c})"
+            else:
+                stride, block = r * cols, f"AdamW8bit's {r}×{c} tiles (block_shape=({r}, {c}))"
+            check_block_cuts(
+                label,
+                info.layout,
+                stride,
+                block,
+                f"Shard it in whole multiples of {stride} elements, e.g. with "
+                f"StructAwarePlanner(optimizer_type='adamw8bit').",
+            )
+
+    def sharded_state_layout(
+        self, param: torch.Tensor, key: str, value: torch.Tensor
+    ) -> ShardLayout | None:
+        """Where this rank's ``*_scales`` sit in the parameter's global scales, so a checkpoint
+        reshards them with their blocks (codes are param-shaped and follow the parameter's own
+        layout). ``None`` for other keys or unsharded parameters."""
+        info = shard_info(param)
+        if info is None or not key.endswith("_scales"):
+            return None
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        geometry = _geometry(param, group)
+        if geometry is None:
+            return None
+        cols, (r, c) = geometry
+        shape = info.layout.global_shape
+        if cols is None:  # flat blocks: scales are [1, blocks]
+            per_block, col_tiles, rows_total = c, 1, math.prod(shape)
+        else:  # tiles of the [rows, cols] view: scales are [tile_rows, tile_cols]
+            per_block, col_tiles, rows_total = r * cols, -(-cols // c), math.prod(shape) // cols
+        rows_or_blocks = -(-math.prod(shape) // per_block)
+        global_scales = (1, rows_or_blocks) if cols is None else (-(-rows_total // r), col_tiles)
+        ranges = []
+        for start, end in info.layout.ranges:
+            # Interior cuts are block multiples; only the parameter's end may cut a partial block.
+            first = -(-start // per_block) if start == end else start // per_block
+            ranges.append((first * col_tiles, -(-end // per_block) * col_tiles))
+        return ShardLayout(torch.Size(global_scales), col_tiles, tuple(ranges))
+
+    def _update(self) -> None:
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            self._adamw_update(group, [p for p in params if _geometry(p, group) is None])
+            for p in params:
+                geometry = _geometry(p, group)
+                if geometry is not None:
+                    self._update_quantized(p, group, *geometry)
+
+    def _update_quantized(
+        self, p: torch.Tensor, group: dict[str, Any], cols: int | None, tile: tuple[int, int]
+    ) -> None:
+        # The local piece as the blocks see it: one row of flat blocks, or [rows, row_len].
+        view = (1, -1) if cols is None else (-1, cols)
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device).view(view)
+            for key, qmap in (("exp_avg", _SIGNED_MAP), ("exp_avg_sq", _UNSIGNED_MAP)):
+                codes, scales = quantize_blocks(zeros, tile, qmap)
+                state[f"{key}_codes"], state[f"{key}_scales"] = codes.view(p.shape), scales
+        state["step"] += 1
+        step = float(state["step"])
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        exp_avg = dequantize_blocks(
+            state["exp_avg_codes"].view(view), state["exp_avg_scales"], tile, _SIGNED_MAP
+        )
+        exp_avg_sq = dequantize_blocks(
+            state["exp_avg_sq_codes"].view(view), state["exp_avg_sq_scales"], tile, _UNSIGNED_MAP
+        )
+        grad = p.grad.float().view(view)
+        # torch.optim.AdamW's single-tensor arithmetic, in fp32.
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        param = p.float().view(view)  # p itself when p is fp32
+        param.mul_(1 - lr * group["weight_decay"])
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        if param.data_ptr() != p.data_ptr():
+            p.copy_(param.view(p.shape))
+        for key, value, qmap in (
+            ("exp_avg", exp_avg, _SIGNED_MAP),
+            ("exp_avg_sq", exp_avg_sq, _UNSIGNED_MAP),
+        ):
+            codes, scales = quantize_blocks(value, tile, qmap)
+            state[f"{key}_codes"], state[f"{key}_scales"] = codes.view(p.shape), scales
+
+
+def _geometry(p: torch.Tensor, group: dict[str, Any]) -> tuple[int | None, tuple[int, int]] | None:
+    """How ``p``'s moments are blocked: ``(row_len, block_shape)`` for tiles of its
+    ``[rows, row_len]`` view, ``(None, (1, block_numel))`` for flat blocks, or ``None`` when the
+    parameter is too small (by GLOBAL numel) to quantize."""
+    shape = global_shape(p)
+    if math.prod(shape) < group["min_8bit_numel"]:
+        return None
+    if group["block_shape"] is not None and len(shape) >= 2:
+        return row_numel(shape), group["block_shape"]
+    return None, (1, group["block_numel"])

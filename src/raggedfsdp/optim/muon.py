@@ -1,0 +1,500 @@
+"""Muon on ragged shards: the numbers of ``torch.optim.Muon``, with each matrix orthogonalised
+whole on one owner rank.
+
+Newton–Schulz is not elementwise: applied to a row shard instead of the whole matrix it changes
+the update by 29–120% (REFERENCES.md). So each step, per process group:
+
+1. momentum and Nesterov mixing run on the local pieces, elementwise, exactly as torch does;
+2. every matrix (a 2-D parameter, or one matrix of a 3-D expert stack) has an *owner* rank, chosen
+   once and identically on every rank to balance Newton–Schulz cost; one uneven
+   ``all_to_all_single`` gathers each matrix's pieces, already cast to the Newton–Schulz dtype, to
+   its owner;
+3. the owner orthogonalises the whole matrix with torch's own kernel
+   (``torch.optim._muon._zeropower_via_newtonschulz``), so the result is bitwise torch's;
+4. a second ``all_to_all_single`` (the first one reversed) scatters the results back, and each
+   rank applies weight decay and the update to its pieces, elementwise.
+
+A matrix held whole by one rank is owned by that rank and never moves; when no matrix of a group
+is split, the exchange is skipped. Both collectives are asynchronous: the owner orthogonalises its
+local matrices while the gather is in flight and applies its own results while the scatter is.
+Muon traffic per rank on a balanced set of split matrices is about ``2(W-1)/W² · P`` elements.
+
+Parameters Muon should not touch (biases, norms, embeddings, the output head) go to an auxiliary
+AdamW inside the same optimizer: param groups with ``use_muon=False``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from ..layout import shard_info
+from ._common import ShardedOptimizer, comm_group, global_shape, local_range
+
+__all__ = ["Muon", "newton_schulz_cost", "plan_owners"]
+
+#: Selects which parameters go to the auxiliary AdamW: called as ``fn(param, global_shape)``.
+AdamWRule = Callable[[torch.Tensor, torch.Size], bool]
+
+
+def newton_schulz_cost(rows: int, cols: int) -> int:
+    """Multiply-adds of Newton–Schulz on a ``rows × cols`` matrix, up to a constant:
+    ``min(m, n)² · max(m, n)`` (every product is with the smaller Gram matrix)."""
+    return min(rows, cols) ** 2 * max(rows, cols)
+
+
+def plan_owners(
+    costs: Sequence[int], world_size: int, holders: Sequence[int | None] | None = None
+) -> list[int]:
+    """Owner rank of each matrix, balancing the summed cost per rank.
+
+    A matrix with ``holders[i]`` set lies whole on that rank and is owned there (no traffic); the
+    others go greedily, largest cost first, to the least-loaded rank (ties: the earlier matrix, the
+    lower rank). Pure and deterministic, so every rank computes the same plan.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    holders = list(holders) if holders is not None else [None] * len(costs)
+    if len(holders) != len(costs):
+        raise ValueError(f"got {len(costs)} costs but {len(holders)} holders")
+    load = [0] * world_size
+    owners: list[int] = [-1] * len(costs)
+    for i, holder in enumerate(holders):
+        if holder is not None:
+            owners[i] = holder
+            load[holder] += costs[i]
+    free = sorted((i for i, h in enumerate(holders) if h is None), key=lambda i: -costs[i])
+    for i in free:
+        rank = min(range(world_size), key=lambda r: load[r])
+        owners[i] = rank
+        load[rank] += costs[i]
+    return owners
+
+
+def _newton_schulz(
+    x: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """Orthogonalise ``x`` (2-D, consumed in place) in its own dtype.
+
+    bf16 is torch's kernel itself; other dtypes run the same statements without its bf16 cast (a
+    test checks that this path with bf16 input equals torch's bit for bit).
+    """
+    if x.dtype == torch.bfloat16:
+        return _zeropower_via_newtonschulz(x, ns_coefficients, ns_steps, eps)
+    a, b, c = ns_coefficients
+    tall = x.size(0) > x.size(1)
+    ortho = x.T if tall else x
+    ortho.div_(ortho.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """One matrix to orthogonalise within a bucket of parameters."""
+
+    item: int  # index of its parameter in the bucket
+    offset: int  # first element of the matrix in the parameter's flattening
+    rows: int
+    cols: int
+    owner: int
+    pieces: tuple[tuple[int, int], ...]  # per rank: its [lo, hi) within the matrix's flattening
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """One rank's view of a bucket's plan: what it sends, receives and orthogonalises.
+
+    The scatter is the gather reversed: the gather's receive layout is the scatter's send layout
+    and vice versa, so one list of segments describes both.
+    """
+
+    matrices: tuple[_Matrix, ...]
+    # Matrix index per segment of this rank's gather send buffer (= its scatter receive buffer):
+    # this rank's piece of a matrix owned elsewhere, ordered by owner, then by matrix.
+    outgoing: tuple[int, ...]
+    outgoing_splits: tuple[int, ...]  # elements per peer rank
+    # (matrix index, source rank) per segment of the gather receive (= scatter send) buffer.
+    incoming: tuple[tuple[int, int], ...]
+    incoming_splits: tuple[int, ...]
+    owned: tuple[int, ...]  # matrices this rank orthogonalises
+    split_anywhere: bool  # whether any matrix of the bucket is split over ranks
+
+
+def _plan_bucket(shapes: list[torch.Size], ranges: list[tuple], world: int, me: int) -> _Exchange:
+    """Rank ``me``'s exchange plan for parameters of global ``shapes`` laid out by ``ranges``
+    (per parameter, one flat ``(start, end)`` per rank); identical owners on every rank."""
+    matrices_in: list[tuple[int, int, int, int, tuple[tuple[int, int], ...]]] = []
+    for item, (shape, rank_ranges) in enumerate(zip(shapes, ranges, strict=True)):
+        rows, cols = shape[-2], shape[-1]
+        size = rows * cols
+        for k in range(math.prod(shape[:-2]) if size else 0):
+            start, end = k * size, (k + 1) * size
+            pieces = tuple(
+                (max(s, start) - start, min(e, end) - start)
+                if min(e, end) > max(s, start)
+                else (0, 0)
+                for s, e in rank_ranges
+            )
+            matrices_in.append((item, start, rows, cols, pieces))
+    holders = []
+    for *_, pieces in matrices_in:
+        held = [r for r, (lo, hi) in enumerate(pieces) if hi > lo]
+        holders.append(held[0] if len(held) == 1 else None)
+    owners = plan_owners([newton_schulz_cost(m[2], m[3]) for m in matrices_in], world, holders)
+    matrices = tuple(
+        _Matrix(item, offset, rows, cols, owner, pieces)
+        for (item, offset, rows, cols, pieces), owner in zip(matrices_in, owners, strict=True)
+    )
+
+    def size(j: int, rank: int) -> int:
+        lo, hi = matrices[j].pieces[rank]
+        return hi - lo
+
+    outgoing, outgoing_splits, incoming, incoming_splits = [], [], [], []
+    for peer in range(world):
+        mine_to_peer = [j for j, m in enumerate(matrices) if m.owner == peer != me and size(j, me)]
+        outgoing += mine_to_peer
+        outgoing_splits.append(sum(size(j, me) for j in mine_to_peer))
+        peer_to_me = [j for j, m in enumerate(matrices) if m.owner == me != peer and size(j, peer)]
+        incoming += [(j, peer) for j in peer_to_me]
+        incoming_splits.append(sum(size(j, peer) for j in peer_to_me))
+    return _Exchange(
+        matrices=matrices,
+        outgoing=tuple(outgoing),
+        outgoing_splits=tuple(outgoing_splits),
+        incoming=tuple(incoming),
+        incoming_splits=tuple(incoming_splits),
+        owned=tuple(j for j, m in enumerate(matrices) if m.owner == me),
+        split_anywhere=any(h is None for h in holders),
+    )
+
+
+@dataclass
+class _Pending:
+    """A Muon parameter between momentum and the update (for one step)."""
+
+    param: torch.Tensor
+    group: dict[str, Any]
+    update: torch.Tensor  # 1-D local Newton–Schulz input (momentum, Nesterov-mixed)
+    start: int  # the local piece's first element in the parameter's flattening
+
+
+class Muon(ShardedOptimizer):
+    """Muon (momentum orthogonalised by Newton–Schulz) for sharded and unsharded matrices.
+
+    Matches ``torch.optim.Muon`` bit for bit with the default ``ns_dtype=torch.bfloat16`` for any
+    world size and layout, and equals itself on one device for other ``ns_dtype``. The update's
+    shape scale (``adjust_lr_fn``) uses the global matrix shape; a 3-D parameter is a stack of
+    matrices ``[E, rows, cols]``, each orthogonalised and scaled as a matrix of its own.
+
+    Args:
+        params: matrices (2-D) and matrix stacks (3-D), or param groups; a group with
+            ``use_muon=False`` is updated by the auxiliary AdamW.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn: as
+            ``torch.optim.Muon`` (decoupled weight decay; ``eps`` guards the Newton–Schulz
+            normalisation).
+        ns_dtype: dtype of Newton–Schulz and of the matrices on the wire (bf16, as torch; fp32
+            doubles the traffic).
+        adamw_params: parameters for the auxiliary AdamW, either an explicit iterable (one extra
+            param group) or a rule ``fn(param, global_shape) -> bool`` that picks them out of
+            ``params`` (the shape is the global one: a local piece may be 1-D). Without it, a
+            parameter that is not 2-D or 3-D is a ``ValueError``.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: hyper-parameters of the auxiliary
+            AdamW groups (filled into every ``use_muon=False`` group that does not set them).
+        skip_nonfinite: skip a step with a NaN/Inf gradient on every rank (else raise).
+
+    After each step, :attr:`comm_stats` holds this rank's Muon traffic (``bytes_sent``,
+    ``bytes_received``, ``exchanges``): only the gather and scatter of split matrices.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315),
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        adamw_params: Iterable[Any] | AdamWRule | None = None,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        skip_nonfinite: bool = True,
+    ) -> None:
+        if not momentum >= 0.0:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        if len(tuple(ns_coefficients)) != 3:
+            raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients}")
+        if not 0 <= ns_steps < 100:
+            raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+            raise ValueError(
+                f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
+            )
+        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+            raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
+        if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
+            raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas}")
+        self.ns_dtype = ns_dtype
+        # Filled into use_muon=False groups by add_param_group (so "eps" there is AdamW's, not
+        # Newton–Schulz's).
+        self._adamw_defaults = {
+            "lr": adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        }
+        #: This rank's Muon traffic in the last step.
+        self.comm_stats: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0, "exchanges": 0}
+        # Plans per bucket of parameters, keyed by the parameters' ids: layouts never change.
+        self._plans: dict[tuple[int, ...], _Exchange] = {}
+        defaults = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients),
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "use_muon": True,
+        }
+        super().__init__(_route(params, adamw_params), defaults, skip_nonfinite=skip_nonfinite)
+
+    @property
+    def comm_bytes_last_step(self) -> int:
+        """Bytes this rank sent for Muon's gather and scatter in the last step."""
+        return self.comm_stats["bytes_sent"]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not param_group.get("use_muon", True):
+            for key, value in self._adamw_defaults.items():
+                param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+
+    def _check_group(self, group: dict[str, Any], group_index: int) -> None:
+        super()._check_group(group, group_index)
+        if not group["use_muon"]:
+            return
+        for index, p in enumerate(group["params"]):
+            if len(global_shape(p)) not in (2, 3):
+                raise ValueError(
+                    f"Muon updates matrices (2-D) and matrix stacks (3-D), but "
+                    f"{self.param_label(group, index, group_index)} is neither: give it to the "
+                    f"auxiliary AdamW with adamw_params=... or a param group with use_muon=False"
+                )
+
+    def _update(self) -> None:
+        buckets: dict[int, tuple[dist.ProcessGroup | None, list[_Pending]]] = {}
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not group["use_muon"]:
+                self._adamw_update(group, params)
+                continue
+            momentum = group["momentum"]
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p.grad, memory_format=torch.preserve_format
+                    )
+                buf = state["momentum_buffer"]
+                # torch.optim.Muon's two lines, elementwise, so shards give torch's numbers.
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                pg = comm_group(p)
+                pending = _Pending(p, group, update.reshape(-1), local_range(p)[0])
+                buckets.setdefault(id(pg), (pg, []))[1].append(pending)
+        self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "exchanges": 0}
+        for pg, pending in buckets.values():
+            self._orthogonalize_and_apply(pg, pending)
+
+    def _exchange_plan(self, pg: dist.ProcessGroup | None, pending: list[_Pending]) -> _Exchange:
+        key = tuple(id(item.param) for item in pending)
+        plan = self._plans.get(key)
+        if plan is None:
+            if pg is None:
+                world, me = 1, 0
+                ranges = [((0, math.prod(global_shape(i.param))),) for i in pending]
+            else:
+                world, me = dist.get_world_size(pg), dist.get_rank(pg)
+                ranges = [shard_info(i.param).layout.ranges for i in pending]  # type: ignore[union-attr]
+            shapes = [global_shape(i.param) for i in pending]
+            plan = self._plans[key] = _plan_bucket(shapes, ranges, world, me)
+        return plan
+
+    def _orthogonalize_and_apply(
+        self, pg: dist.ProcessGroup | None, pending: list[_Pending]
+    ) -> None:
+        plan = self._exchange_plan(pg, pending)
+        me = 0 if pg is None else dist.get_rank(pg)
+        wire = self.ns_dtype
+        device = pending[0].update.device
+        matrices = plan.matrices
+
+        def local_slice(j: int) -> tuple[int, int]:
+            """Where this rank's piece of matrix j lies in its parameter's local update."""
+            m = matrices[j]
+            lo, hi = m.pieces[me]
+            base = m.offset - pending[m.item].start
+            return base + lo, base + hi
+
+        # Gather: this rank's pieces of others' matrices, cast to the wire (= NS) dtype.
+        send = torch.empty(sum(plan.outgoing_splits), dtype=wire, device=device)
+        pos = 0
+        for j in plan.outgoing:
+            a, b = local_slice(j)
+            send[pos : pos + b - a].copy_(pending[matrices[j].item].update[a:b])
+            pos += b - a
+        recv = torch.empty(sum(plan.incoming_splits), dtype=wire, device=device)
+        work = None
+        if plan.split_anywhere:
+            work = dist.all_to_all_single(
+                recv,
+                send,
+                list(plan.incoming_splits),
+                list(plan.outgoing_splits),
+                group=pg,
+                async_op=True,
+            )
+            self._count(plan)
+
+        # Newton–Schulz inputs of owned matrices: this rank's own piece now, the rest on arrival.
+        inputs: dict[int, torch.Tensor] = {}
+        for j in plan.owned:
+            m = matrices[j]
+            inputs[j] = torch.empty(m.rows * m.cols, dtype=wire, device=device)
+            lo, hi = m.pieces[me]
+            a, b = local_slice(j)
+            inputs[j][lo:hi].copy_(pending[m.item].update[a:b])
+        waiting = {j for j, _ in plan.incoming}
+        outputs: dict[int, torch.Tensor] = {}
+        # Matrices held whole here are orthogonalised while the gather is in flight.
+        for j in plan.owned:
+            if j not in waiting:
+                outputs[j] = _orthogonalize(matrices[j], inputs.pop(j), pending)
+        if work is not None:
+            work.wait()
+        pos = 0
+        for j, src in plan.incoming:
+            lo, hi = matrices[j].pieces[src]
+            inputs[j][lo:hi].copy_(recv[pos : pos + hi - lo])
+            pos += hi - lo
+        for j in plan.owned:
+            if j in waiting:
+                outputs[j] = _orthogonalize(matrices[j], inputs.pop(j), pending)
+
+        # Scatter: the gather reversed; the results land where this rank's pieces were sent from.
+        pos = 0
+        for j, src in plan.incoming:
+            lo, hi = matrices[j].pieces[src]
+            recv[pos : pos + hi - lo].copy_(outputs[j][lo:hi])
+            pos += hi - lo
+        work = None
+        if plan.split_anywhere:
+            work = dist.all_to_all_single(
+                send,
+                recv,
+                list(plan.outgoing_splits),
+                list(plan.incoming_splits),
+                group=pg,
+                async_op=True,
+            )
+        # Each parameter's local update in the NS dtype, from its own results (now) and from the
+        # owners (after the scatter); parameters that need nothing from others are applied first.
+        results = [torch.empty_like(item.update, dtype=wire) for item in pending]
+        remote_items = {matrices[j].item for j in plan.outgoing}
+        for j in plan.owned:
+            m = matrices[j]
+            lo, hi = m.pieces[me]
+            a, b = local_slice(j)
+            results[m.item][a:b].copy_(outputs[j][lo:hi])
+        for i, item in enumerate(pending):
+            if i not in remote_items:
+                _apply(item, results[i])
+        if work is not None:
+            work.wait()
+        pos = 0
+        for j in plan.outgoing:
+            a, b = local_slice(j)
+            results[matrices[j].item][a:b].copy_(send[pos : pos + b - a])
+            pos += b - a
+        for i in sorted(remote_items):
+            _apply(pending[i], results[i])
+
+    def _count(self, plan: _Exchange) -> None:
+        """Add one step's gather and scatter of ``plan`` to :attr:`comm_stats`."""
+        itemsize = torch.empty((), dtype=self.ns_dtype).element_size()
+        out, inc = sum(plan.outgoing_splits), sum(plan.incoming_splits)
+        # Gather sends the outgoing segments, scatter sends the incoming ones back.
+        self.comm_stats["bytes_sent"] += (out + inc) * itemsize
+        self.comm_stats["bytes_received"] += (out + inc) * itemsize
+        self.comm_stats["exchanges"] += 2
+
+
+def _orthogonalize(m: _Matrix, ns_input: torch.Tensor, pending: list[_Pending]) -> torch.Tensor:
+    """The flat Newton–Schulz result of matrix ``m`` from its whole flat input (consumed)."""
+    group = pending[m.item].group
+    out = _newton_schulz(
+        ns_input.view(m.rows, m.cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    return out.reshape(-1)
+
+
+def _apply(item: _Pending, update: torch.Tensor) -> None:
+    """torch.optim.Muon's last two lines on the local piece (shape scale from the global shape)."""
+    group, p = item.group, item.param
+    shape = global_shape(p)
+    adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape[-2:]))
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(update.view(p.shape), alpha=-adjusted_lr)
+
+
+def _route(params: Any, adamw_params: Iterable[Any] | AdamWRule | None) -> list[dict[str, Any]]:
+    """Param groups with the auxiliary AdamW's parameters in ``use_muon=False`` groups."""
+    groups = [params] if isinstance(params, torch.Tensor) else list(params)
+    if not groups:
+        raise ValueError("Muon got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    groups = [dict(g) for g in groups]
+    if adamw_params is None:
+        return groups
+    if callable(adamw_params):
+        routed: list[dict[str, Any]] = []
+        for group in groups:
+            if not group.get("use_muon", True):
+                routed.append(group)
+                continue
+            items = group["params"]
+            items = [items] if isinstance(items, torch.Tensor) else list(items)
+
+            def to_adamw(item: Any) -> bool:
+                p = item[1] if isinstance(item, tuple) else item
+                return bool(adamw_params(p, global_shape(p)))  # type: ignore[operator]
+
+            muon_items = [x for x in items if not to_adamw(x)]
+            adamw_items = [x for x in items if to_adamw(x)]
+            if muon_items:
+                routed.append({**group, "params": muon_items})
+            if adamw_items:
+                routed.append({"params": adamw_items, "use_muon": False})
+        return routed
+    extra = [adamw_params] if isinstance(adamw_params, torch.Tensor) else list(adamw_params)
+    return [*groups, {"params": extra, "use_muon": False}] if extra else groups

@@ -1,0 +1,318 @@
+"""Muon on ragged shards equals torch.optim.Muon bit for bit; traffic, balance and errors.
+
+One Gloo launch of 4 ranks runs the whole grid of sharded cases for every world size W = 1..4,
+on process groups of the first W ranks (a rank costs seconds to start: importing torch and the
+dynamo import that torch.optim's first param group triggers); the tests judge the results.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from harness import run_distributed
+from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded, shard_info
+from raggedfsdp.optim import Muon
+from raggedfsdp.optim.muon import _newton_schulz, newton_schulz_cost, plan_owners
+
+Group = dist.ProcessGroup | None
+WORLDS = (1, 2, 3, 4)
+NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
+SHAPES = [(3, 16), (40, 24), (24, 40), (32, 32), (1, 8), (3, 8, 12)]  # incl. a 3-D stack
+ADAMW = {"adamw_lr": 0.003, "adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8}
+
+
+def _whole_layout(shape: tuple[int, ...], holder: int, world: int) -> ShardLayout:
+    """The whole tensor on rank ``holder``."""
+    numel = math.prod(shape)
+    ranges = [(0, 0)] * holder + [(0, numel)] + [(numel, numel)] * (world - holder - 1)
+    return ShardLayout(shape, numel, tuple(ranges))
+
+
+def _ragged_layout(
+    rng: random.Random, shape: tuple[int, ...], world: int, kind: int
+) -> ShardLayout:
+    """A random layout of unit ``kind`` (0: element, 1: row, 2: whole tensor on a random rank),
+    random cuts, empty ranks allowed."""
+    numel = math.prod(shape)
+    if kind == 2:
+        return _whole_layout(shape, rng.randrange(world), world)
+    unit = 1 if kind == 0 else shape[-1]
+    units = -(-numel // unit)
+    cuts = sorted(min(rng.randint(0, units) * unit, numel) for _ in range(world - 1))
+    bounds = [0, *cuts, numel]
+    return ShardLayout(shape, unit, tuple(itertools.pairwise(bounds)))
+
+
+def _shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
+    param = nn.Parameter(layout.to_local(full, rank).clone())
+    mark_sharded(param, ShardInfo(layout, rank, group))
+    return param
+
+
+def _check_equal(failures: list[str], what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    if not torch.equal(ours, ref):
+        diff = (ours.double() - ref.double()).abs().max().item() if ours.numel() else 0.0
+        failures.append(f"{what}: max abs diff {diff:.3g}")
+
+
+def _parity_case(rank: int, world: int, group: Group, seed: int, failures: list[str]) -> None:
+    """Sharded Muon (bf16 NS) vs torch.optim.Muon (+ torch AdamW for a bias) over 3 steps."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
+    bias = torch.randn(7, generator=gen)
+    # Every shape meets every kind of unit over the three seeds.
+    layouts = [_ragged_layout(rng, s, world, (i + seed) % 3) for i, s in enumerate(SHAPES)]
+    bias_layout = _ragged_layout(rng, (7,), world, 0)
+    nesterov = seed % 2 == 0
+    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
+    ours_bias = _shard(bias, bias_layout, rank, group)
+    opt = Muon(
+        [*ours, ours_bias],
+        lr=0.02,
+        weight_decay=0.1,
+        nesterov=nesterov,
+        adamw_params=lambda p, shape: len(shape) == 1,
+        **ADAMW,
+    )
+    # The reference: each matrix of the stack is a matrix parameter of its own.
+    ref = [nn.Parameter(f.clone()) for f in fulls[:-1]]
+    ref_stack = [nn.Parameter(m.clone()) for m in fulls[-1]]
+    ref_bias = nn.Parameter(bias.clone())
+    ref_opts = [
+        torch.optim.Muon([*ref, *ref_stack], lr=0.02, weight_decay=0.1, nesterov=nesterov),
+        torch.optim.AdamW([ref_bias], lr=0.003, betas=(0.9, 0.95), eps=1e-8),
+    ]
+
+    def set_grads(step: int) -> None:
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        if step == 1:
+            grads[1].zero_()  # a zero gradient: Newton–Schulz of a zero matrix
+        bias_grad = torch.randn(7, generator=gen)
+        for p, g, lay in zip(ours, grads, layouts, strict=True):
+            p.grad = lay.to_local(g, rank).clone()
+        ours_bias.grad = bias_layout.to_local(bias_grad, rank).clone()
+        for p, g in zip([*ref, *ref_stack], [*grads[:-1], *grads[-1]], strict=True):
+            p.grad = g.clone()
+        ref_bias.grad = bias_grad
+
+    for step in range(3):
+        set_grads(step)
+        opt.step()
+        for o in ref_opts:
+            o.step()
+        expected = [p.detach() for p in ref] + [torch.stack([p.detach() for p in ref_stack])]
+        for i, (p, e, lay) in enumerate(zip(ours, expected, layouts, strict=True)):
+            what = f"seed {seed} step {step} param {i} {SHAPES[i]} ({lay.ranges})"
+            _check_equal(failures, what, p.detach(), lay.to_local(e, rank))
+        what = f"seed {seed} step {step} bias"
+        _check_equal(failures, what, ours_bias.detach(), bias_layout.to_local(ref_bias, rank))
+
+    # A checkpoint round trip continues exactly where the original goes.
+    copies = [nn.Parameter(p.detach().clone()) for p in [*ours, ours_bias]]
+    for c, p in zip(copies, [*ours, ours_bias], strict=True):
+        mark_sharded(c, shard_info(p))
+    resumed = Muon(copies, adamw_params=lambda p, shape: len(shape) == 1, **ADAMW)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    set_grads(3)
+    for c, p in zip(copies, [*ours, ours_bias], strict=True):
+        c.grad = p.grad.clone()
+    opt.step()
+    resumed.step()
+    for i, (c, p) in enumerate(zip(copies, [*ours, ours_bias], strict=True)):
+        _check_equal(failures, f"seed {seed} resumed param {i}", c.detach(), p.detach())
+
+
+def _fp32_case(rank: int, world: int, group: Group, failures: list[str]) -> None:
+    """ns_dtype=float32: sharded equals our Muon on one device with the same option."""
+    rng = random.Random(100)
+    gen = torch.Generator().manual_seed(100)
+    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
+    layouts = [_ragged_layout(rng, s, world, i % 3) for i, s in enumerate(SHAPES)]
+    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
+    single = [nn.Parameter(f.clone()) for f in fulls]
+    opts = [Muon(params, lr=0.02, ns_dtype=torch.float32) for params in (ours, single)]
+    for step in range(2):
+        for p, s, lay in zip(ours, single, layouts, strict=True):
+            g = torch.randn(s.shape, generator=gen)
+            p.grad, s.grad = lay.to_local(g, rank).clone(), g
+        for o in opts:
+            o.step()
+        for i, (p, s, lay) in enumerate(zip(ours, single, layouts, strict=True)):
+            _check_equal(failures, f"fp32 step {step} param {i}", p.detach(), lay.to_local(s, rank))
+
+
+def _traffic_case(rank: int, world: int, group: Group) -> dict[str, int]:
+    """Bytes sent per step: a balanced set of row-sharded matrices, then whole-tensor layouts."""
+    count, shape = 12, (48, 32)  # 48 rows split evenly for W = 1..4; 12 owners balance evenly
+    rows = shape[0] // world
+    row = shape[1]
+    even = ShardLayout(
+        shape, row, tuple((r * rows * row, (r + 1) * rows * row) for r in range(world))
+    )
+    out = {"params_numel": count * math.prod(shape)}
+    cases = {
+        "even": [even] * count,
+        "whole": [_whole_layout(shape, i % world, world) for i in range(count)],
+    }
+    for name, layouts in cases.items():
+        params = [_shard(torch.randn(shape), lay, rank, group) for lay in layouts]
+        opt = Muon(params, lr=0.02)
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        out[name] = opt.comm_bytes_last_step
+        out[f"{name}_received"] = opt.comm_stats["bytes_received"]
+    return out
+
+
+def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
+    """A NaN on the last rank's piece only: every rank skips; with skip_nonfinite=False, raises."""
+    shape = (8, 6)
+    layout = ShardLayout(
+        shape, 1, tuple((r * 48 // world, (r + 1) * 48 // world) for r in range(world))
+    )
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
+    out: dict[str, object] = {}
+    for skip in (True, False):
+        param = _shard(full, layout, rank, group)
+        before = param.detach().clone()
+        opt = Muon([param], lr=0.1, skip_nonfinite=skip)
+        param.grad = torch.ones(param.shape)
+        if rank == world - 1:
+            param.grad[0] = float("nan")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+        except RuntimeError as error:
+            out["error"] = str(error)
+            continue
+        out["warnings"] = [str(w.message) for w in caught]
+        out["skipped"] = opt.skipped_steps
+        out["unchanged"] = torch.equal(param.detach(), before)
+        out["state_empty"] = len(opt.state) == 0
+    return out
+
+
+def _muon_grid(rank: int, world: int) -> dict[int, dict[str, object]]:
+    """Every case for each world size w <= world on the group of ranks [0, w)."""
+    groups = {w: dist.new_group(list(range(w))) if 1 < w < world else None for w in WORLDS}
+    out: dict[int, dict[str, object]] = {}
+    for w, group in groups.items():
+        if rank >= w:
+            continue
+        failures: list[str] = []
+        for seed in range(3):
+            _parity_case(rank, w, group, seed, failures)
+        _fp32_case(rank, w, group, failures)
+        out[w] = {
+            "failures": failures,
+            "traffic": _traffic_case(rank, w, group),
+            "nonfinite": _nonfinite_case(rank, w, group),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict[int, dict[str, object]]]:
+    return run_distributed(_muon_grid, max(WORLDS))
+
+
+def _results(grid: list[dict[int, dict[str, object]]], world: int) -> list[dict[str, object]]:
+    return [grid[rank][world] for rank in range(world)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_muon_equals_torch_muon_bitwise(grid, world: int) -> None:
+    """bf16 NS vs torch.optim.Muon, and fp32 NS vs our single-device Muon: no bit differs."""
+    results = _results(grid, world)
+    for rank, result in enumerate(results):
+        assert result["failures"] == [], f"W={world} rank {rank}: {result['failures'][:5]}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_muon_traffic_per_rank(grid, world: int) -> None:
+    """Bytes sent per rank within 1.1x of 2(W-1)/W² · P · 2 (bf16); none for whole tensors."""
+    results = _results(grid, world)
+    for result in results:
+        traffic = result["traffic"]
+        expected = 2 * (world - 1) / world**2 * traffic["params_numel"] * 2
+        assert traffic["even"] <= 1.1 * expected
+        assert traffic["even"] >= expected / 1.1 if world > 1 else traffic["even"] == 0
+        assert traffic["even_received"] == traffic["even"]
+        assert traffic["whole"] == 0 and traffic["whole_received"] == 0
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nonfinite_gradient_skips_on_every_rank(grid, world: int) -> None:
+    results = _results(grid, world)
+    for result in results:
+        outcome = result["nonfinite"]
+        assert outcome["skipped"] == 1 and outcome["unchanged"] and outcome["state_empty"]
+        assert any("skipped a step" in w for w in outcome["warnings"])
+        assert "non-finite gradient" in outcome["error"]
+
+
+def test_newton_schulz_bf16_path_is_torch_kernel() -> None:
+    """Our dtype-generic Newton–Schulz, given bf16, is torch's kernel bit for bit."""
+    for shape in [(30, 20), (20, 30), (16, 16)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+        ours = _newton_schulz(x.bfloat16(), *NS)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(x, *NS))
+
+
+def test_row_shard_newton_schulz_differs_substantially() -> None:
+    """Negative control: Newton–Schulz of raw row shards is not Newton–Schulz of the matrix."""
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(2))
+    whole = _zeropower_via_newtonschulz(x, *NS).float()
+    for world in (2, 4):
+        shards = torch.cat([_zeropower_via_newtonschulz(s, *NS) for s in x.chunk(world)]).float()
+        relative = ((shards - whole).norm() / whole.norm()).item()
+        assert relative > 0.01, (world, relative)
+
+
+def test_owner_plan_balances_reference_gpt() -> None:
+    """Greedy owners over the reference GPT's matrices (d=512, 8 layers): max/mean <= 1.1."""
+    shapes = [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 8
+    costs = [newton_schulz_cost(*s) for s in shapes]
+    ratios = {}
+    for world in (2, 4, 7):
+        owners = plan_owners(costs, world)
+        load = [sum(c for c, o in zip(costs, owners, strict=True) if o == r) for r in range(world)]
+        ratios[world] = max(load) / (sum(load) / world)
+        assert owners == plan_owners(costs, world)  # deterministic
+    print(f"Muon NS load max/mean: {ratios}")
+    assert ratios[2] <= 1.1 and ratios[4] <= 1.1
+    assert ratios[7] <= 4 / 3  # LPT's bound; 32 coarse matrices on 7 ranks cannot be even
+
+
+def test_owner_plan_keeps_whole_matrices_at_home() -> None:
+    owners = plan_owners([10, 50, 5, 40], 3, holders=[2, None, 2, None])
+    assert owners[0] == 2 and owners[2] == 2
+    assert owners[1] == 0 and owners[3] == 1  # largest first to the least loaded, ties by rank
+    with pytest.raises(ValueError, match="holders"):
+        plan_owners([1, 2], 2, holders=[None])
+
+
+def test_non_matrix_parameter_without_adamw_rule_is_named() -> None:
+    weight, bias = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match=r"'layer.bias' \(global shape \[4\]\).*adamw_params"):
+        Muon([("layer.weight", weight), ("layer.bias", bias)])
+    Muon([weight], adamw_params=[bias])  # an explicit list routes it
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([weight], ns_dtype=torch.int32)
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        Muon([weight], adjust_lr_fn="bogus")
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        Muon([weight], lr=-1.0)
