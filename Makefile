@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,report]'
 	touch $@
 
+# A fresh run folder each time: the job refuses to overwrite an earlier run's results.
 run: setup
-	$(BIN)/raggedfsdp plan --model llama3-8b --world 8,64,1024,10000 --block-size 128
+	$(BIN)/raggedfsdp train --out runs/$$(date +%Y%m%d-%H%M%S)
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

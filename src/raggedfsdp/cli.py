@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 import torch
 
+from .launch import configure_export_parser, configure_train_parser, run_export, run_train
 from .layout import BlockSize, RaggedShard
 from .models import MODEL_NAMES
 from .plan_report import PlanReport, WorldReport, plan_report
@@ -304,6 +305,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "plan a model's shards and compare padding and cut blocks with FSDP2/FSDP1",
         _configure_plan,
         _run_plan,
+    ),
+    "train": Subcommand(
+        "train a GPT with raggedfsdp (workers started by torchrun)",
+        configure_train_parser,
+        run_train,
+    ),
+    "export": Subcommand(
+        "write a training checkpoint's model as a plain state dict",
+        configure_export_parser,
+        run_export,
     ),
 }
 """Every subcommand, by name. Add one by adding an entry."""

@@ -1,0 +1,381 @@
+"""What a training run reports: a progress bar, log lines, ``metrics.jsonl``, TensorBoard, a
+summary table and ``report.png``.
+
+Every rank calls :meth:`Monitor.step` after every step (it holds a collective at log steps: the
+peak memory is the maximum over ranks); only rank 0 prints and writes. A record of
+``metrics.jsonl`` averages the steps since the previous record:
+
+- ``kind``: ``"train"`` (step 1, every ``--log-every`` steps, the last step) or ``"eval"``
+  (``val_loss``; at step 0 of a fresh run, every ``--eval-every`` steps, the last step);
+- ``loss`` (mean over the window, global over ranks), ``lr``, ``grad_norm``, ``skipped_steps``;
+- ``tokens_per_s`` and ``samples_per_s`` (global: all ranks together), ``step_s``;
+- the step-time breakdown ``compute_s`` (forward and backward, minus waits), ``comm_exposed_s``
+  (time blocked on all-gathers and reduce-scatters: ``model.stats()["comm_wait_seconds"]``),
+  ``optimizer_s`` (clipping and the optimizer step), ``other_s``; ``comm_fraction`` =
+  ``comm_exposed_s / step_s``;
+- bytes this rank sent into collectives per step (``all_gather_bytes``,
+  ``reduce_scatter_bytes``, ``all_reduce_bytes``), ``padding_ratio`` of the shard plan;
+- peak memory, maximum over ranks: ``peak_rss_bytes`` (the process), ``framework_bytes``
+  (sharded parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
+  ``cuda_peak_bytes`` on GPUs.
+
+On resume, records after the resumed step are dropped, so the file (and the report) describe one
+trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from .train_config import TrainConfig
+
+__all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics"]
+
+METRICS = "metrics.jsonl"
+REPORT = "report.png"
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Wall-clock seconds of one step and its parts (``total = compute + comm + optimizer +
+    the rest``: loss all-reduce, data, logging)."""
+
+    total: float
+    compute: float
+    comm: float
+    optimizer: float
+
+
+def read_metrics(out: str | Path) -> list[dict[str, Any]]:
+    """The records of ``OUT/metrics.jsonl`` (a torn last line, from a crash, is skipped)."""
+    path = Path(out) / METRICS
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _mib(n: float) -> str:
+    """Bytes in MiB, with a decimal below 10 MiB (tiny models move kilobytes per step)."""
+    value = n / _MIB
+    return f"{value:,.0f} MiB" if value >= 10 else f"{value:.2f} MiB"
+
+
+class Monitor:
+    """Collects step metrics on every rank and reports them from rank 0."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        rank: int,
+        world_size: int,
+        start_step: int,
+        padding_ratio: float,
+        device: torch.device,
+    ) -> None:
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.start_step = start_step
+        self.padding_ratio = padding_ratio
+        self.device = device
+        self.out = Path(cfg.out)
+        self.tokens_per_step = cfg.batch_size * cfg.tokens_per_seq
+        self.started = time.perf_counter()
+        self._window: list[dict[str, float]] = []
+        self._skipped = 0
+        self.records: list[dict[str, Any]] = []
+        self._file: TextIO | None = None
+        self.console: Any = None  # rich Console, rank 0 only
+        self._writer: Any = None
+        self._progress: Any = None
+        self._task: Any = None
+        if rank == 0:
+            self._open(start_step)
+
+    # -- rank 0 outputs ------------------------------------------------------------------------
+
+    def _open(self, start_step: int) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        # Keep the records up to the resumed step: later ones belong to an abandoned future.
+        self.records = [r for r in read_metrics(self.out) if r.get("step", 0) <= start_step]
+        path = self.out / METRICS
+        path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        self._file = open(path, "a")  # noqa: SIM115 (held open for the run, closed in close())
+        self.console = Console()
+        if not self.console.is_terminal:
+            # Rich falls back to 80 columns off a terminal, which wraps the summary table.
+            self.console = Console(width=120)
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=self.console,
+            # A bar only on a terminal; logs and CI get the log lines alone.
+            disable=not self.console.is_terminal,
+        )
+        self._task = self._progress.add_task(
+            "train", total=self.cfg.steps, completed=start_step, info=""
+        )
+        self._progress.start()
+        if self.cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=start_step + 1)
+
+    def print(self, message: str) -> None:
+        """A line on rank 0's console (above the progress bar)."""
+        if self.rank == 0:
+            self.console.print(message, highlight=False, soft_wrap=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        assert self._file is not None
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in record.items():
+                if key not in ("step", "kind") and isinstance(value, (int, float)):
+                    self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
+
+    # -- per step (every rank) -----------------------------------------------------------------
+
+    def step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        grad_norm: float | None,
+        times: StepTimes,
+        stats: Mapping[str, float],
+        optimizer_bytes: int,
+        skipped: bool,
+    ) -> None:
+        """Record completed step ``step`` (1-based); at log steps, a collective on every rank."""
+        self._skipped += int(skipped)
+        self._window.append(
+            {
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": math.nan if grad_norm is None else grad_norm,
+                "step_s": times.total,
+                "compute_s": times.compute,
+                "comm_exposed_s": times.comm,
+                "optimizer_s": times.optimizer,
+                "all_gather_bytes": stats.get("all_gather_bytes", 0),
+                "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
+                "all_reduce_bytes": stats.get("all_reduce_bytes", 0),
+                "framework_bytes": stats.get("persistent_bytes", 0)
+                + stats.get("peak_unsharded_bytes", 0),
+            }
+        )
+        if self.rank == 0:
+            info = f"loss {loss:.4f}  {self.tokens_per_step / times.total:,.0f} tok/s"
+            info += f"  {times.total:.3f} s/step"
+            self._progress.update(self._task, completed=step, info=info)
+        # Step 1 too, so that the curves start where training starts.
+        if step % self.cfg.log_every and step not in (1, self.cfg.steps):
+            return
+        peaks = torch.tensor(
+            [
+                stats.get("process_peak_rss_bytes", 0),
+                max(w["framework_bytes"] for w in self._window),
+                optimizer_bytes,
+                stats.get("cuda_max_allocated_bytes", 0),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        window, self._window = self._window, []
+        if self.rank == 0:
+            self._log(step, window, peaks.tolist())
+
+    def _log(self, step: int, window: list[dict[str, float]], peaks: list[float]) -> None:
+        def mean(key: str) -> float:
+            values = [w[key] for w in window if math.isfinite(w[key])]
+            return sum(values) / len(values) if values else math.nan
+
+        step_s = mean("step_s")
+        record: dict[str, Any] = {
+            "kind": "train",
+            "step": step,
+            "loss": mean("loss"),
+            "lr": window[-1]["lr"],
+            "grad_norm": mean("grad_norm"),
+            "skipped_steps": self._skipped,
+            "tokens_per_s": self.tokens_per_step / step_s,
+            "samples_per_s": self.cfg.batch_size / step_s,
+            "step_s": step_s,
+            "compute_s": mean("compute_s"),
+            "comm_exposed_s": mean("comm_exposed_s"),
+            "optimizer_s": mean("optimizer_s"),
+        }
+        record["other_s"] = max(
+            0.0, step_s - record["compute_s"] - record["comm_exposed_s"] - record["optimizer_s"]
+        )
+        record["comm_fraction"] = record["comm_exposed_s"] / step_s
+        for key in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes"):
+            record[key] = round(mean(key))
+        record["padding_ratio"] = self.padding_ratio
+        rss, framework, optimizer, cuda = peaks
+        record["peak_rss_bytes"] = int(rss)
+        record["framework_bytes"] = int(framework)
+        record["optimizer_bytes"] = int(optimizer)
+        if cuda:
+            record["cuda_peak_bytes"] = int(cuda)
+        record["world_size"] = self.world_size
+        record["elapsed_s"] = time.perf_counter() - self.started
+        self._write(record)
+        width = len(str(self.cfg.steps))
+        self.print(
+            f"step {step:>{width}}/{self.cfg.steps} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
+            f"{step_s:.3f} s/step (compute {record['compute_s']:.3f}, comm "
+            f"{record['comm_exposed_s']:.3f}, optim {record['optimizer_s']:.3f}) | "
+            f"peak RSS {_mib(rss)}"
+        )
+
+    def eval(self, step: int, val_loss: float) -> None:
+        """Record a validation loss (rank 0 writes; other ranks ignore)."""
+        if self.rank != 0:
+            return
+        self._write({"kind": "eval", "step": step, "val_loss": val_loss})
+        self.print(f"step {step} | val loss {val_loss:.4f}")
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def close(self, *, wall_s: float) -> None:
+        """Stop the bar; on rank 0 print the summary table and write ``report.png``."""
+        if self.rank != 0:
+            return
+        self._progress.stop()
+        assert self._file is not None
+        self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+        train = [r for r in self.records if r["kind"] == "train"]
+        evals = [r for r in self.records if r["kind"] == "eval"]
+        if train:
+            self.console.print(self._summary(train, evals, wall_s))
+            self.print(f"report: {write_report(self.records, self.out / REPORT, self.cfg)}")
+
+    def _summary(self, train: list[dict], evals: list[dict], wall_s: float) -> Any:
+        from rich.table import Table
+
+        this_run = [r for r in train if r["step"] > self.start_step] or train
+        table = Table(title=f"{self.cfg.model} on {self.world_size} rank(s): summary")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+
+        def median(key: str) -> float:
+            return statistics.median(r[key] for r in this_run)
+
+        first, last = train[0], train[-1]
+        rows = [
+            ("steps", f"{last['step']:,} (this launch from {self.start_step:,})"),
+            (
+                "train loss",
+                f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f}",
+            ),
+        ]
+        if evals:
+            best = min(evals, key=lambda r: r["val_loss"])
+            rows.append(("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})"))
+        step_s = median("step_s")
+        rows += [
+            ("tokens/s (global, median)", f"{median('tokens_per_s'):,.0f}"),
+            ("samples/s (global, median)", f"{median('samples_per_s'):,.1f}"),
+            (
+                "step time (median)",
+                f"{step_s:.3f} s = compute {median('compute_s'):.3f} + comm "
+                f"{median('comm_exposed_s'):.3f} + optim {median('optimizer_s'):.3f} + other",
+            ),
+            ("exposed comm fraction", f"{100 * median('comm_fraction'):.1f}%"),
+            (
+                "bytes sent / step / rank",
+                f"all-gather {_mib(median('all_gather_bytes'))}, reduce-scatter "
+                f"{_mib(median('reduce_scatter_bytes'))}",
+            ),
+            ("padding ratio", f"{100 * self.padding_ratio:.3f}%"),
+            ("peak RSS (max over ranks)", _mib(max(r["peak_rss_bytes"] for r in train))),
+            (
+                "framework + optimizer bytes (max)",
+                f"{_mib(max(r['framework_bytes'] for r in train))} + "
+                f"{_mib(max(r['optimizer_bytes'] for r in train))}",
+            ),
+            ("wall time (this launch)", f"{wall_s:,.1f} s"),
+        ]
+        for name, value in rows:
+            table.add_row(name, value)
+        return table
+
+
+def write_report(records: list[dict[str, Any]], path: Path, cfg: TrainConfig) -> Path:
+    """``report.png``: loss and validation loss, throughput, and peak memory over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; also safe when imported after another backend
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    steps = [r["step"] for r in train]
+    fig, (ax_loss, ax_speed, ax_mem) = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax_loss.plot(steps, [r["loss"] for r in train], label="train")
+    if evals:
+        ax_loss.plot(
+            [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation"
+        )
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    ax_loss.legend()
+    ax_speed.plot(steps, [r["tokens_per_s"] for r in train], label="tokens/s")
+    ax_speed.set(xlabel="step", ylabel="tokens/s (global)", title="throughput")
+    ax_comm = ax_speed.twinx()
+    ax_comm.plot(steps, [100 * r["comm_fraction"] for r in train], color="tab:red", alpha=0.5, lw=1)
+    ax_comm.set_ylabel("exposed comm (% of step)", color="tab:red")
+    ax_mem.plot(steps, [r["peak_rss_bytes"] / _MIB for r in train], label="peak RSS")
+    ax_mem.plot(
+        steps,
+        [(r["framework_bytes"] + r["optimizer_bytes"]) / _MIB for r in train],
+        label="params + grads + unsharded + optimizer",
+    )
+    ax_mem.set(xlabel="step", ylabel="MiB (max over ranks)", title="memory")
+    ax_mem.legend(fontsize="small")
+    world = train[-1]["world_size"] if train else "?"
+    fig.suptitle(
+        f"{cfg.model}, {world} rank(s), {cfg.optimizer}, block {cfg.block_size}, "
+        f"batch {cfg.batch_size}x{cfg.tokens_per_seq}, mixed precision {cfg.mixed_precision}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,360 @@
+"""The training job's configuration: one keyword-only dataclass, a TOML file, and CLI overrides.
+
+Precedence is ``TrainConfig`` defaults < ``--config FILE`` (TOML) < command-line options. The
+command-line flags are generated from the fields: ``batch_size`` is ``--batch-size``, a boolean
+``resume`` is ``--resume`` / ``--no-resume``, and each field's docstring is its ``--help`` text.
+A TOML file uses the field names as keys (``batch_size = 32``; dashes are accepted too). An
+unknown key or a value of the wrong type is a ``ValueError`` naming the key, and so is an invalid
+value (checked in ``__post_init__``, so ``dataclasses.replace`` checks too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import itertools
+import sys
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .models import GPT_CONFIGS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 has no tomllib; pyproject.toml pulls in tomli there
+    import tomli as tomllib
+
+__all__ = [
+    "TrainConfig",
+    "add_config_arguments",
+    "config_from_args",
+    "load_toml",
+    "train_argv",
+]
+
+# Test-only fields: accepted on the command line but left out of --help.
+_HIDDEN = {"hidden": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything one training run needs; the same on every rank."""
+
+    model: str = field(default="gpt-small", metadata={"metavar": "NAME"})
+    """Model shape, one of the GPT_CONFIGS (gpt-tiny, gpt-small, gpt-medium, gpt-ref)."""
+
+    data: str | None = field(default=None, metadata={"metavar": "PATH"})
+    """Text corpus: a file or a folder (every text file below it); default: the Python standard
+    library's sources, which every machine has."""
+
+    out: str = field(default="runs/train", metadata={"metavar": "DIR"})
+    """Output folder: metrics.jsonl, report.png, config.json, checkpoints/."""
+
+    steps: int = 400
+    """Optimizer steps to train in total (a resumed run continues up to this count)."""
+
+    batch_size: int = 16
+    """Global batch in sequences per optimizer step, split evenly across ranks and micro-batches
+    (it must divide by world size x grad_accum)."""
+
+    seq_len: int | None = None
+    """Tokens per sequence; default: the model's seq_len."""
+
+    grad_accum: int = 1
+    """Micro-batches per step; gradients are reduced only on the last one (no_sync)."""
+
+    lr: float = 3e-3
+    """Peak learning rate (for Muon: of the auxiliary AdamW on embeddings and norms)."""
+
+    muon_lr: float = 0.02
+    """Peak learning rate of Muon's matrices (only with --optimizer muon)."""
+
+    warmup_steps: int = 40
+    """Linear warm-up steps from 0 to the peak learning rate; then cosine decay."""
+
+    min_lr_ratio: float = 0.1
+    """Learning rate at the end of the cosine decay, as a fraction of the peak."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices and embeddings (norms and other vectors get none)."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+
+    optimizer: Literal["adamw", "muon", "shampoo", "adamw8bit"] = "adamw"
+    """Optimizer; the shard planner keeps its blocks whole (optimizer_type)."""
+
+    max_preconditioner_dim: int = 128
+    """Shampoo's block side in rows (only with --optimizer shampoo)."""
+
+    block_size: str = field(default="none", metadata={"metavar": "SIZE"})
+    """RaggedShard block: none (element), ROWS (e.g. 32), ROWSxCOLS (e.g. 128x128) or whole."""
+
+    mixed_precision: Literal["none", "bf16"] = "none"
+    """bf16: compute and all-gather in bfloat16, reduce gradients and keep masters in fp32."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward instead of storing them."""
+
+    seed: int = 0
+    """Seed of the model initialisation and of the data order (which depends only on seed and
+    step, so a run resumed at another world size sees the same batches)."""
+
+    dry_run: bool = False
+    """Build the model on the meta device, plan the shards, print the plan and the estimated
+    memory per rank, and exit without training."""
+
+    resume: bool = False
+    """Continue from the newest complete checkpoint in --out (starts fresh if there is none)."""
+
+    overwrite: bool = False
+    """Delete the outputs of an earlier run in --out before starting."""
+
+    checkpoint_every: int = 100
+    """Save a checkpoint every N steps (and always at the end); 0: only at the end."""
+
+    log_every: int = 10
+    """Write a log line and a metrics.jsonl record every N steps."""
+
+    eval_every: int = 100
+    """Compute the validation loss every N steps (and at the end); 0: only at the end."""
+
+    eval_batches: int = 4
+    """Global batches in each validation loss."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard events to OUT/tensorboard."""
+
+    comm_timeout_s: float = 300.0
+    """Timeout of every collective (process-group timeout), in seconds."""
+
+    step_timeout_s: float = 900.0
+    """Abort the job when one step takes longer than this (a hang), in seconds; 0 disables."""
+
+    on_nan: Literal["skip", "stop"] = "stop"
+    """A NaN/Inf loss or gradient norm on any rank: skip that step on every rank, or stop."""
+
+    fail_at_step: int | None = field(default=None, metadata=_HIDDEN)
+    """Test only: rank 1 (rank 0 when alone) kills itself with SIGKILL at the start of this step,
+    once (a marker file in --out stops the restarted worker from dying again)."""
+
+    fail_during_save: int | None = field(default=None, metadata=_HIDDEN)
+    """Test only: the last rank kills itself with SIGKILL while the checkpoint of this step is
+    written (after its files, before the checkpoint is complete), once."""
+
+    def __post_init__(self) -> None:
+        if self.model not in GPT_CONFIGS:
+            raise ValueError(
+                f"model: unknown model {self.model!r}; choose one of {', '.join(GPT_CONFIGS)}"
+            )
+        model_seq = GPT_CONFIGS[self.model].seq_len
+        if self.seq_len is not None and not 1 <= self.seq_len <= model_seq:
+            raise ValueError(
+                f"seq_len: must be in [1, {model_seq}] (the seq_len of {self.model}), "
+                f"got {self.seq_len}"
+            )
+        positive = ("steps", "batch_size", "grad_accum", "log_every", "eval_batches")
+        non_negative = ("warmup_steps", "checkpoint_every", "eval_every")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "muon_lr", "comm_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "grad_clip", "step_timeout_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_preconditioner_dim < 1:
+            raise ValueError(
+                f"max_preconditioner_dim: must be >= 1, got {self.max_preconditioner_dim}"
+            )
+        if not self.out:
+            raise ValueError("out: the output folder must not be empty")
+        try:
+            self.parsed_block_size()
+        except ValueError as err:
+            raise ValueError(f"block_size: {err}") from None
+
+    @property
+    def tokens_per_seq(self) -> int:
+        """The sequence length actually used (``seq_len`` or the model's)."""
+        return self.seq_len or GPT_CONFIGS[self.model].seq_len
+
+    def parsed_block_size(self) -> Any:
+        """``block_size`` as a :data:`raggedfsdp.layout.BlockSize`."""
+        # Imported here: cli.py imports this module (through launch.py) to register `train`.
+        from .cli import parse_block_size
+
+        return parse_block_size(self.block_size)
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ``ValueError`` unless the batch splits evenly over ranks and micro-batches."""
+        split = world_size * self.grad_accum
+        if self.batch_size % split:
+            raise ValueError(
+                f"batch_size: the global batch of {self.batch_size} sequences does not divide "
+                f"into {world_size} rank(s) x {self.grad_accum} micro-batch(es); use a multiple "
+                f"of {split}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (JSON and TOML friendly), hidden test-only fields left out."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not f.metadata.get("hidden")
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Field types and docs, read once from the class.
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of ``cls`` (attribute docstrings live only in the source,
+    so they are read with ``ast``; without the source the help is just empty)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in itertools.pairwise(body):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+_HINTS = typing.get_type_hints(TrainConfig)
+_DOCS = _field_docs(TrainConfig)
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _base_type(hint: Any) -> tuple[Any, bool]:
+    """``(type, optional)``: ``int | None`` -> ``(int, True)``; ``Literal[...]`` stays."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+def _describe(base: Any, optional: bool) -> str:
+    if typing.get_origin(base) is Literal:
+        text = "one of " + ", ".join(repr(c) for c in typing.get_args(base))
+    else:
+        text = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[base]
+    return text + (" (or absent)" if optional else "")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """``value`` as field ``name``'s type, or ``ValueError`` naming the key."""
+    base, optional = _base_type(_HINTS[name])
+    ok: bool
+    if typing.get_origin(base) is Literal:
+        ok = value in typing.get_args(base)
+    elif base is bool:
+        ok = isinstance(value, bool)
+    elif base is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif base is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        raise ValueError(
+            f"key {name!r} must be {_describe(base, optional)}, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The fields set by a TOML config file; ``ValueError`` naming an unknown or mistyped key."""
+    file = Path(path)
+    try:
+        raw = tomllib.loads(file.read_text())
+    except OSError as err:
+        raise ValueError(f"config file {str(file)!r}: {err.strerror or err}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {str(file)!r} is not valid TOML: {err}") from None
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS or _FIELDS[name].metadata.get("hidden"):
+            raise ValueError(f"config file {str(file)!r}: unknown key {key!r}")
+        try:
+            values[name] = _coerce(name, value)
+        except ValueError as err:
+            raise ValueError(f"config file {str(file)!r}: {err}") from None
+    return values
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and one option per :class:`TrainConfig` field. Options not given
+    stay absent from the namespace (``SUPPRESS``), so a config file's values are not reset."""
+    parser.add_argument(
+        "--config", metavar="FILE", help="TOML file of options (command-line options override it)"
+    )
+    defaults = TrainConfig()
+    for name, f in _FIELDS.items():
+        base, _ = _base_type(_HINTS[name])
+        default = getattr(defaults, name)
+        help_text = _DOCS.get(name, "") + ("" if default is None else f" (default: {default})")
+        if f.metadata.get("hidden"):
+            help_text = argparse.SUPPRESS
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        if base is bool:
+            parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(base) is Literal:
+            parser.add_argument(_flag(name), choices=typing.get_args(base), **kwargs)
+        else:
+            metavar = f.metadata.get("metavar") or {int: "N", float: "X"}.get(base, "VALUE")
+            parser.add_argument(_flag(name), type=base, metavar=metavar, **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the ``--config`` file, then the options given on the command line."""
+    values = load_toml(args.config) if getattr(args, "config", None) else {}
+    values.update({name: getattr(args, name) for name in _FIELDS if hasattr(args, name)})
+    return TrainConfig(**values)
+
+
+def train_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line options given in ``args`` (``--config`` and explicit overrides), as
+    argv again, so that a launcher can hand the same options to ``raggedfsdp.train``."""
+    argv = ["--config", str(Path(args.config).resolve())] if getattr(args, "config", None) else []
+    for name in _FIELDS:
+        if not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if isinstance(value, bool):
+            argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        else:
+            argv += [_flag(name), str(value)]
+    return argv
