@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..layout import row_numel, shard_info
+from ..layout import ShardLayout, row_numel, shard_info
 from ._common import ShardedOptimizer, check_block_cuts, global_shape, local_range
 
 __all__ = ["Shampoo"]
@@ -142,6 +142,39 @@ class Shampoo(ShardedOptimizer):
                 f"Shard it in whole multiples of {dim} rows, e.g. with "
                 f"StructAwarePlanner(optimizer_type='shampoo', max_preconditioner_dim={dim}).",
             )
+
+    def sharded_state_layout(
+        self, param: torch.Tensor, key: str, value: object
+    ) -> ShardLayout | None:
+        """Where this rank's per-block factors (``L``, ``R`` and their inverse roots, lists in
+        row-major block order) sit in the concatenation of every global block's flattened
+        factor, so a checkpoint reshards them with their blocks. ``None`` for other keys (the
+        moments are param-shaped) and for unsharded parameters."""
+        info = shard_info(param)
+        if info is None or key not in ("L", "R", "L_inv_root", "R_inv_root"):
+            return None
+        group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
+        dim = group["max_preconditioner_dim"]
+        shape = info.layout.global_shape
+        cols = row_numel(shape)
+        rows = math.prod(shape) // cols
+        col_spans = [min(c + dim, cols) - c for c in range(0, cols, dim)]
+        # Elements of one row-block's factors: L is (rows × rows) per column block, R is
+        # (cols × cols) per column block.
+        per_row_block = [
+            len(col_spans) * (min(r + dim, rows) - r) ** 2
+            if key.startswith("L")
+            else sum(c * c for c in col_spans)
+            for r in range(0, rows, dim)
+        ]
+        prefix = [0]
+        for size in per_row_block:
+            prefix.append(prefix[-1] + size)
+        ranges = tuple(
+            (prefix[-(-(start // cols) // dim)], prefix[-(-(end // cols) // dim)])
+            for start, end in info.layout.ranges
+        )
+        return ShardLayout(torch.Size((prefix[-1],)), 1, ranges)
 
     def _update(self) -> None:
         for group in self.param_groups:
