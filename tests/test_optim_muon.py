@@ -316,3 +316,30 @@ def test_non_matrix_parameter_without_adamw_rule_is_named() -> None:
         Muon([weight], adjust_lr_fn="bogus")
     with pytest.raises(ValueError, match="lr must be >= 0"):
         Muon([weight], lr=-1.0)
+
+
+def test_reference_gpt_traffic_and_balance_on_planner_layouts() -> None:
+    """On the planner's real layouts of the reference GPT: Muon's bytes per rank stay within 1.1x
+    of 2(W-1)/W^2*P*2 (bf16) and Newton–Schulz load within 1.1x of the mean (pure logic)."""
+    from raggedfsdp.models import GPT, GPT_CONFIGS
+    from raggedfsdp.optim.muon import _plan_bucket
+    from raggedfsdp.planner import StructAwarePlanner, bucket_params
+
+    model = GPT(GPT_CONFIGS["gpt-ref"], device="meta")
+    planner = StructAwarePlanner("muon")
+    for world in (2, 4):
+        shapes, ranges = [], []
+        for _, params in bucket_params(model):
+            plan = planner.plan(params, world)
+            for name, entry in plan.entries.items():
+                if len(entry.shape) >= 2 and "emb" not in name:
+                    shapes.append(torch.Size(entry.shape))
+                    ranges.append(plan.layout(name).ranges)
+        total = sum(s.numel() for s in shapes)
+        plans = [_plan_bucket(shapes, ranges, world, me) for me in range(world)]
+        sent = [2 * 2 * sum(p.outgoing_splits) for p in plans]  # gather + scatter, bf16
+        assert max(sent) <= 1.1 * 2 * (world - 1) / world**2 * total * 2, (world, sent)
+        load = [0] * world
+        for matrix in plans[0].matrices:
+            load[matrix.owner] += newton_schulz_cost(matrix.rows, matrix.cols)
+        assert max(load) <= 1.1 * sum(load) / world, (world, load)

@@ -50,13 +50,21 @@ def newton_schulz_cost(rows: int, cols: int) -> int:
 
 
 def plan_owners(
-    costs: Sequence[int], world_size: int, holders: Sequence[int | None] | None = None
+    costs: Sequence[int],
+    world_size: int,
+    holders: Sequence[int | None] | None = None,
+    held: Sequence[Sequence[int]] | None = None,
+    slack: float = 0.05,
 ) -> list[int]:
     """Owner rank of each matrix, balancing the summed cost per rank.
 
     A matrix with ``holders[i]`` set lies whole on that rank and is owned there (no traffic); the
     others go greedily, largest cost first, to the least-loaded rank (ties: the earlier matrix, the
-    lower rank). Pure and deterministic, so every rank computes the same plan.
+    lower rank). With ``held[i][r]`` (elements of matrix ``i`` rank ``r`` already holds), any rank
+    whose load is within ``slack`` of the mean load of the least-loaded one may take it instead,
+    and the one holding most of the matrix does: its piece need not travel, which cuts the
+    gather/scatter traffic while keeping the balance within ``slack``. Pure and deterministic, so
+    every rank computes the same plan.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -70,8 +78,12 @@ def plan_owners(
             owners[i] = holder
             load[holder] += costs[i]
     free = sorted((i for i, h in enumerate(holders) if h is None), key=lambda i: -costs[i])
+    tolerance = slack * sum(costs) / world_size
     for i in free:
         rank = min(range(world_size), key=lambda r: load[r])
+        if held is not None:
+            near = [r for r in range(world_size) if load[r] <= load[rank] + tolerance]
+            rank = max(near, key=lambda r: (held[i][r], -load[r], -r))
         owners[i] = rank
         load[rank] += costs[i]
     return owners
@@ -150,7 +162,12 @@ def _plan_bucket(shapes: list[torch.Size], ranges: list[tuple], world: int, me: 
     for *_, pieces in matrices_in:
         held = [r for r, (lo, hi) in enumerate(pieces) if hi > lo]
         holders.append(held[0] if len(held) == 1 else None)
-    owners = plan_owners([newton_schulz_cost(m[2], m[3]) for m in matrices_in], world, holders)
+    owners = plan_owners(
+        [newton_schulz_cost(m[2], m[3]) for m in matrices_in],
+        world,
+        holders,
+        held=[[hi - lo for lo, hi in m[4]] for m in matrices_in],
+    )
     matrices = tuple(
         _Matrix(item, offset, rows, cols, owner, pieces)
         for (item, offset, rows, cols, pieces), owner in zip(matrices_in, owners, strict=True)
