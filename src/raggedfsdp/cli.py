@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn, TextIO
 
 import torch
 
+from . import bench
 from .launch import configure_export_parser, configure_train_parser, run_export, run_train
 from .layout import BlockSize, RaggedShard
 from .models import MODEL_NAMES
@@ -310,6 +311,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "train a GPT with raggedfsdp (workers started by torchrun)",
         configure_train_parser,
         run_train,
+    ),
+    "bench": Subcommand(
+        "time raggedfsdp against FSDP2, DDP and the compute floor, interleaved",
+        bench.configure_parser,
+        bench.run,
     ),
     "export": Subcommand(
         "write a training checkpoint's model as a plain state dict",
