@@ -230,3 +230,20 @@ def test_failed_rank_does_not_hang_the_others():
     results = run_distributed(_one_rank_fails, 2, pg_timeout=5, timeout=120)
     assert results[1] == "raised before forward"
     assert results[0].startswith("error after"), results[0]
+
+
+def _originals_freed(rank: int, world: int) -> tuple[int, int]:
+    import gc
+    import weakref
+
+    model = OddModel()
+    refs = [weakref.ref(p) for p in model.parameters()]
+    rf.FSDPBackend(model)
+    gc.collect()
+    return sum(r() is not None for r in refs), len(refs)
+
+
+def test_wrapping_frees_the_original_parameters():
+    """Only shards stay: nothing keeps the unsharded model's parameters alive after wrapping."""
+    for alive, total in run_distributed(_originals_freed, 2):
+        assert (alive, total) == (0, 17)

@@ -10,8 +10,8 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
 - ``full_grad``  ``[W*S]`` communication dtype, storage alive from a unit's pre-backward to its
   reduce-scatter's completion: autograd accumulates the unsharded gradients into views of it, and
   the reduce-scatter reads it as is;
-- ``local_grad`` ``[S]`` master dtype, persistent once created: the reduce-scatter writes into it
-  and the sharded gradients are views of it.
+- the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
+  it; the sharded gradients are views of it, so it lives as long as they do.
 
 So neither collective needs a copy-in or a copy-out.
 
@@ -152,7 +152,6 @@ class DBuffer:
         self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
         self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; set by bind_full_grad
-        self.local_grad: torch.Tensor | None = None  # 1-D [S] master dtype, once reduced
         self.slots: list[ParamSlot] = []
         shard_start = rank * self.shard_numel
         for fqn, entry in plan.entries.items():
@@ -205,26 +204,22 @@ class DBuffer:
         for slot in self.slots:
             slot.unsharded.grad = None
 
-    def ensure_local_grad(self) -> torch.Tensor:
-        if self.local_grad is None:
-            self.local_grad = torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
-        return self.local_grad
-
     def has_sharded_grads(self) -> bool:
         """Whether any sharded parameter still holds a gradient (not cleared by zero_grad)."""
         return any(slot.sharded.grad is not None for slot in self.slots)
 
-    def attach_sharded_grads(self) -> None:
-        """Sharded gradients become views of ``local_grad`` (where they are not already)."""
-        assert self.local_grad is not None
+    def attach_sharded_grads(self, local_grad: torch.Tensor) -> None:
+        """Sharded gradients become views of ``local_grad`` (1-D ``[S]``, the reduce-scatter's
+        output)."""
         for slot in self.slots:
-            if slot.sharded.requires_grad and slot.sharded.grad is None:
-                view = self.local_grad[slot.local_start : slot.local_end]
+            if slot.sharded.requires_grad:
+                view = local_grad[slot.local_start : slot.local_end]
                 slot.sharded.grad = view.view(slot.sharded.shape)
 
     def persistent_bytes(self) -> int:
-        """Bytes this bucket holds between steps: the local shard and its gradient."""
+        """Bytes this bucket holds between steps: the local shard, and its gradient while the
+        sharded parameters hold one."""
         total = self.local.numel() * self.local.element_size()
-        if self.local_grad is not None:
-            total += self.local_grad.numel() * self.local_grad.element_size()
+        if self.has_sharded_grads():
+            total += self.local.numel() * self.local.element_size()
         return total

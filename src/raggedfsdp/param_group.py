@@ -96,7 +96,7 @@ class _PendingReduce:
     group: FSDPParamGroup
     bucket: DBuffer
     pending: Pending
-    output: torch.Tensor  # [S] in reduce dtype: local_grad itself, or a temporary
+    output: torch.Tensor  # [S] in reduce dtype: becomes the sharded gradients (or is added)
     rs_input: torch.Tensor  # kept alive until the collective is done
 
     def finish(self) -> None:
@@ -134,6 +134,11 @@ class FSDPParamGroup:
         self._reduces_in_flight = 0  # reduce-scatters issued and not yet completed
         self._owners = {r.fqn: r.owners for r in registrations}
         self.buckets = self._build_buckets(registrations, planner)
+        # From here on a registration names the sharded parameter: holding the original one
+        # would keep the whole unsharded model alive.
+        sharded = {slot.fqn: slot.sharded for b in self.buckets for slot in b.slots}
+        for reg in registrations:
+            reg.param = sharded[reg.fqn]
         # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
         # of it. The FSDP2-style path copies out into a second storage, as FSDP2 does.
         self._gather_storage = self._storages(self.buckets)
@@ -340,10 +345,10 @@ class FSDPParamGroup:
         if reduce_dtype != full_grad.dtype:
             rs_input = full_grad.to(reduce_dtype)
             self.stats.add_copy(rs_input)
-        if reduce_dtype == bucket.dtype and not bucket.has_sharded_grads():
-            output = bucket.ensure_local_grad()  # the reduce-scatter writes the grads in place
-        else:
-            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
+        # A fresh [S] buffer: when no sharded gradient is held it becomes the gradient itself
+        # (the sharded grads are views of it), so it lives exactly as long as they do and
+        # zero_grad(set_to_none=True) frees it, as in FSDP2.
+        output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
         pending = reduce_scatter(output, rs_input, self.mesh_info.shard_group, self.stats)
         self._reduces_in_flight += 1
         self.reduce_queue.push(_PendingReduce(self, bucket, pending, output, rs_input))
@@ -352,20 +357,19 @@ class FSDPParamGroup:
         """After a bucket's reduce-scatter: HSDP all-reduce, then sharded gradients."""
         if self.mesh_info.replicate_group is not None:
             all_reduce(output, self.mesh_info.replicate_group, self.stats).wait()
-        local_grad = bucket.ensure_local_grad()
-        if output is not local_grad:
-            accumulate = bucket.has_sharded_grads()
-            for slot in bucket.slots:
-                if not slot.sharded.requires_grad:
-                    continue
+        if bucket.has_sharded_grads():
+            for slot in bucket.slots:  # gradients accumulate across steps, as in torch
                 piece = output[slot.local_start : slot.local_end].view(slot.sharded.shape)
-                if accumulate and slot.sharded.grad is not None:
-                    slot.sharded.grad += piece  # gradients accumulate across steps, as in torch
-                else:
-                    target = local_grad[slot.local_start : slot.local_end]
-                    target.view(slot.sharded.shape).copy_(piece)
+                if slot.sharded.grad is not None:
+                    slot.sharded.grad += piece
+                elif slot.sharded.requires_grad:
+                    slot.sharded.grad = piece.to(bucket.dtype, copy=True)
                     self.stats.add_copy(piece)
-        bucket.attach_sharded_grads()
+        else:
+            if output.dtype != bucket.dtype:  # reduce_dtype other than the master dtype
+                output = output.to(bucket.dtype)
+                self.stats.add_copy(output)
+            bucket.attach_sharded_grads(output)
         self._reduces_in_flight -= 1
         if self._reduces_in_flight == 0:  # the last reduce of this unit has read its grads
             for b in self.buckets:
