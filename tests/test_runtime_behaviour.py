@@ -38,9 +38,11 @@ def _ancestors(event) -> list[str]:
 
 def _copy_ops(step) -> Counter:
     """Copy operators on the compute thread while ``step`` runs, leaving out what the
-    communication backend does inside a collective or its wait (Gloo's reduce-scatter copies its
-    input; NCCL's does not) - those are not the framework's copies."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    communication backend does inside a collective or its wait (Gloo copies inside its
+    collectives; NCCL does not) and the 0-d conversions torch makes of Python scalars (``x / 2``)
+    - those are not copies of tensor data by the framework."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         step()
     events = prof.events()
     compute = {e.thread for e in events if e.name == "aten::linear"}
@@ -50,6 +52,8 @@ def _copy_ops(step) -> Counter:
             continue
         above = _ancestors(e)
         if any(a.startswith("c10d::") or a == "raggedfsdp::wait" for a in above):
+            continue
+        if all(shape == [] for shape in e.input_shapes if shape is not None):
             continue
         counts[e.name] += 1
     return counts
