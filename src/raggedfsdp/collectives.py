@@ -8,6 +8,7 @@ error rather than a hang.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -86,7 +87,8 @@ def reduce_scatter(
             work = dist.all_to_all_single(received, full, group=group, async_op=async_op)
 
             def mean() -> None:
-                torch.sum(received.view(world, -1), dim=0, out=output).div_(world)
+                torch.sum(received.view(world, -1), dim=0, out=output)
+                output.div_(_world_tensor(world, output.dtype, output.device))
 
             pending = Pending(work, stats, mean)
             if not async_op:
@@ -100,6 +102,13 @@ def reduce_scatter(
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
     return dist.get_backend(group) == "gloo"
+
+
+@functools.cache
+def _world_tensor(world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``world`` as a 0-d tensor, made once: dividing by a Python number would convert it to a
+    tensor on every call."""
+    return torch.tensor(world, dtype=dtype, device=device)
 
 
 def all_reduce(
