@@ -1,7 +1,7 @@
 """``fully_shard`` / ``FSDPBackend``: module hooks that drive the parameter groups.
 
 [Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared pool,
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
   stats, plan check across ranks). The unit issues its all-gather if not prefetched, prefetches
   the next unit's (order recorded in the first iteration), then waits for its own.
 - Forward post-hook: reshard (unless ``reshard_after_forward=False`` or the root), and hook the
@@ -48,7 +48,7 @@ _STATE_ATTR = "_raggedfsdp_state"
 
 
 class _RootContext:
-    """What all units under one root share: the pool, stats, reduce queue and unit order."""
+    """What all units under one root share: stats, the reduce queue and the unit order."""
 
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root

@@ -72,7 +72,7 @@ class ReduceQueue:
     """Reduce-scatters in flight, shared by all units of a model.
 
     Issued reduce-scatters are finished in order; at most ``depth`` stay in flight so unsharded
-    gradient buffers go back to the pool while backward proceeds.
+    gradient storage is freed while backward proceeds.
     """
 
     def __init__(self, depth: int = 1) -> None:
@@ -230,14 +230,6 @@ class FSDPParamGroup:
         for storage in live:
             storage.free()
         self.stats.note_unsharded(-sum(s.nbytes for s in live))
-
-    def unsharded_bytes(self) -> int:
-        """Bytes of unsharded parameter and gradient storage allocated right now."""
-        storages = {id(s): s for s in self._gather_storage + self._param_storage}
-        storages.update({id(s): s for s in self._grad_storage})
-        return sum(s.nbytes for s in storages.values() if s.allocated)
-
-    # -- parameter swap ------------------------------------------------------------------------
 
     def _swap_params(self, *, unsharded: bool) -> None:
         """Make the modules hold the unsharded (or sharded) parameter objects."""
