@@ -1,9 +1,9 @@
 """``fully_shard`` / ``FSDPBackend``: module hooks that drive the parameter groups.
 
 [Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
-  stats, plan check across ranks). The unit issues its all-gather if not prefetched, prefetches
-  the next unit's (order recorded in the first iteration), then waits for its own.
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats
+  and reduce queue, plan check across ranks). The unit issues its all-gather if not prefetched,
+  prefetches the next unit's (order recorded in the first iteration), then waits for its own.
 - Forward post-hook: reshard (unless ``reshard_after_forward=False`` or the root), and hook the
   outputs so that the first gradient flowing into them unshards the unit again (pre-backward).
   Inputs that require grad are routed through :class:`_PostBackward`, whose backward runs when the
