@@ -23,8 +23,8 @@ run: setup
 	$(BIN)/raggedfsdp train --out runs/$$(date +%Y%m%d-%H%M%S)
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/python -m ruff check src tests benchmarks
+	$(BIN)/python -m ruff format --check src tests benchmarks
 
 test: lint
 	$(BIN)/python -m pytest -q
