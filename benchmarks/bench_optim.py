@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
@@ -57,10 +56,8 @@ import platform
 import shlex
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +69,7 @@ from torch import nn
 import raggedfsdp as rf
 from raggedfsdp.data import sample_batch
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
+from raggedfsdp.spawn import run_on_ranks
 
 OPTIMIZERS = ("adamw", "muon", "shampoo", "adamw8bit")
 LABELS = {
@@ -342,64 +340,6 @@ def _rank_main(rank: int, world: int, options: Options) -> dict[str, Any]:
     return {"records": records, "breakdown": breakdown, "info": info}
 
 
-def _rank_entry(rank: int, world: int, options: Options, tmp: str) -> None:
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    out = Path(tmp) / f"rank{rank}.pt"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=options.timeout),
-        )
-        torch.save({"ok": True, "value": _rank_main(rank, world, options)}, out)
-    except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, out)
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            os._exit(0)  # skip interpreter teardown, where Gloo sometimes aborts
-
-
-def launch(
-    fn: Callable[..., None], world: int, args: tuple, timeout: float
-) -> list[dict[str, Any]]:
-    """Run ``fn(rank, world, *args, tmp)`` on ``world`` spawned processes; their results."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="bench-optim-") as tmp:
-        procs = [ctx.Process(target=fn, args=(r, world, *args, tmp)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for rank in range(world):
-            path = Path(tmp) / f"rank{rank}.pt"
-            if not path.exists():
-                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
-                continue
-            record = torch.load(path, weights_only=False)
-            if record["ok"]:
-                results.append(record["value"])
-            else:
-                errors.append(f"rank {rank} raised:\n{record['error']}")
-        if errors:
-            raise RuntimeError("\n".join(errors))
-        return results
-
-
 # ---------------------------------------------------------------------------------------------
 # Merging ranks.
 
@@ -617,7 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     worlds: dict[str, Any] = {}
     for world in options.worlds:
         t0 = time.monotonic()
-        ranks = launch(_rank_entry, world, (options,), options.timeout)
+        ranks = run_on_ranks(
+            _rank_main, world, options, timeout=options.timeout, pg_timeout=options.timeout
+        )
         worlds[str(world)] = merge(options, world, ranks)
         print(f"W={world}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     results = {

@@ -36,17 +36,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import json
 import math
 import os
 import platform
 import shlex
 import sys
-import tempfile
 import time
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +54,7 @@ from torch import nn
 import raggedfsdp as rf
 from raggedfsdp.data import BatchSampler, load_corpus
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
+from raggedfsdp.spawn import run_on_ranks
 
 OPTIMIZERS = ("adamw", "muon", "shampoo", "adamw8bit")
 LABELS = {
@@ -223,66 +220,6 @@ def _rank_main(rank: int, world: int, kind: str, options: Options) -> dict[str, 
     }
 
 
-def _rank_entry(rank: int, world: int, kind: str, options: Options, tmp: str) -> None:
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):
-        torch.set_num_interop_threads(1)
-    out = Path(tmp) / f"rank{rank}.pt"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=options.timeout),
-        )
-        torch.save({"ok": True, "value": _rank_main(rank, world, kind, options)}, out)
-    except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, out)
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            os._exit(0)  # skip interpreter teardown, where Gloo sometimes aborts
-
-
-def launch(kind: str, options: Options) -> list[dict[str, Any]]:
-    """Train ``kind`` on ``options.world`` spawned ranks; every rank's result."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    world = options.world
-    with tempfile.TemporaryDirectory(prefix="convergence-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_entry, args=(r, world, kind, options, tmp))
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + options.timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for rank in range(world):
-            path = Path(tmp) / f"rank{rank}.pt"
-            if not path.exists():
-                errors.append(f"rank {rank}: no result (exit code {procs[rank].exitcode})")
-                continue
-            record = torch.load(path, weights_only=False)
-            if record["ok"]:
-                results.append(record["value"])
-            else:
-                errors.append(f"rank {rank} raised:\n{record['error']}")
-        if errors:
-            raise RuntimeError(f"{kind}:\n" + "\n".join(errors))
-        return results
-
-
 def _median(values: list[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
@@ -401,7 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     for kind in optimizers:
         t0 = time.monotonic()
-        ranks = launch(kind, options)
+        ranks = run_on_ranks(
+            _rank_main,
+            options.world,
+            kind,
+            options,
+            timeout=options.timeout,
+            pg_timeout=options.timeout,
+        )
         results["runs"][kind] = ranks[0]
         print(f"{kind}: {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
     results["wall_s"] = time.monotonic() - start

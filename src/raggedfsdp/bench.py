@@ -51,19 +51,18 @@ import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .spawn import run_on_ranks
 
 __all__ = [
     "SYSTEMS",
@@ -319,14 +318,14 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         f"{options.warmup} warm-up + {options.steps} measured steps each, interleaved"
     )
     load_before = _loadavg()
-    ranks = _launch(_timing_phase, options.world, (options,), options.timeout)
+    ranks = run_on_ranks(_timing_phase, options.world, options, timeout=options.timeout)
     load_after = _loadavg()
     systems = _merge_timing(options, ranks)
     memory_note = None
     if options.memory:
         for name in options.systems:
             note(f"memory: {name} in fresh processes")
-            mem = _launch(_memory_phase, options.world, (options, name), options.timeout)
+            mem = run_on_ranks(_memory_phase, options.world, options, name, timeout=options.timeout)
             systems[name]["memory"] = _merge_memory(mem)
     else:
         memory_note = "memory phase skipped (--no-memory)"
@@ -524,76 +523,6 @@ def _add_ratios(systems: dict[str, Any]) -> None:
                 if rounds
                 else None
             )
-
-
-# ---------------------------------------------------------------------------------------------
-# Launching ranks. Results travel back through torch.save files, so a rank that Gloo aborts at
-# interpreter exit (after its work is done) still reports; os._exit skips that teardown.
-
-
-def _launch(
-    fn: Callable[..., Any], world: int, args: tuple, timeout: float
-) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="raggedfsdp-bench-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_entry, args=(fn, rank, world, args, tmp))
-            for rank in range(world)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        results, errors = [], []
-        for rank in range(world):
-            path = Path(tmp) / f"rank{rank}.pt"
-            if not path.exists():
-                why = " (timed out)" if rank in hung else f" (exit code {procs[rank].exitcode})"
-                errors.append(f"rank {rank}: no result{why}")
-                continue
-            record = torch.load(path, weights_only=False)
-            if record["ok"]:
-                results.append(record["value"])
-            else:
-                errors.append(f"rank {rank} raised:\n{record['error']}")
-        if errors:
-            raise RuntimeError(f"bench phase {fn.__name__} failed:\n" + "\n".join(errors))
-        return results
-
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world: int, args: tuple, tmp: str) -> None:
-    torch.set_num_threads(1)
-    with contextlib.suppress(RuntimeError):  # already set once work ran
-        torch.set_num_interop_threads(1)
-    out = Path(tmp) / f"rank{rank}.pt"
-    try:
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
-        if cuda:
-            torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=rank,
-            world_size=world,
-        )
-        value = fn(rank, world, *args)
-        torch.save({"ok": True, "value": value}, out)
-    except BaseException:  # every failure, assertion errors included, goes to the parent
-        torch.save({"ok": False, "error": traceback.format_exc()}, out)
-    finally:
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        finally:
-            os._exit(0)
 
 
 # ---------------------------------------------------------------------------------------------
