@@ -281,3 +281,21 @@ def test_bad_hyper_parameters_are_named() -> None:
         AdamW8bit([param], block_shape=(32,))
     with pytest.raises(ValueError, match="betas"):
         AdamW8bit([param], betas=(1.5, 0.9))
+
+
+def test_table_quantizer_equals_bucketize_exactly() -> None:
+    """The table lookup of quantize_blocks picks the same code as a binary search everywhere,
+    including on every midpoint, its float neighbours, signed zeros and tiny values."""
+    from raggedfsdp.optim.adamw8bit import _NearestCode
+
+    g = torch.Generator().manual_seed(0)
+    for signed in (True, False):
+        qmap = dynamic_map(signed)
+        mids = (qmap[:-1] + qmap[1:]) / 2
+        x = torch.rand(200_000, generator=g) * (2 if signed else 1) - (1 if signed else 0)
+        x = x * torch.rand(200_000, generator=g) ** 8  # dense near 0, where the map is
+        edges = [mids, mids.nextafter(torch.tensor(2.0)), mids.nextafter(torch.tensor(-2.0))]
+        specials = torch.tensor([0.0, -0.0, 1.0, 1e-30, -1e-30, 1e-45, qmap[0].item()])
+        x = torch.cat([x, *edges, specials])
+        want = torch.bucketize(x, mids, out_int32=True).to(torch.uint8)
+        assert torch.equal(_NearestCode.of(qmap, x.device)(x), want)

@@ -21,7 +21,7 @@ bnb#2080).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,17 +80,66 @@ def quantize_blocks(
     scales = tiles.abs().amax(dim=(1, 3))
     # An all-zero tile has scale 0; dividing by 1 instead keeps its codes at the map's zero.
     normalized = tiles / torch.where(scales > 0, scales, 1.0)[:, None, :, None]
-    qmap = qmap.to(x2d.device)
-    midpoints = (qmap[:-1] + qmap[1:]) / 2
-    codes = torch.bucketize(normalized, midpoints, out_int32=True).to(torch.uint8)
+    codes = _NearestCode.of(qmap, x2d.device)(normalized)
     return _untiled(codes, *x2d.shape).contiguous(), scales
+
+
+class _NearestCode:
+    """``bucketize(x, midpoints)`` of a 256-value map, exactly, without a binary search.
+
+    [Note: nearest code by table] A float32's bit pattern, flipped for negatives, is an integer
+    key in the floats' own order, so the top 16 bits of the key split the real line into 65,536
+    ordered cells. A table gives, per cell, how many midpoints lie in lower cells: every one of
+    those is below ``x``. The few midpoints inside ``x``'s own cell (at most one for the dynamic
+    maps) are compared directly. The result equals ``torch.bucketize`` bit for bit (tested on
+    every midpoint and its float neighbours) at 2-3x its speed, which dominated the step.
+    """
+
+    _cache: ClassVar[dict[tuple[int, str], _NearestCode]] = {}
+
+    def __init__(self, qmap: torch.Tensor, device: torch.device) -> None:
+        qmap = qmap.to(device=device, dtype=torch.float32)
+        self.midpoints = (qmap[:-1] + qmap[1:]) / 2  # 1-D [255], sorted
+        cells = _cell(self.midpoints)
+        every_cell = torch.arange(1 << 16, dtype=torch.int64, device=device)
+        self.below = torch.searchsorted(cells, every_cell).to(torch.int32)  # [65536]
+        self.per_cell = int(torch.bincount(cells, minlength=1 << 16).max())
+
+    @classmethod
+    def of(cls, qmap: torch.Tensor, device: torch.device) -> _NearestCode:
+        key = (hash(tuple(qmap.tolist())), str(device))
+        if key not in cls._cache:
+            cls._cache[key] = cls(qmap, device)
+        return cls._cache[key]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float()
+        code = _lookup(self.below, _cell(x))
+        last = self.midpoints.numel() - 1
+        for _ in range(self.per_cell):
+            nxt = _lookup(self.midpoints, code.clamp(max=last))
+            code += ((code <= last) & (nxt < x)).to(torch.int32)
+        return code.to(torch.uint8)
+
+
+def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[index]`` for a 1-D table, in ``index``'s shape."""
+    return torch.index_select(table, 0, index.reshape(-1).long()).view(index.shape)
+
+
+def _cell(x: torch.Tensor) -> torch.Tensor:
+    """Which of 2^16 ordered cells of the float32 line each value of ``x`` falls in."""
+    bits = x.contiguous().view(torch.int32)
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotone in the value
+    return ((key >> 16) + (1 << 15)).long()
 
 
 def dequantize_blocks(
     codes: torch.Tensor, scales: torch.Tensor, block_shape: tuple[int, int], qmap: torch.Tensor
 ) -> torch.Tensor:
     """The fp32 values of :func:`quantize_blocks`' output (``codes``' shape)."""
-    values = qmap.to(codes.device)[codes.long()]
+    # index_select: a 1-D gather, several times faster on CPU than advanced indexing.
+    values = _lookup(qmap.to(codes.device), codes)
     tiles = _tiled(values, block_shape).mul_(scales[:, None, :, None])
     return _untiled(tiles, *codes.shape)
 
