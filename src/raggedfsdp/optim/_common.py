@@ -272,3 +272,9 @@ def _copy_to(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_copy_to(v, device) for v in value)
     return value
+
+
+def check_betas(betas: Any, where: str) -> None:
+    """``ValueError`` unless ``betas`` is two numbers in [0, 1) (torch.optim's rule)."""
+    if len(tuple(betas)) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{where} must be two numbers in [0, 1), got {betas}")

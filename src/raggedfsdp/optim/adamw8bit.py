@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import ShardLayout, row_numel, shard_info
-from ._common import ShardedOptimizer, check_block_cuts, global_shape
+from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape
 
 __all__ = ["AdamW8bit", "dequantize_blocks", "dynamic_map", "quantize_blocks"]
 
@@ -197,9 +197,7 @@ class AdamW8bit(ShardedOptimizer):
     def _check_group(self, group: dict[str, Any], group_index: int) -> None:
         super()._check_group(group, group_index)
         where = f"param group {group_index}"
-        betas = group["betas"]
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas}")
+        check_betas(group["betas"], f"{where}: betas")
         if not group["eps"] >= 0:
             raise ValueError(f"{where}: eps must be >= 0, got {group['eps']}")
         if not (isinstance(group["block_numel"], int) and group["block_numel"] >= 1):

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from ..layout import shard_info
-from ._common import ShardedOptimizer, comm_group, global_shape, local_range
+from ._common import ShardedOptimizer, check_betas, comm_group, global_shape, local_range
 
 __all__ = ["Muon", "newton_schulz_cost", "plan_owners"]
 
@@ -266,8 +266,7 @@ class Muon(ShardedOptimizer):
             )
         if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
             raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
-        if len(tuple(adamw_betas)) != 2 or not all(0.0 <= b < 1.0 for b in adamw_betas):
-            raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {adamw_betas}")
+        check_betas(adamw_betas, "adamw_betas")
         self.ns_dtype = ns_dtype
         # Filled into use_muon=False groups by add_param_group (so "eps" there is AdamW's, not
         # Newton–Schulz's).

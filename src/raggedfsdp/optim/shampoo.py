@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..layout import ShardLayout, row_numel, shard_info
-from ._common import ShardedOptimizer, check_block_cuts, global_shape, local_range
+from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape, local_range
 
 __all__ = ["Shampoo"]
 
@@ -108,9 +108,7 @@ class Shampoo(ShardedOptimizer):
     def _check_group(self, group: dict[str, Any], group_index: int) -> None:
         super()._check_group(group, group_index)
         where = f"param group {group_index}"
-        betas = group["betas"]
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas}")
+        check_betas(group["betas"], f"{where}: betas")
         if not 0.0 < group["shampoo_beta2"] <= 1.0:
             raise ValueError(
                 f"{where}: shampoo_beta2 must be in (0, 1], got {group['shampoo_beta2']}"
