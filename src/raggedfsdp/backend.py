@@ -41,6 +41,7 @@ from .param_group import (
     TrainingState,
 )
 from .planner import StructAwarePlanner
+from .pool import BufferPool
 
 __all__ = ["FSDPBackend", "FSDPModule", "MixedPrecisionPolicy", "fully_shard"]
 
@@ -55,6 +56,7 @@ class _RootContext:
         self.states = states
         self.stats = RuntimeStats()
         self.reduce_queue = ReduceQueue()
+        self.pool = BufferPool(self.stats)
         self.forward_order: list[FSDPState] = []
         self.order_recorded = False
         self.in_backward = False
@@ -74,6 +76,7 @@ class _RootContext:
         self.reduce_queue.drain()
         for state in self.states:
             state.group.finish_iteration()
+        self.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.in_backward = False
         self.callback_queued = False
 
@@ -118,7 +121,7 @@ class FSDPState:
         for state in states:
             state.ctx = ctx
             state.is_root = state is self
-            state.group.use_shared(ctx.stats, ctx.reduce_queue)
+            state.group.use_shared(ctx.stats, ctx.reduce_queue, ctx.pool)
         _check_plans_agree(states, self.group.mesh_info)
 
     # -- forward -------------------------------------------------------------------------------
@@ -173,7 +176,14 @@ class FSDPState:
         if self.is_root:
             ctx.order_recorded = True
         grad_enabled = torch.is_grad_enabled()
-        if (not self.is_root and self.reshard_after_forward) or (self.is_root and not grad_enabled):
+        if self.is_root:
+            reshard = not grad_enabled
+        else:
+            # The unit that runs forward last is the first to run backward: freeing it would
+            # only make backward gather it straight back (torchtitan sets this by hand).
+            last = ctx.order_recorded and ctx.forward_order[-1] is self
+            reshard = self.reshard_after_forward and not (last and grad_enabled)
+        if reshard:
             self.group.reshard()
         self.group.training_state = TrainingState.IDLE
         if grad_enabled:
@@ -198,7 +208,12 @@ class FSDPState:
             ctx.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(ctx.finish_backward)
         self.group.pre_backward()
-        prev = ctx.neighbour(self, -1)
+        # The root's backward (the loss and whatever it computes after its last child) comes
+        # first; the unit that ran forward last is next, so its all-gather overlaps the root's.
+        if self.is_root and ctx.order_recorded and ctx.forward_order[-1] is not self:
+            prev = ctx.forward_order[-1]
+        else:
+            prev = ctx.neighbour(self, -1)
         if prev is not None and prev.group.training_state is TrainingState.IDLE:
             prev.group.unshard()  # prefetch the unit whose backward comes next
 

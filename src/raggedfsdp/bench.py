@@ -119,8 +119,12 @@ _COLLECTIVE_KINDS = {
     "c10d::allgather_into_tensor_coalesced_": "all_gather",
     "c10d::_reduce_scatter_base_": "reduce_scatter",
     "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    # raggedfsdp's reduce-scatter on Gloo (collectives.py); the bench's optimizers issue no other.
-    "c10d::alltoall_base_": "reduce_scatter",
+}
+#: raggedfsdp's ranges around its collectives; on Gloo they are point-to-point transfers
+#: (collectives.py), whose sizes only Gloo's own ``gloo:send`` records carry.
+_P2P_RANGES = {
+    "raggedfsdp::all_gather": "all_gather",
+    "raggedfsdp::reduce_scatter": "reduce_scatter",
 }
 _STEP_RANGE = "bench::step"
 _WAIT_RANGE = "bench::wait"
@@ -741,14 +745,21 @@ def _profile_step(runner: _Runner, batch: tuple[torch.Tensor, torch.Tensor], top
         record_function(_STEP_RANGE),
     ):
         runner.step(*batch)
-    return _analyse_profile(prof.events(), top)
+    return _analyse_profile(prof.events(), top, dist.get_world_size())
 
 
-def _analyse_profile(events: Sequence[Any], top: int) -> dict[str, Any]:
+def _analyse_profile(events: Sequence[Any], top: int, world: int) -> dict[str, Any]:
     """Copy counts, collective sizes and a split of the step's CPU time, from one step."""
     step = next(e for e in events if e.name == _STEP_RANGE)
     main = step.thread
     wall_us = step.time_range.elapsed_us()
+    # Each raggedfsdp collective range on the compute thread, with the bytes of the point-to-point
+    # sends Gloo records inside it (its send records have no parent; match them by start time).
+    p2p_ranges = sorted(
+        (e.time_range.start, e.time_range.end, _P2P_RANGES[e.name], [])
+        for e in events
+        if e.name in _P2P_RANGES and e.thread == main
+    )
 
     ops: Counter[str] = Counter()  # every copy-like (and fill) operator, nested ones too
     copies = Counter()  # outermost copy-like operators by where they run
@@ -777,6 +788,11 @@ def _analyse_profile(events: Sequence[Any], top: int) -> dict[str, Any]:
             collectives["all_reduce"]["calls"] += 1
         elif e.name.startswith(("c10d::broadcast", "c10d::allgather_")) and on_main:
             collectives[e.name.removeprefix("c10d::").rstrip("_")]["calls"] += 1
+        if e.name == "gloo:send" and on_main:
+            start = e.time_range.start
+            for lo, hi, _, sends in p2p_ranges:
+                if lo <= start <= hi:
+                    sends.append(_input_bytes(e, 0))
         if e.name.startswith(("gloo:", "nccl:")):
             gloo[e.name]["calls"] += 1
             gloo[e.name]["bytes"] += _input_bytes(e, 0)
@@ -785,6 +801,15 @@ def _analyse_profile(events: Sequence[Any], top: int) -> dict[str, Any]:
         if on_main:
             self_us[e.name] += e.self_cpu_time_total
             split_us[_time_kind(e.name, chain)] += e.self_cpu_time_total
+    # As RuntimeStats counts them: an all-gather's input is the one shard sent to every peer; a
+    # reduce-scatter's is the whole gradient, of which the W-1 peers' chunks are sent.
+    for _, _, kind, sends in p2p_ranges:
+        if sends:
+            collectives[kind]["calls"] += 1
+            if kind == "all_gather":
+                collectives[kind]["bytes"] += sends[0]
+            else:
+                collectives[kind]["bytes"] += sum(sends) * world // (world - 1)
     # Gloo runs a reduce-scatter as an all-reduce of the full input; what remains of its
     # all-reduce bytes are real all-reduces (DDP buckets, HSDP), whose c10d op records no shapes.
     if "all_reduce" in collectives:

@@ -7,9 +7,10 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
   optimizer updates it in place;
 - ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
   all-gather writes straight into it and the unsharded parameters are views of it;
-- ``full_grad``  ``[W*S]`` communication dtype, storage alive from a unit's pre-backward to its
-  reduce-scatter's completion: autograd accumulates the unsharded gradients into views of it, and
-  the reduce-scatter reads it as is;
+- ``full_grad``  ``[W*S]`` communication dtype, bound from a unit's pre-backward to its
+  reduce-scatter's completion (a block of the model's :class:`~raggedfsdp.pool.BufferPool`):
+  autograd accumulates the unsharded gradients into views of it, and the reduce-scatter reads
+  it as is;
 - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
   it; the sharded gradients are views of it, so it lives as long as they do.
 
@@ -33,7 +34,7 @@ from torch import nn
 from .layout import ShardInfo, mark_sharded
 from .planner import ShardPlan
 
-__all__ = ["DBuffer", "DBufferConfig", "FlatStorage"]
+__all__ = ["DBuffer", "DBufferConfig", "FlatStorage", "carve", "packed_nbytes"]
 
 # Sub-buffers in a FlatStorage start on this many bytes, enough for any dtype and for vector loads.
 _STORAGE_ALIGN = 256
@@ -69,6 +70,24 @@ class DBufferConfig:
             )
 
 
+def packed_nbytes(sizes: list[tuple[int, torch.dtype]]) -> int:
+    """Bytes of one block holding 1-D buffers of ``(numel, dtype)`` back to back, aligned."""
+    return sum(_aligned(numel * dtype.itemsize) for numel, dtype in sizes)
+
+
+def carve(block: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
+    """The buffers of :func:`packed_nbytes`'s layout, as views of the 1-D byte tensor ``block``."""
+    views, offset = [], 0
+    for numel, dtype in sizes:
+        views.append(block[offset : offset + numel * dtype.itemsize].view(dtype))
+        offset += _aligned(numel * dtype.itemsize)
+    return views
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _STORAGE_ALIGN) * _STORAGE_ALIGN
+
+
 class FlatStorage:
     """Several 1-D buffers in one storage that is allocated and freed as a whole.
 
@@ -78,16 +97,9 @@ class FlatStorage:
     """
 
     def __init__(self, sizes: list[tuple[int, torch.dtype]], device: torch.device) -> None:
-        offsets, total = [], 0
-        for numel, dtype in sizes:
-            offsets.append(total)
-            total += -(-numel * dtype.itemsize // _STORAGE_ALIGN) * _STORAGE_ALIGN
-        self.nbytes = total
-        self._bytes = torch.empty(total, dtype=torch.uint8, device=device)  # 1-D byte storage
-        self.views = [
-            self._bytes[o : o + numel * dtype.itemsize].view(dtype)
-            for o, (numel, dtype) in zip(offsets, sizes, strict=True)
-        ]
+        self.nbytes = packed_nbytes(sizes)
+        self._bytes = torch.empty(self.nbytes, dtype=torch.uint8, device=device)  # 1-D bytes
+        self.views = carve(self._bytes, sizes)
 
     @property
     def allocated(self) -> bool:
@@ -124,9 +136,9 @@ class ParamSlot:
 class DBuffer:
     """The buffers of one bucket and the views that make parameters and gradients out of them.
 
-    ``full`` and ``full_grad`` are views into :class:`FlatStorage` objects owned by the unit's
-    parameter group (which allocates and frees them); the collectives that fill the buffers live
-    in :mod:`raggedfsdp.collectives`.
+    ``full`` is a view into a :class:`FlatStorage` and ``full_grad`` into a pooled block, both
+    owned by the unit's parameter group (which allocates and frees them); the collectives that
+    fill the buffers live in :mod:`raggedfsdp.collectives`.
     """
 
     def __init__(
@@ -151,7 +163,7 @@ class DBuffer:
         # Zeros, so the padding between parameters is deterministic in every collective.
         self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
-        self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; set by bind_full_grad
+        self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; bound during backward
         self.slots: list[ParamSlot] = []
         shard_start = rank * self.shard_numel
         for fqn, entry in plan.entries.items():
@@ -188,12 +200,9 @@ class DBuffer:
             view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
             slot.unsharded.data = view
 
-    def bind_full_grad(self, full_grad: torch.Tensor) -> None:
-        self.full_grad = full_grad
-
-    def attach_unsharded_grads(self) -> None:
+    def attach_unsharded_grads(self, full_grad: torch.Tensor) -> None:
         """Unsharded gradients become views of ``full_grad`` (autograd accumulates into them)."""
-        assert self.full_grad is not None
+        self.full_grad = full_grad
         for slot in self.slots:
             if slot.unsharded.requires_grad:
                 slot.unsharded.grad = self.full_grad[slot.offset : slot.offset + slot.numel].view(
@@ -201,6 +210,7 @@ class DBuffer:
                 )
 
     def detach_unsharded_grads(self) -> None:
+        self.full_grad = None
         for slot in self.slots:
             slot.unsharded.grad = None
 

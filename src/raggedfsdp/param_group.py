@@ -16,9 +16,10 @@ from torch import nn
 from torch.autograd.profiler import record_function
 
 from .collectives import Pending, all_gather, all_reduce, reduce_scatter
-from .dbuffer import DBuffer, DBufferConfig, FlatStorage
+from .dbuffer import DBuffer, DBufferConfig, FlatStorage, carve, packed_nbytes
 from .metrics import RuntimeStats
 from .planner import StructAwarePlanner, split_by_bytes
+from .pool import BufferPool
 
 __all__ = ["FSDPParamGroup", "MeshInfo", "MixedPrecisionPolicy", "ShardedState", "TrainingState"]
 
@@ -124,9 +125,10 @@ class FSDPParamGroup:
         self.device = device
         self.label = label
         self.registrations = registrations
-        # Replaced by the root's shared stats and queue at lazy init.
+        # Replaced by the root's shared stats, queue and pool at lazy init.
         self.stats = RuntimeStats()
         self.reduce_queue = ReduceQueue()
+        self.pool = BufferPool(self.stats)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -145,16 +147,16 @@ class FSDPParamGroup:
         self._param_storage = (
             self._gather_storage if config.zero_copy else self._storages(self.buckets)
         )
-        trainable = [b for b in self.buckets if b.requires_grad]
-        self._grad_storage = self._storages(trainable)
         gathered = _views(self._gather_storage)
         params = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, params, strict=True):
             bucket.bind_full(full, param_buffer)
-        for bucket, full_grad in zip(trainable, _views(self._grad_storage), strict=True):
-            bucket.bind_full_grad(full_grad)
-        for storage in self._gather_storage + self._param_storage + self._grad_storage:
+        for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
+        # The unsharded gradients of all trainable buckets: one pooled block per backward.
+        self._trainable = [b for b in self.buckets if b.requires_grad]
+        self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
+        self._grad_block: torch.Tensor | None = None
         self._swap_params(unsharded=False)
 
     # -- construction --------------------------------------------------------------------------
@@ -214,16 +216,16 @@ class FSDPParamGroup:
             return [FlatStorage(sizes, self.device)]
         return [FlatStorage([size], self.device) for size in sizes]
 
-    def use_shared(self, stats: RuntimeStats, queue: ReduceQueue) -> None:
-        """Adopt the root's stats and reduce queue."""
+    def use_shared(self, stats: RuntimeStats, queue: ReduceQueue, pool: BufferPool) -> None:
+        """Adopt the root's stats, reduce queue and scratch pool."""
         self.stats = stats
         self.reduce_queue = queue
+        self.pool = pool
 
-    def _allocate(self, storages: list[FlatStorage]) -> bool:
-        """Allocate the storages not yet allocated; returns whether any was."""
+    def _allocate(self, storages: list[FlatStorage]) -> None:
+        """Allocate the storages not yet allocated."""
         fresh = [s for s in storages if s.allocate()]
         self.stats.note_unsharded(sum(s.nbytes for s in fresh))
-        return bool(fresh)
 
     def _free(self, storages: list[FlatStorage]) -> None:
         live = [s for s in {id(s): s for s in storages}.values() if s.allocated]
@@ -308,13 +310,16 @@ class FSDPParamGroup:
         """This unit's backward starts: parameters unsharded, gradient views in place."""
         self.training_state = TrainingState.PRE_BACKWARD
         self.wait_for_unshard()
-        # Under no_sync the gradient storage stays allocated between backwards and keeps
-        # accumulating; only a fresh one is zeroed.
-        if self._allocate(self._grad_storage):
-            for bucket in self.buckets:
-                if bucket.full_grad is not None:
-                    bucket.full_grad.zero_()
-                    bucket.attach_unsharded_grads()
+        # Under no_sync the gradient block stays between backwards and keeps accumulating;
+        # only a fresh one is zeroed.
+        if self._grad_block is None and self._trainable:
+            block = self.pool.take(packed_nbytes(self._grad_sizes), torch.uint8, self.device)
+            block.zero_()
+            for bucket, full_grad in zip(
+                self._trainable, carve(block, self._grad_sizes), strict=True
+            ):
+                bucket.attach_unsharded_grads(full_grad)
+            self._grad_block = block
 
     def post_backward(self) -> None:
         """This unit's backward is done: reduce its gradients (unless accumulating without
@@ -323,10 +328,9 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         with record_function(f"raggedfsdp::post_backward({self.label})"):
-            if self.requires_gradient_sync and any(s.allocated for s in self._grad_storage):
-                for bucket in self.buckets:
-                    if bucket.full_grad is not None:
-                        self._reduce(bucket)
+            if self.requires_gradient_sync and self._grad_block is not None:
+                for bucket in self._trainable:
+                    self._reduce(bucket)
             self.reshard()
 
     def _reduce(self, bucket: DBuffer) -> None:
@@ -341,7 +345,9 @@ class FSDPParamGroup:
         # (the sharded grads are views of it), so it lives exactly as long as they do and
         # zero_grad(set_to_none=True) frees it, as in FSDP2.
         output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
-        pending = reduce_scatter(output, rs_input, self.mesh_info.shard_group, self.stats)
+        pending = reduce_scatter(
+            output, rs_input, self.mesh_info.shard_group, self.stats, scratch=self.pool
+        )
         self._reduces_in_flight += 1
         self.reduce_queue.push(_PendingReduce(self, bucket, pending, output, rs_input))
 
@@ -364,9 +370,11 @@ class FSDPParamGroup:
             bucket.attach_sharded_grads(output)
         self._reduces_in_flight -= 1
         if self._reduces_in_flight == 0:  # the last reduce of this unit has read its grads
-            for b in self.buckets:
+            for b in self._trainable:
                 b.detach_unsharded_grads()
-            self._free(self._grad_storage)
+            assert self._grad_block is not None
+            self.pool.give(self._grad_block)
+            self._grad_block = None
 
     def finish_iteration(self) -> None:
         """End of backward: this unit back to idle and sharded. Under no_sync the unsharded
