@@ -78,9 +78,17 @@ def _zero_copy(rank: int, world: int) -> dict[str, tuple[Counter, Counter] | dic
     plain = copy.deepcopy(base)
     _fwd_bwd(plain, idx, targets)()  # warm-up: first calls allocate differently
     out["plain"] = _copy_ops(_fwd_bwd(plain, idx, targets))
-    for name, zero_copy in (("zero_copy", True), ("copy_path", False)):
+    for name, zero_copy, block in (
+        ("zero_copy", True, None),
+        ("zero_copy_whole", True, "whole"),
+        ("copy_path", False, None),
+    ):
         model = copy.deepcopy(base)
-        rf.FSDPBackend(model, dbuffer_config=rf.DBufferConfig(zero_copy=zero_copy))
+        rf.FSDPBackend(
+            model,
+            shard_policy=rf.RaggedShard(block_size=block),
+            dbuffer_config=rf.DBufferConfig(zero_copy=zero_copy),
+        )
         _fwd_bwd(model, idx, targets)()
         model.reset_stats()
         out[name] = _copy_ops(_fwd_bwd(model, idx, targets))
@@ -95,24 +103,31 @@ def _zero_copy(rank: int, world: int) -> dict[str, tuple[Counter, Counter] | dic
 
 
 def test_zero_copy_profile():
-    """fp32: around the reduce-scatter the framework copies nothing, and around the all-gather
-    only each rank's own shard into its slot of the unsharded buffer (on NCCL the collective's
-    kernel places it; Gloo's point-to-point transfers leave it to us), once per all-gather and
-    exactly the shard's bytes; the backend copies nothing either. The FSDP2-style path and FSDP2
-    itself copy in and out (negative controls)."""
+    """fp32: around the reduce-scatter the framework copies nothing. Around the all-gather, a
+    parameter a rank holds whole is a view of its shard, so nothing is copied for it; only the
+    rank's piece of a parameter that crosses a rank boundary is placed into its slot of the
+    unsharded buffer (on NCCL the collective's kernel places the slot; Gloo's point-to-point
+    transfers leave it to us): none at all when every parameter is whole on one rank, at most
+    two pieces per all-gather (one at each end of the rank's slot) with element cuts. The backend
+    copies nothing either. The FSDP2-style path and FSDP2 itself copy in and out (negative
+    controls)."""
     for counts in run_distributed(_zero_copy, 2):
         plain, _ = counts["plain"]
-        framework, backend = counts["zero_copy"]
-        stats = counts["zero_copy_stats"]
-        assert stats["all_gather_calls"] > 0
-        assert stats["copies"] == stats["all_gather_calls"], stats
-        assert stats["copy_bytes"] == stats["all_gather_bytes"], stats
-        assert framework - plain == Counter({"aten::copy_": stats["copies"]}), counts
-        assert plain - framework == Counter(), counts
-        assert sum(backend.values()) == 0, counts
+        for name in ("zero_copy", "zero_copy_whole"):
+            framework, backend = counts[name]
+            stats = counts[f"{name}_stats"]
+            assert stats["all_gather_calls"] > 0 and stats["reduce_scatter_calls"] > 0
+            assert framework - plain == Counter({"aten::copy_": stats["copies"]}), counts
+            assert plain - framework == Counter(), counts
+            assert sum(backend.values()) == 0, counts
+        whole = counts["zero_copy_whole_stats"]
+        assert whole["copies"] == 0 and whole["copy_bytes"] == 0, whole
+        element = counts["zero_copy_stats"]
+        assert 0 < element["copies"] <= 2 * element["all_gather_calls"], element
+        assert element["copy_bytes"] < element["all_gather_bytes"] / 2, element
         copy_path, _ = counts["copy_path"]
-        assert counts["copy_path_stats"]["copy_bytes"] > 2 * stats["copy_bytes"], counts
-        assert sum(copy_path.values()) > sum(framework.values()), counts
+        assert counts["copy_path_stats"]["copy_bytes"] > 2 * element["all_gather_bytes"]
+        assert sum(copy_path.values()) > sum(counts["zero_copy"][0].values()), counts
         fsdp2_framework, fsdp2_backend = counts["fsdp2"]
         extra_fsdp2 = fsdp2_framework - plain
         assert any("chunk_cat" in k or "split_with_sizes_copy" in k for k in extra_fsdp2), counts

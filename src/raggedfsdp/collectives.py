@@ -9,7 +9,7 @@ error rather than a hang.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,9 +54,13 @@ def all_gather(
     group: dist.ProcessGroup | None,
     stats: RuntimeStats,
     *,
+    own_ranges: Sequence[tuple[int, int]] | None = None,
     async_op: bool = True,
 ) -> Pending:
     """``output[r*S:(r+1)*S] = shard of rank r``; ``output`` is the unsharded bucket buffer.
+
+    ``own_ranges`` (``(start, end)`` within the shard) limits what must land in this rank's own
+    slot to what is read from there; ``None`` means all of it.
 
     [Note: all-gather on Gloo] Gloo's all-gather allocates a flat output of its own, copies the
     input into it and copies all ``W`` chunks back out: ``(W+1)*S`` elements copied and ``W*S``
@@ -64,7 +68,9 @@ def all_gather(
     each peer's shard straight into its slot of ``output`` and send ``shard`` from where it
     lies, so the only copy left is this rank's own chunk into its slot -- the placement NCCL's
     kernel does on the GPU -- made here and counted (a 12 MiB shard on 2 ranks: 6.6 ms of CPU
-    instead of 11-13 ms). NCCL keeps its native in-place all-gather.
+    instead of 11-13 ms); and only ``own_ranges`` of it: parameters a rank holds whole are
+    views of its shard, so only the pieces of parameters that cross a rank boundary are copied.
+    NCCL keeps its native in-place all-gather.
     """
     with record_function("raggedfsdp::all_gather"):
         stats.all_gather_calls += 1
@@ -79,8 +85,9 @@ def all_gather(
                 works.append(dist.irecv(chunk, global_peer, group=group, tag=_TAG_ALL_GATHER))
             own = output[rank * size : (rank + 1) * size]
             if own.data_ptr() != shard.data_ptr():
-                own.copy_(shard)
-                stats.add_copy(own)
+                for start, end in [(0, size)] if own_ranges is None else own_ranges:
+                    own[start:end].copy_(shard[start:end])
+                    stats.add_copy(own[start:end])
             pending = Pending(works, stats)
         else:
             work = _all_gather_tensor(output, shard, group=group, async_op=async_op)

@@ -47,8 +47,13 @@ class DBufferConfig:
     Attributes:
         zero_copy: parameters and gradients are views of the bucket buffers, so collectives run
             in place. ``False`` is an FSDP2-style copy-in/copy-out path kept for A/B measurement.
-        group_level: the unsharded buffers of all buckets of a unit share one storage, allocated
-            and freed as a whole; ``False`` gives each bucket its own.
+        group_level: memory is managed per unit and shared across units: the unsharded
+            parameter buffers of all buckets of a unit share one storage, allocated and freed
+            as a whole, and the gradient and reduce-scatter scratch blocks come from one pool
+            shared by all units of the model, reused from unit to unit within a backward and
+            emptied at its end. ``False`` gives each bucket its own parameter storage and
+            allocates every scratch block afresh (as FSDP2 does). Unsharded *parameter*
+            storage is not pooled across units: see [Note: freeing unsharded storage].
         buffer_size: a unit's parameters are split into buckets of at most this many bytes (in
             the communication dtype); a single larger parameter gets its own bucket; ``None`` makes
             each unit one bucket per dtype.
@@ -191,14 +196,30 @@ class DBuffer:
     def full_numel(self) -> int:
         return self.world_size * self.shard_numel
 
-    def bind_full(self, full: torch.Tensor, param_buffer: torch.Tensor) -> None:
+    def bind_full(
+        self, full: torch.Tensor, param_buffer: torch.Tensor, *, whole_from_local: bool
+    ) -> None:
         """Attach the all-gather output ``full`` and make the unsharded parameters views of
         ``param_buffer``: ``full`` itself with zero copy, or a separate buffer that the
-        FSDP2-style path copies into."""
+        FSDP2-style path copies into.
+
+        With ``whole_from_local`` (zero copy, no cast) a parameter this rank holds whole is a
+        view of ``local`` instead: its unsharded form *is* its shard, so the all-gather need
+        not place it in ``full`` (see ``own_ranges``)."""
         self.full = full
+        own_ranges = []
         for slot in self.slots:
+            whole_here = slot.local_end - slot.local_start == slot.numel
+            if whole_from_local and whole_here:
+                slot.unsharded.data = self.local[slot.local_start : slot.local_end].view(slot.shape)
+                continue
             view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
             slot.unsharded.data = view
+            if slot.local_end > slot.local_start:
+                own_ranges.append((slot.local_start, slot.local_end))
+        #: the pieces of ``local`` (start, end) that unsharded views read from this rank's slot
+        #: of ``full``: what an all-gather must place there (all of it without zero copy)
+        self.own_ranges = own_ranges if whole_from_local else [(0, self.shard_numel)]
 
     def attach_unsharded_grads(self, full_grad: torch.Tensor) -> None:
         """Unsharded gradients become views of ``full_grad`` (autograd accumulates into them)."""

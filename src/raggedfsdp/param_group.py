@@ -128,7 +128,7 @@ class FSDPParamGroup:
         # Replaced by the root's shared stats, queue and pool at lazy init.
         self.stats = RuntimeStats()
         self.reduce_queue = ReduceQueue()
-        self.pool = BufferPool(self.stats)
+        self.pool = BufferPool(self.stats, retain=config.group_level)
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -150,13 +150,18 @@ class FSDPParamGroup:
         gathered = _views(self._gather_storage)
         params = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, params, strict=True):
-            bucket.bind_full(full, param_buffer)
+            whole_from_local = config.zero_copy and bucket.comm_dtype == bucket.dtype
+            bucket.bind_full(full, param_buffer, whole_from_local=whole_from_local)
         for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
         # The unsharded gradients of all trainable buckets: one pooled block per backward.
         self._trainable = [b for b in self.buckets if b.requires_grad]
         self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
         self._grad_block: torch.Tensor | None = None
+        for bucket in self._trainable:
+            for slot in bucket.slots:
+                if slot.unsharded.requires_grad:
+                    slot.unsharded.register_hook(self._gradient_arrives)
         self._swap_params(unsharded=False)
 
     # -- construction --------------------------------------------------------------------------
@@ -217,10 +222,11 @@ class FSDPParamGroup:
         return [FlatStorage([size], self.device) for size in sizes]
 
     def use_shared(self, stats: RuntimeStats, queue: ReduceQueue, pool: BufferPool) -> None:
-        """Adopt the root's stats, reduce queue and scratch pool."""
+        """Adopt the root's stats, reduce queue and scratch pool (``group_level=False``: a pool
+        of its own that keeps nothing)."""
         self.stats = stats
         self.reduce_queue = queue
-        self.pool = pool
+        self.pool = pool if self.config.group_level else BufferPool(stats, retain=False)
 
     def _allocate(self, storages: list[FlatStorage]) -> None:
         """Allocate the storages not yet allocated."""
@@ -268,7 +274,13 @@ class FSDPParamGroup:
                     shard = bucket.local.clone()  # FSDP2-style copy-in, for A/B measurement
                     self.stats.add_copy(shard)
                 self._pending_unshard.append(
-                    all_gather(full, shard, self.mesh_info.shard_group, self.stats)
+                    all_gather(
+                        full,
+                        shard,
+                        self.mesh_info.shard_group,
+                        self.stats,
+                        own_ranges=bucket.own_ranges,
+                    )
                 )
         self.sharded_state = ShardedState.UNSHARDING
 
@@ -307,19 +319,28 @@ class FSDPParamGroup:
     # -- backward ------------------------------------------------------------------------------
 
     def pre_backward(self) -> None:
-        """This unit's backward starts: parameters unsharded, gradient views in place."""
+        """This unit's backward starts: parameters unsharded (its gradient block is taken when
+        the first gradient arrives, see :meth:`_gradient_arrives`)."""
         self.training_state = TrainingState.PRE_BACKWARD
         self.wait_for_unshard()
-        # Under no_sync the gradient block stays between backwards and keeps accumulating;
-        # only a fresh one is zeroed.
-        if self._grad_block is None and self._trainable:
-            block = self.pool.take(packed_nbytes(self._grad_sizes), torch.uint8, self.device)
-            block.zero_()
-            for bucket, full_grad in zip(
-                self._trainable, carve(block, self._grad_sizes), strict=True
-            ):
-                bucket.attach_unsharded_grads(full_grad)
-            self._grad_block = block
+
+    def _gradient_arrives(self, grad: torch.Tensor) -> None:
+        """Hook on every trainable unsharded parameter, run just before autograd accumulates
+        its gradient: the unit's gradient block is taken now rather than when its backward
+        starts, so it is not held while the unit's output gradients are still being computed
+        (for the root, the whole loss backward, which is where the memory peak lies)."""
+        self._take_grad_block()
+
+    def _take_grad_block(self) -> None:
+        """Unsharded gradients become views of a zeroed block; under no_sync the block stays
+        between backwards and keeps accumulating, so an existing one is kept as it is."""
+        if self._grad_block is not None:
+            return
+        block = self.pool.take(packed_nbytes(self._grad_sizes), torch.uint8, self.device)
+        block.zero_()
+        for bucket, full_grad in zip(self._trainable, carve(block, self._grad_sizes), strict=True):
+            bucket.attach_unsharded_grads(full_grad)
+        self._grad_block = block
 
     def post_backward(self) -> None:
         """This unit's backward is done: reduce its gradients (unless accumulating without
@@ -328,7 +349,9 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         with record_function(f"raggedfsdp::post_backward({self.label})"):
-            if self.requires_gradient_sync and self._grad_block is not None:
+            if self.requires_gradient_sync and self._trainable:
+                # Every rank joins the reduce-scatter, whether or not gradients reached it.
+                self._take_grad_block()
                 for bucket in self._trainable:
                     self._reduce(bucket)
             self.reshard()

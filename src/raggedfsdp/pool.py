@@ -26,10 +26,12 @@ _Key = tuple[int, torch.dtype, torch.device]
 
 class BufferPool:
     """Released 1-D blocks, by exact ``(numel, dtype, device)``; their bytes are counted as held
-    unsharded memory in ``stats`` from allocation until :meth:`clear`."""
+    unsharded memory in ``stats`` from allocation until :meth:`clear`. With ``retain=False``
+    a released block is freed at once (every request allocates: ``group_level=False``)."""
 
-    def __init__(self, stats: RuntimeStats) -> None:
+    def __init__(self, stats: RuntimeStats, *, retain: bool = True) -> None:
         self.stats = stats
+        self.retain = retain
         self._free: dict[_Key, list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -43,6 +45,9 @@ class BufferPool:
 
     def give(self, block: torch.Tensor) -> None:
         """Return a block from :meth:`take`; the caller keeps no view of it."""
+        if not self.retain:
+            self.stats.note_unsharded(-_nbytes(block))
+            return
         self._free.setdefault((block.numel(), block.dtype, block.device), []).append(block)
 
     @property
