@@ -11,7 +11,7 @@ Usage::
 
 prints the tables, writes the results as JSON (``--out-json``) and as markdown (``--out-md``), and
 with ``--write-docs`` replaces the generated section of that file (between the ``bench_runtime``
-markers; the prose around it is kept).
+markers, or those of ``--section``; the prose around it is kept).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="replace the generated section of this markdown file (e.g. docs/runtime.md)",
     )
+    parser.add_argument(
+        "--section",
+        default="bench_runtime",
+        help="name of the generated section --write-docs replaces (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     results = bench.run_bench(bench.options_from_args(args), log=None if args.json else _log)
     if args.json:
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_md:
         args.out_md.write_text(markdown)
     if args.write_docs:
-        write_section(args.write_docs, "bench_runtime", "\n" + markdown)
+        write_section(args.write_docs, args.section, "\n" + markdown, script="bench_runtime")
     return 0
 
 

@@ -35,8 +35,9 @@ Phases, each in freshly spawned processes (one per rank):
 Collective bytes follow :class:`raggedfsdp.metrics.RuntimeStats`: per rank, what the rank feeds
 into the collective (all-gather: its shard; reduce-scatter: the whole unsharded gradient;
 all-reduce: the tensor). For every system they are read from the profiler (the ``c10d::`` operator
-input shapes); Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only
-Gloo all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
+input shapes; raggedfsdp's point-to-point collectives on Gloo from Gloo's ``gloo:send`` records);
+Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only Gloo
+all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
 """
 
 from __future__ import annotations
@@ -398,7 +399,8 @@ def _notes(options: BenchOptions, memory_note: str | None) -> list[str]:
         "c10d/Gloo operator, on a Gloo thread, or inside Work.wait(); 'beyond floor' = "
         "'framework' minus the floor's (copies the model itself makes)",
         "collective bytes: per rank, input of the collective, from the profiler's c10d operator "
-        "shapes; Gloo implements reduce-scatter as a full all-reduce + clone + copy",
+        "shapes (raggedfsdp on Gloo: its point-to-point transfers, from Gloo's send records); "
+        "Gloo's own reduce-scatter (FSDP2's) is a full all-reduce + clone + copy",
         "memory: fresh processes per system; tensor high-water = max of the profiler's running "
         "allocation sum (all tensors this system allocated, from model construction on) during "
         "the last step; peak RSS includes the Python/torch runtime and the profiler's records",

@@ -72,22 +72,28 @@ class Registration:
 class ReduceQueue:
     """Reduce-scatters in flight, shared by all units of a model.
 
-    Issued reduce-scatters are finished in order; at most ``depth`` stay in flight so unsharded
-    gradient storage is freed while backward proceeds.
+    A unit issues the reduce-scatters of all its buckets together. Before it does, those of
+    earlier units are finished (in order) until fewer than ``depth`` units have any in flight,
+    so their gradient blocks and receive buffers are back in the pool for this unit to reuse
+    rather than held beside its own. By then they have had a whole unit's backward to complete.
     """
 
     def __init__(self, depth: int = 1) -> None:
         self.depth = depth
-        self._queue: deque[_PendingReduce] = deque()
+        self._units: deque[list[_PendingReduce]] = deque()
 
-    def push(self, item: _PendingReduce) -> None:
-        self._queue.append(item)
-        while len(self._queue) > self.depth:
-            self._queue.popleft().finish()
+    def make_room(self) -> None:
+        while len(self._units) >= self.depth:
+            for item in self._units.popleft():
+                item.finish()
+
+    def push(self, unit: list[_PendingReduce]) -> None:
+        self._units.append(unit)
 
     def drain(self) -> None:
-        while self._queue:
-            self._queue.popleft().finish()
+        while self._units:
+            for item in self._units.popleft():
+                item.finish()
 
 
 @dataclass
@@ -352,11 +358,11 @@ class FSDPParamGroup:
             if self.requires_gradient_sync and self._trainable:
                 # Every rank joins the reduce-scatter, whether or not gradients reached it.
                 self._take_grad_block()
-                for bucket in self._trainable:
-                    self._reduce(bucket)
+                self.reduce_queue.make_room()
+                self.reduce_queue.push([self._reduce(bucket) for bucket in self._trainable])
             self.reshard()
 
-    def _reduce(self, bucket: DBuffer) -> None:
+    def _reduce(self, bucket: DBuffer) -> _PendingReduce:
         full_grad = bucket.full_grad
         assert full_grad is not None
         reduce_dtype = self.reduce_dtype(bucket)
@@ -372,7 +378,7 @@ class FSDPParamGroup:
             output, rs_input, self.mesh_info.shard_group, self.stats, scratch=self.pool
         )
         self._reduces_in_flight += 1
-        self.reduce_queue.push(_PendingReduce(self, bucket, pending, output, rs_input))
+        return _PendingReduce(self, bucket, pending, output, rs_input)
 
     def complete_reduce(self, bucket: DBuffer, output: torch.Tensor) -> None:
         """After a bucket's reduce-scatter: HSDP all-reduce, then sharded gradients."""
