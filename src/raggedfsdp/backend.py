@@ -1,13 +1,17 @@
 """``fully_shard`` / ``FSDPBackend``: module hooks that drive the parameter groups.
 
 [Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats
-  and reduce queue, plan check across ranks). The unit issues its all-gather if not prefetched,
-  prefetches the next unit's (order recorded in the first iteration), then waits for its own.
-- Forward post-hook: reshard (unless ``reshard_after_forward=False`` or the root), and hook the
-  outputs so that the first gradient flowing into them unshards the unit again (pre-backward).
-  Inputs that require grad are routed through :class:`_PostBackward`, whose backward runs when the
-  unit's whole backward is done (post-backward: reduce-scatter, reshard).
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
+  reduce queue and scratch pool, plan check across ranks). The unit issues its all-gather if not
+  prefetched, prefetches the next unit's (order recorded in the first iteration), then waits for
+  its own.
+- Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
+  ran forward last when gradients are on: its backward comes first), and hook the outputs so
+  that the first gradient flowing into them unshards the unit again (pre-backward; the root's
+  prefetches the unit whose backward follows its own). Inputs that require grad are routed
+  through :class:`_PostBackward`, whose backward runs when the unit's whole backward is done
+  (post-backward: reduce-scatter, reshard). A unit's gradient block is taken from the pool when
+  its first gradient arrives.
 - The first pre-backward queues an end-of-backward callback: it finishes units whose inputs had no
   gradient (the root), waits for every reduce-scatter and leaves all units sharded and idle.
 - Under activation checkpointing a unit may run forward again *during* backward; the hooks then
@@ -392,7 +396,9 @@ def fully_shard(
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`.
 
-    Apply it bottom-up: to each block, then to the root.
+    Apply it bottom-up: to each block, then to the root. ``reshard_after_forward`` frees the
+    unsharded parameters after forward (the root never does, as in FSDP2); the unit that runs
+    forward last keeps them into backward, which starts with it.
     """
     if hasattr(module, _STATE_ATTR):
         raise ValueError(

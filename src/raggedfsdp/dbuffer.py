@@ -131,7 +131,9 @@ class ParamSlot:
     local_start: int  # this rank's piece, in the local buffer
     local_end: int
     sharded: nn.Parameter  # persistent; a view of DBuffer.local
-    unsharded: nn.Parameter  # persistent; a view of DBuffer.full (zero copy) or its own tensor
+    # persistent; a view of DBuffer.full (zero copy; of DBuffer.local when held whole here) or
+    # of the FSDP2-style path's own buffer
+    unsharded: nn.Parameter
 
     @property
     def numel(self) -> int:
