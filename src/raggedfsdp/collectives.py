@@ -76,25 +76,32 @@ def all_gather(
         stats.all_gather_calls += 1
         stats.all_gather_bytes += shard.numel() * shard.element_size()
         if _is_gloo(group):
-            size = shard.numel()
-            rank, peers = _peers(group)
-            works = []
-            for peer, global_peer in peers:
-                works.append(dist.isend(shard, global_peer, group=group, tag=_TAG_ALL_GATHER))
-                chunk = output[peer * size : (peer + 1) * size]
-                works.append(dist.irecv(chunk, global_peer, group=group, tag=_TAG_ALL_GATHER))
-            own = output[rank * size : (rank + 1) * size]
-            if own.data_ptr() != shard.data_ptr():
-                for start, end in [(0, size)] if own_ranges is None else own_ranges:
-                    own[start:end].copy_(shard[start:end])
-                    stats.add_copy(own[start:end])
-            pending = Pending(works, stats)
+            pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
             work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
             pending = Pending([work] if work is not None else [], stats)
     if not async_op:
         pending.wait()
     return pending
+
+
+def _gloo_all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    stats: RuntimeStats,
+    own_ranges: Sequence[tuple[int, int]] | None,
+) -> Pending:
+    size = shard.numel()
+    rank, peers = _peers(group)
+    transfers = [(peer, shard, output[peer * size : (peer + 1) * size]) for peer in peers]
+    works = _exchange(transfers, group, _TAG_ALL_GATHER)
+    own = output[rank * size : (rank + 1) * size]
+    if own.data_ptr() != shard.data_ptr():
+        for start, end in [(0, size)] if own_ranges is None else own_ranges:
+            own[start:end].copy_(shard[start:end])
+            stats.add_copy(own[start:end])
+    return Pending(works, stats)
 
 
 def reduce_scatter(
@@ -146,18 +153,11 @@ def _gloo_reduce_scatter(
         received = scratch.take(numel, full.dtype, full.device)
     else:
         received = torch.empty(numel, dtype=full.dtype, device=full.device)
-    works, chunks = [], {rank: full[rank * size : (rank + 1) * size]}
-    for i, (peer, global_peer) in enumerate(peers):
-        works.append(
-            dist.isend(
-                full[peer * size : (peer + 1) * size],
-                global_peer,
-                group=group,
-                tag=_TAG_REDUCE_SCATTER,
-            )
-        )
+    chunks = {rank: full[rank * size : (rank + 1) * size]}
+    for i, peer in enumerate(peers):
         chunks[peer] = received[i * size : (i + 1) * size]
-        works.append(dist.irecv(chunks[peer], global_peer, group=group, tag=_TAG_REDUCE_SCATTER))
+    transfers = [(peer, full[peer * size : (peer + 1) * size], chunks[peer]) for peer in peers]
+    works = _exchange(transfers, group, _TAG_REDUCE_SCATTER)
 
     def mean() -> None:
         divisor = _world_tensor(world, output.dtype, output.device)
@@ -181,14 +181,26 @@ _TAG_ALL_GATHER = 1
 _TAG_REDUCE_SCATTER = 2
 
 
-def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[tuple[int, int]]]:
-    """This rank's index in ``group`` and every other member as ``(group rank, global rank)``,
-    starting after this rank so that no member is everyone's first peer."""
+def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int]]:
+    """This rank's index in ``group`` and every other member's, starting after this rank so
+    that no member is everyone's first peer."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    order = [(rank + step) % world for step in range(1, world)]
-    if group is None:
-        return rank, [(peer, peer) for peer in order]
-    return rank, [(peer, dist.get_global_rank(group, peer)) for peer in order]
+    return rank, [(rank + step) % world for step in range(1, world)]
+
+
+def _exchange(
+    transfers: list[tuple[int, torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    tag: int,
+) -> list[dist.Work]:
+    """For each ``(peer, send, receive)`` (peer: its rank in ``group``), post the send of
+    ``send`` to it and the receive of its message into ``receive``; returns the handles."""
+    works = []
+    for peer, send, receive in transfers:
+        to = peer if group is None else dist.get_global_rank(group, peer)
+        works.append(dist.isend(send, to, group=group, tag=tag))
+        works.append(dist.irecv(receive, to, group=group, tag=tag))
+    return works
 
 
 def _is_gloo(group: dist.ProcessGroup | None) -> bool:
