@@ -70,45 +70,75 @@ class Registration:
 
 
 class ReduceQueue:
-    """Reduce-scatters in flight, shared by all units of a model.
+    """Gradient reductions in flight, shared by all units of a model.
 
     A unit issues the reduce-scatters of all its buckets together. Before it does, those of
     earlier units are finished (in order) until fewer than ``depth`` units have any in flight,
     so their gradient blocks and receive buffers are back in the pool for this unit to reuse
     rather than held beside its own. By then they have had a whole unit's backward to complete.
+    Under HSDP a finished reduce-scatter issues the all-reduce of its shard over the replicas,
+    which likewise stays in flight through the next unit's backward.
     """
 
     def __init__(self, depth: int = 1) -> None:
         self.depth = depth
-        self._units: deque[list[_PendingReduce]] = deque()
+        self._scattering: deque[list[_PendingReduce]] = deque()
+        self._replicating: deque[list[_PendingReduce]] = deque()
 
     def make_room(self) -> None:
-        while len(self._units) >= self.depth:
-            for item in self._units.popleft():
-                item.finish()
+        while len(self._replicating) >= self.depth:
+            _finish(self._replicating.popleft())
+        while len(self._scattering) >= self.depth:
+            self._scattered(self._scattering.popleft())
 
     def push(self, unit: list[_PendingReduce]) -> None:
-        self._units.append(unit)
+        self._scattering.append(unit)
 
     def drain(self) -> None:
-        while self._units:
-            for item in self._units.popleft():
-                item.finish()
+        while self._scattering:
+            self._scattered(self._scattering.popleft())
+        while self._replicating:
+            _finish(self._replicating.popleft())
+
+    def _scattered(self, unit: list[_PendingReduce]) -> None:
+        for item in unit:
+            item.scattered()
+        if any(item.replicas is not None for item in unit):
+            self._replicating.append(unit)
+        else:
+            _finish(unit)
+
+
+def _finish(unit: list[_PendingReduce]) -> None:
+    for item in unit:
+        item.finish()
 
 
 @dataclass
 class _PendingReduce:
-    """A bucket's issued reduce-scatter and what to do when it completes."""
+    """A bucket's gradient reduction: its reduce-scatter, then (HSDP) the all-reduce over the
+    replicas, then the sharded gradients."""
 
     group: FSDPParamGroup
     bucket: DBuffer
     pending: Pending
     output: torch.Tensor  # [S] in reduce dtype: becomes the sharded gradients (or is added)
     rs_input: torch.Tensor  # kept alive until the collective is done
+    replicas: Pending | None = None  # HSDP: the all-reduce of ``output``, once issued
+
+    def scattered(self) -> None:
+        """Wait for the reduce-scatter; the unsharded gradients are read, so the unit may free
+        them; under HSDP issue the all-reduce over the replicas."""
+        self.pending.wait()
+        self.group.reduce_scattered()
+        mesh = self.group.mesh_info
+        if mesh.replicate_group is not None:
+            self.replicas = all_reduce(self.output, mesh.replicate_group, self.group.stats)
 
     def finish(self) -> None:
-        self.pending.wait()
-        self.group.complete_reduce(self.bucket, self.output)
+        if self.replicas is not None:
+            self.replicas.wait()
+        self.group.attach_reduced(self.bucket, self.output)
 
 
 class FSDPParamGroup:
@@ -380,12 +410,22 @@ class FSDPParamGroup:
         self._reduces_in_flight += 1
         return _PendingReduce(self, bucket, pending, output, rs_input)
 
-    def complete_reduce(self, bucket: DBuffer, output: torch.Tensor) -> None:
-        """After a bucket's reduce-scatter: HSDP all-reduce, then sharded gradients."""
-        if self.mesh_info.replicate_group is not None:
-            all_reduce(output, self.mesh_info.replicate_group, self.stats).wait()
+    def reduce_scattered(self) -> None:
+        """One of this unit's reduce-scatters is done; after the last, its unsharded gradients
+        are read and their block goes back to the pool."""
+        self._reduces_in_flight -= 1
+        if self._reduces_in_flight == 0:
+            for b in self._trainable:
+                b.detach_unsharded_grads()
+            assert self._grad_block is not None
+            self.pool.give(self._grad_block)
+            self._grad_block = None
+
+    def attach_reduced(self, bucket: DBuffer, output: torch.Tensor) -> None:
+        """The reduced gradient shard ``output`` becomes the sharded gradients (or is added to
+        those still held: gradients accumulate across steps, as in torch)."""
         if bucket.has_sharded_grads():
-            for slot in bucket.slots:  # gradients accumulate across steps, as in torch
+            for slot in bucket.slots:
                 piece = output[slot.local_start : slot.local_end].view(slot.sharded.shape)
                 if slot.sharded.grad is not None:
                     slot.sharded.grad += piece
@@ -397,13 +437,6 @@ class FSDPParamGroup:
                 output = output.to(bucket.dtype)
                 self.stats.add_copy(output)
             bucket.attach_sharded_grads(output)
-        self._reduces_in_flight -= 1
-        if self._reduces_in_flight == 0:  # the last reduce of this unit has read its grads
-            for b in self._trainable:
-                b.detach_unsharded_grads()
-            assert self._grad_block is not None
-            self.pool.give(self._grad_block)
-            self._grad_block = None
 
     def finish_iteration(self) -> None:
         """End of backward: this unit back to idle and sharded. Under no_sync the unsharded
