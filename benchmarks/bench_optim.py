@@ -68,7 +68,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from generated_docs import write_section
-from raggedfsdp.data import sample_batch
+from raggedfsdp.bench_systems import make_batches
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
 from raggedfsdp.spawn import run_on_ranks
 
@@ -195,24 +195,6 @@ def _build(kind: str, options: Options) -> Runner:
     return Runner(kind, model, optimizer)
 
 
-def _batches(options: Options, count: int, rank: int, world: int) -> list[tuple[Any, Any]]:
-    cfg = GPT_CONFIGS[options.model]
-    gen = torch.Generator().manual_seed(options.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (1 << 20,), generator=gen, dtype=torch.int64)
-    return [
-        sample_batch(
-            tokens,
-            step,
-            seq_len=cfg.seq_len,
-            batch_size=options.batch_size * world,
-            seed=options.seed,
-            rank=rank,
-            world_size=world,
-        )
-        for step in range(count)
-    ]
-
-
 # ---------------------------------------------------------------------------------------------
 # The instrumented Muon step.
 
@@ -307,7 +289,14 @@ def _muon_breakdown(runner: Runner, batch: tuple[Any, Any], ns_dtype: torch.dtyp
 def _rank_main(rank: int, world: int, options: Options) -> dict[str, Any]:
     runners = {kind: _build(kind, options) for kind in options.optimizers}
     rounds = options.warmup + options.steps
-    batches = _batches(options, rounds + 1, rank, world)
+    batches = make_batches(
+        options.model,
+        seed=options.seed,
+        batch_size=options.batch_size,
+        count=rounds + 1,
+        rank=rank,
+        world=world,
+    )
     records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in options.optimizers}
     order = list(options.optimizers)
     for k in range(rounds):

@@ -38,32 +38,32 @@ all-reduce: the tensor). For every system they are read from the profiler (the `
 input shapes; raggedfsdp's point-to-point collectives on Gloo from Gloo's ``gloo:send`` records);
 Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only Gloo
 all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
+
+The systems are built and stepped in :mod:`raggedfsdp.bench_systems`, the profiled step is
+analysed in :mod:`raggedfsdp.bench_profile`, the memory phase runs in
+:mod:`raggedfsdp.bench_memory` and :mod:`raggedfsdp.bench_report` renders the results.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import json
-import math
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
-import weakref
-from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from .bench_memory import memory_phase
+from .bench_profile import profile_step
 from .bench_report import render, render_markdown
+from .bench_systems import STEP_KEYS, bench_device, build, gpt_config, make_batches
 from .spawn import run_on_ranks
 
 __all__ = [
@@ -87,48 +87,6 @@ SYSTEMS: dict[str, str] = {
 """Every system the bench knows, in report order."""
 
 BENCH_MODELS = ("gpt-ref", "gpt-small", "gpt-tiny", "gpt-medium")
-
-#: Operators that copy tensor data. Counted per name wherever they occur; the per-step *total*
-#: counts only the outermost ones (``aten::clone`` calls ``aten::copy_``: one copy, not two).
-COPY_OPS = frozenset(
-    {
-        "aten::copy_",
-        "aten::_copy_from",
-        "aten::_copy_from_and_resize",
-        "aten::clone",
-        "aten::contiguous",
-        "aten::_to_copy",
-        "aten::cat",
-        "aten::_cat",
-        "aten::stack",
-        "aten::_chunk_cat",
-        "aten::chunk_cat",
-        "aten::split_with_sizes_copy",
-        "aten::narrow_copy",
-        "aten::index_copy_",
-        "aten::_foreach_copy_",
-        "fsdp::all_gather_copy_in",
-        "fsdp::split_with_sizes_copy",
-        "fsdp::chunk_cat",
-    }
-)
-#: Not copies, but whole-buffer writes worth seeing beside them.
-FILL_OPS = frozenset({"aten::zero_", "aten::fill_"})
-
-_COLLECTIVE_KINDS = {
-    "c10d::_allgather_base_": "all_gather",
-    "c10d::allgather_into_tensor_coalesced_": "all_gather",
-    "c10d::_reduce_scatter_base_": "reduce_scatter",
-    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
-}
-#: raggedfsdp's ranges around its collectives; on Gloo they are point-to-point transfers
-#: (collectives.py), whose sizes only Gloo's own ``gloo:send`` records carry.
-_P2P_RANGES = {
-    "raggedfsdp::all_gather": "all_gather",
-    "raggedfsdp::reduce_scatter": "reduce_scatter",
-}
-_STEP_RANGE = "bench::step"
-_WAIT_RANGE = "bench::wait"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,12 +288,12 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     if options.memory:
         for name in options.systems:
             note(f"memory: {name} in fresh processes")
-            mem = run_on_ranks(_memory_phase, options.world, options, name, timeout=options.timeout)
+            mem = run_on_ranks(memory_phase, options.world, options, name, timeout=options.timeout)
             systems[name]["memory"] = _merge_memory(mem)
     else:
         memory_note = "memory phase skipped (--no-memory)"
     _add_ratios(systems)
-    cfg = _gpt_config(options.model)
+    cfg = gpt_config(options.model)
     backend = ranks[0]["backend"]
     return {
         "options": asdict(options),
@@ -418,16 +376,10 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _gpt_config(name: str):
-    from .models import GPT_CONFIGS
-
-    return GPT_CONFIGS[name]
-
-
 def _num_params(name: str) -> int:
     from .models import GPT
 
-    return GPT(_gpt_config(name), device="meta").num_params()
+    return GPT(gpt_config(name), device="meta").num_params()
 
 
 def _merge_timing(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -437,7 +389,7 @@ def _merge_timing(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[st
         per_rank = [r["records"][name] for r in ranks]
         rounds = len(per_rank[0])
         steps = [
-            {key: max(rec[i][key] for rec in per_rank) for key in _STEP_KEYS} for i in range(rounds)
+            {key: max(rec[i][key] for rec in per_rank) for key in STEP_KEYS} for i in range(rounds)
         ]
         measured = steps[options.warmup :]
         med = {key: statistics.median(s[key] for s in measured) for key in steps[0]}
@@ -535,156 +487,23 @@ def _add_ratios(systems: dict[str, Any]) -> None:
 # One system on one rank.
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@dataclass
-class _Runner:
-    """A model, its optimizer and how to read its own counters."""
-
-    name: str
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    stats: Callable[[], dict[str, float]] | None = None
-    reset_stats: Callable[[], None] | None = None
-    #: bytes of full original parameters still alive after wrapping (not the trained ones)
-    retained_original_bytes: int = 0
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-        """One training step; wall times of its phases."""
-        if self.reset_stats is not None:
-            self.reset_stats()
-        _sync(self.device)
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        waited = _runqueue_seconds()
-        cpu, main_cpu = _process_cpu_seconds(), time.thread_time()
-        t0 = time.perf_counter()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.model(x, y)
-        _sync(self.device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(self.device)
-        t2 = time.perf_counter()
-        self.optimizer.step()
-        _sync(self.device)
-        t3 = time.perf_counter()
-        return {
-            "total": t3 - t0,
-            "fwd": t1 - t0,
-            "bwd": t2 - t1,
-            "opt": t3 - t2,
-            # first touches of fresh pages: allocator churn (freed and re-mapped buffers)
-            "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-            # time this thread was runnable but not running: contention (others' or our own
-            # communication threads) stretching the step
-            "runqueue": _runqueue_seconds() - waited,
-            # CPU seconds the step burnt: the whole process (compute thread plus the
-            # communication backend's threads) and the compute thread alone
-            "cpu": _process_cpu_seconds() - cpu,
-            "main_cpu": time.thread_time() - main_cpu,
-            "loss": float(loss.detach()),
-            "stats": self.stats() if self.stats is not None else None,
-        }
-
-
-_STEP_KEYS = ("total", "fwd", "bwd", "opt", "page_faults", "runqueue", "cpu", "main_cpu")
-
-
-def _process_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _runqueue_seconds() -> float:
-    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat)."""
-    try:
-        with open("/proc/thread-self/schedstat") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def _build(name: str, options: BenchOptions, device: torch.device) -> _Runner:
-    """Build ``name``'s model from the shared seed and wrap it."""
-    from .models import GPT
-
-    torch.manual_seed(options.seed)
-    model = GPT(_gpt_config(options.model), device=device)
-    originals = [weakref.ref(p) for p in model.parameters()]
-    stats = reset = None
-    if name in ("raggedfsdp", "raggedfsdp-copy"):
-        from .backend import FSDPBackend
-        from .dbuffer import DBufferConfig
-
-        FSDPBackend(model, dbuffer_config=DBufferConfig(zero_copy=name == "raggedfsdp"))
-        stats, reset = model.stats, model.reset_stats  # type: ignore[attr-defined]
-    elif name == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:  # type: ignore[attr-defined]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif name == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    elif name != "floor":
-        raise ValueError(f"unknown system {name!r}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
-    gc.collect()
-    # Bytes of the model's own (unwrapped, full) parameters that wrapping left alive: the
-    # parameters themselves for DDP and the floor; for a sharded system, memory it should free.
-    alive = [p for p in (ref() for ref in originals) if p is not None]
-    own = {id(p) for p in model.parameters()}
-    retained = sum(p.numel() * p.element_size() for p in alive if id(p) not in own)
-    return _Runner(name, model, optimizer, device, stats, reset, retained)
-
-
-def _batches(options: BenchOptions, count: int, rank: int, world: int, device: torch.device):
-    """Per-rank batches 0..count-1 of a random token stream; the same for every system."""
-    from .data import sample_batch
-
-    cfg = _gpt_config(options.model)
-    gen = torch.Generator().manual_seed(options.seed)
-    tokens = torch.randint(0, cfg.vocab_size, (1 << 20,), generator=gen, dtype=torch.int64)
-    out = []
-    for step in range(count):
-        x, y = sample_batch(
-            tokens,
-            step,
-            seq_len=cfg.seq_len,
-            batch_size=options.batch_size * world,
-            seed=options.seed,
-            rank=rank,
-            world_size=world,
-        )
-        out.append((x.to(device), y.to(device)))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Phase 1: interleaved timing, then one profiled step per system.
 
 
 def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any]:
-    device = _device()
-    runners = {name: _build(name, options, device) for name in options.systems}
+    device = bench_device()
+    runners = {name: build(name, options, device) for name in options.systems}
     rounds = options.warmup + options.steps
-    batches = _batches(options, rounds + 1, rank, world, device)
+    batches = make_batches(
+        options.model,
+        seed=options.seed,
+        batch_size=options.batch_size,
+        count=rounds + 1,
+        rank=rank,
+        world=world,
+        device=device,
+    )
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in options.systems}
     order = list(options.systems)
     for k in range(rounds):
@@ -696,7 +515,7 @@ def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any
     for _ in range(options.profile_rounds if options.profile else 0):
         for name in options.systems:  # counts are the same every round; keep the fastest split
             dist.barrier()
-            profile = _profile_step(runners[name], batches[rounds], options.top_ops)
+            profile = profile_step(runners[name], batches[rounds], options.top_ops)
             walls = [*profiles.get(name, {}).get("walls_s", []), profile["wall_s"]]
             if name not in profiles or profile["wall_s"] < profiles[name]["wall_s"]:
                 profiles[name] = profile
@@ -708,324 +527,3 @@ def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any
         "device": str(device),
         "threads": torch.get_num_threads(),
     }
-
-
-@contextlib.contextmanager
-def _labelled_waits() -> Iterator[None]:
-    """Label every ``Work.wait()`` issued from Python for the profiler (while profiling only).
-
-    raggedfsdp and FSDP2 wait on their collectives through ``Work.wait()``; DDP waits inside its
-    C++ reducer, which this cannot see (that time stays in the untracked remainder).
-    """
-    from torch.autograd.profiler import record_function
-
-    work_cls = dist.Work
-    original = work_cls.wait
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        with record_function(_WAIT_RANGE):
-            return original(self, *args, **kwargs)
-
-    try:
-        work_cls.wait = wait  # type: ignore[method-assign]
-    except (AttributeError, TypeError):  # a torch whose Work type is read-only
-        yield
-        return
-    try:
-        yield
-    finally:
-        work_cls.wait = original  # type: ignore[method-assign]
-
-
-def _profile_step(runner: _Runner, batch: tuple[torch.Tensor, torch.Tensor], top: int):
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    with (
-        _labelled_waits(),
-        profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
-        record_function(_STEP_RANGE),
-    ):
-        runner.step(*batch)
-    return _analyse_profile(prof.events(), top, dist.get_world_size())
-
-
-def _analyse_profile(events: Sequence[Any], top: int, world: int) -> dict[str, Any]:
-    """Copy counts, collective sizes and a split of the step's CPU time, from one step."""
-    step = next(e for e in events if e.name == _STEP_RANGE)
-    main = step.thread
-    wall_us = step.time_range.elapsed_us()
-    # Each raggedfsdp collective range on the compute thread, with the bytes of the point-to-point
-    # sends Gloo records inside it (its send records have no parent; match them by start time).
-    p2p_ranges = sorted(
-        (e.time_range.start, e.time_range.end, _P2P_RANGES[e.name], [])
-        for e in events
-        if e.name in _P2P_RANGES and e.thread == main
-    )
-
-    ops: Counter[str] = Counter()  # every copy-like (and fill) operator, nested ones too
-    copies = Counter()  # outermost copy-like operators by where they run
-    copies_by_name: dict[str, Counter[str]] = defaultdict(Counter)
-    collectives: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
-    gloo: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
-    split_us: Counter[str] = Counter()
-    self_us: Counter[str] = Counter()
-    comm_thread_us = 0.0
-    for e in events:
-        if e.name == _STEP_RANGE or e.name == "[memory]":
-            continue
-        chain = _ancestors(e)
-        on_main = e.thread == main
-        if e.name in COPY_OPS or e.name in FILL_OPS:
-            ops[e.name] += 1
-        if e.name in COPY_OPS and not any(a in COPY_OPS for a in chain):
-            where = _copy_site(e.name, chain, on_main)
-            copies[where] += 1
-            copies_by_name[where][e.name] += 1
-        if e.name in _COLLECTIVE_KINDS and on_main:
-            kind = _COLLECTIVE_KINDS[e.name]
-            collectives[kind]["calls"] += 1
-            collectives[kind]["bytes"] += _input_bytes(e, 1)
-        elif e.name == "c10d::allreduce_" and on_main:
-            collectives["all_reduce"]["calls"] += 1
-        elif e.name.startswith(("c10d::broadcast", "c10d::allgather_")) and on_main:
-            collectives[e.name.removeprefix("c10d::").rstrip("_")]["calls"] += 1
-        if e.name == "gloo:send" and on_main:
-            start = e.time_range.start
-            for lo, hi, _, sends in p2p_ranges:
-                if lo <= start <= hi:
-                    sends.append(_input_bytes(e, 0))
-        if e.name.startswith(("gloo:", "nccl:")):
-            gloo[e.name]["calls"] += 1
-            gloo[e.name]["bytes"] += _input_bytes(e, 0)
-            if not on_main:  # duration on the backend's threads (includes waiting for peers)
-                comm_thread_us += e.cpu_time_total
-        if on_main:
-            self_us[e.name] += e.self_cpu_time_total
-            split_us[_time_kind(e.name, chain)] += e.self_cpu_time_total
-    # As RuntimeStats counts them: an all-gather's input is the one shard sent to every peer; a
-    # reduce-scatter's is the whole gradient, of which the W-1 peers' chunks are sent.
-    for _, _, kind, sends in p2p_ranges:
-        if sends:
-            collectives[kind]["calls"] += 1
-            if kind == "all_gather":
-                collectives[kind]["bytes"] += sends[0]
-            else:
-                collectives[kind]["bytes"] += sum(sends) * world // (world - 1)
-    # Gloo runs a reduce-scatter as an all-reduce of the full input; what remains of its
-    # all-reduce bytes are real all-reduces (DDP buckets, HSDP), whose c10d op records no shapes.
-    if "all_reduce" in collectives:
-        rs_bytes = collectives.get("reduce_scatter", {"bytes": 0})["bytes"]
-        total = sum(v["bytes"] for k, v in gloo.items() if k.endswith("all_reduce"))
-        collectives["all_reduce"]["bytes"] = max(0, total - rs_bytes)
-    tracked = sum(split_us.values())
-    split_us["untracked"] = max(0.0, wall_us - tracked)
-    copy_ops = {
-        "total": sum(copies.values()),
-        "framework": copies["framework"],
-        "backend": copies["backend"],
-        "optimizer": copies["optimizer"],
-        "by_name": {where: dict(sorted(c.items())) for where, c in sorted(copies_by_name.items())},
-        "ops": dict(sorted(ops.items())),
-    }
-    return {
-        "wall_s": wall_us / 1e6,
-        "copies": copy_ops,
-        "collectives": {k: dict(v) for k, v in sorted(collectives.items())},
-        "backend_ops": {k: dict(v) for k, v in sorted(gloo.items())},
-        "time_split_s": {k: v / 1e6 for k, v in sorted(split_us.items())},
-        "comm_thread_s": comm_thread_us / 1e6,
-        "top_ops": [{"name": name, "self_s": us / 1e6} for name, us in self_us.most_common(top)],
-    }
-
-
-def _ancestors(event: Any) -> list[str]:
-    names = []
-    parent = event.cpu_parent
-    while parent is not None:
-        names.append(parent.name)
-        parent = parent.cpu_parent
-    return names
-
-
-def _copy_site(name: str, chain: list[str], on_main: bool) -> str:
-    if not on_main or any(_is_comm(a) for a in chain):
-        return "backend"
-    if any(a.startswith("Optimizer.") for a in chain):
-        return "optimizer"
-    return "framework"
-
-
-def _is_comm(name: str) -> bool:
-    return name == _WAIT_RANGE or name.startswith(("c10d::", "gloo:", "nccl:"))
-
-
-def _time_kind(name: str, chain: list[str]) -> str:
-    """Which part of a step an event's self time belongs to."""
-    names = [name, *chain]
-    if _WAIT_RANGE in names:
-        return "comm_wait"
-    if any(n.startswith(("c10d::", "gloo:", "nccl:")) for n in names):
-        return "comm_issue"
-    if any(n.startswith("Optimizer.") for n in names):
-        return "optimizer"
-    if any(n in COPY_OPS for n in names):
-        return "copies"
-    if name in FILL_OPS:
-        return "fills"
-    if name.startswith(("aten::", "autograd::", "torch::")) or "Backward" in name:
-        return "compute"
-    return "framework_ranges"  # self time of user ranges (FSDP::*, raggedfsdp::*, DDP)
-
-
-def _input_bytes(event: Any, index: int) -> int:
-    shapes = getattr(event, "input_shapes", None) or []
-    if index >= len(shapes) or not isinstance(shapes[index], list | tuple):
-        return 0
-    dtypes = getattr(event, "input_dtypes", None) or []
-    size = _dtype_size(dtypes[index] if index < len(dtypes) else "float")
-    return math.prod(shapes[index]) * size
-
-
-_DTYPE_SIZES = {
-    "float": 4,
-    "double": 8,
-    "c10::Half": 2,
-    "c10::BFloat16": 2,
-    "long int": 8,
-    "int": 4,
-    "unsigned char": 1,
-    "signed char": 1,
-    "bool": 1,
-}
-
-
-def _dtype_size(name: str) -> int:
-    return _DTYPE_SIZES.get(name, 4)
-
-
-# ---------------------------------------------------------------------------------------------
-# Phase 2: one system per fresh process group; allocation tracking from before construction.
-
-
-def _current_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: fall back to the high-water mark
-        return _peak_rss()
-
-
-def _peak_rss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
-
-
-def _memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dict[str, Any]:
-    from torch.autograd.profiler import record_function
-    from torch.profiler import ProfilerActivity, profile
-
-    device = _device()
-    batches = _batches(options, 2, rank, world, device)
-    dist.barrier()
-    rss_before = _current_rss()
-    cuda_at_start = 0
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = _build(name, options, device)
-        built_stats = runner.stats() if runner.stats is not None else None
-        for batch in batches:  # the last step has every state: grads, AdamW moments
-            dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                cuda_at_start = torch.cuda.memory_allocated(device)
-            with record_function(_STEP_RANGE):
-                runner.step(*batch)
-    result = _allocation_profile(prof)
-    if device.type == "cuda":  # the tensors live on the GPU: its allocator's own figures
-        result["cpu_tensor_peak_bytes"] = result["tensor_peak_bytes"]
-        result["tensor_peak_bytes"] = torch.cuda.max_memory_allocated(device)
-        result["tensor_at_step_start_bytes"] = cuda_at_start
-    result.update(
-        retained_original_param_bytes=runner.retained_original_bytes,
-        rss_before_bytes=rss_before,
-        peak_rss_bytes=_peak_rss(),
-        peak_rss_above_start_bytes=_peak_rss() - rss_before,
-    )
-    if runner.stats is not None:
-        stats = runner.stats()
-        result["framework_persistent_bytes"] = int(stats["persistent_bytes"])
-        result["framework_peak_unsharded_bytes"] = int(stats["peak_unsharded_bytes"])
-        if built_stats is not None:
-            result["framework_persistent_bytes_at_build"] = int(built_stats["persistent_bytes"])
-    return result
-
-
-def _allocation_profile(prof: Any, top: int = 10) -> dict[str, Any]:
-    """Live CPU tensor bytes over time from the profiler's allocation records, and what is live
-    at the last step's peak (by allocation site).
-
-    Each record carries the allocator's running total of the bytes allocated since profiling
-    began (and still live); in a fresh process that is every tensor this system allocated.
-    """
-    from torch._C._profiler import _EventType
-
-    steps: list[tuple[int, int]] = []
-    records: list[tuple[int, int, int, int, str]] = []  # (time, ptr, size, live after, site)
-    stack = list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.tag == _EventType.Allocation:
-            f = node.extra_fields
-            if f.device.type == "cpu":
-                site = _allocation_site(node) if f.alloc_size > 0 else ""
-                records.append((node.start_time_ns, f.ptr, f.alloc_size, f.total_allocated, site))
-        elif node.name == _STEP_RANGE:
-            steps.append((node.start_time_ns, node.end_time_ns))
-        stack.extend(node.children)
-    records.sort(key=lambda r: r[0])
-    start, end = max(steps)
-    live: dict[int, tuple[int, str]] = {}
-    at_start = peak = overall = 0
-    at_peak: dict[int, tuple[int, str]] = {}
-    for when, ptr, size, total, site in records:
-        if when < start:
-            at_start = total
-        if size > 0:
-            live[ptr] = (size, site if when >= start else "(live before the step)")
-        else:
-            live.pop(ptr, None)
-        overall = max(overall, total)
-        if start <= when <= end and total > peak:
-            peak, at_peak = total, dict(live)
-    if peak < at_start:
-        peak, at_peak = at_start, {}
-    sites: Counter[str] = Counter()
-    for size, site in at_peak.values():
-        sites[site] += size
-    return {
-        "tensor_peak_bytes": peak,
-        "tensor_at_step_start_bytes": at_start,
-        "tensor_peak_incl_build_bytes": overall,
-        "tensor_end_bytes": records[-1][3] if records else 0,
-        "live_at_peak_by_site": [{"site": site, "bytes": n} for site, n in sites.most_common(top)],
-    }
-
-
-_ALLOCATOR_OPS = ("aten::empty", "aten::new_empty", "aten::resize_", "aten::zeros", "aten::ones")
-_SCOPES = ("raggedfsdp::", "FSDP::", "Optimizer.", "autograd::engine", "DistributedDataParallel")
-
-
-def _allocation_site(node: Any) -> str:
-    """``op @ scope`` for an allocation: the operator that needed the memory and the framework
-    range (or autograd node) it ran in."""
-    chain = []
-    parent = node.parent
-    while parent is not None and parent.name != _STEP_RANGE:
-        chain.append(parent.name)
-        parent = parent.parent
-    chain = [n.removeprefix("autograd::engine::evaluate_function: ") for n in chain]
-    op = next((n for n in chain if not n.startswith(_ALLOCATOR_OPS)), "(no operator)")
-    scope = next((n for n in chain if n.startswith(_SCOPES) or "Backward" in n), "")
-    scope = scope or (chain[-1] if chain else "")
-    return op if scope in ("", op) else f"{op} @ {scope}"

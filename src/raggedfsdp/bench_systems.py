@@ -1,0 +1,181 @@
+"""The systems ``raggedfsdp bench`` compares: how each is built from the shared seed, the batches
+they all train on, and one timed training step with the counters read around it.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from .bench import BenchOptions
+
+__all__ = ["STEP_KEYS", "Runner", "bench_device", "build", "gpt_config", "make_batches"]
+
+
+def gpt_config(name: str):
+    """The GPT shape ``name`` (models.GPT_CONFIGS)."""
+    from .models import GPT_CONFIGS
+
+    return GPT_CONFIGS[name]
+
+
+def bench_device() -> torch.device:
+    """The device this rank benchmarks on: its GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Runner:
+    """A model, its optimizer and how to read its own counters."""
+
+    name: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    stats: Callable[[], dict[str, float]] | None = None
+    reset_stats: Callable[[], None] | None = None
+    #: bytes of full original parameters still alive after wrapping (not the trained ones)
+    retained_original_bytes: int = 0
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+        """One training step; wall times of its phases."""
+        if self.reset_stats is not None:
+            self.reset_stats()
+        _sync(self.device)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        waited = _runqueue_seconds()
+        cpu, main_cpu = _process_cpu_seconds(), time.thread_time()
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(x, y)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        loss.backward()
+        _sync(self.device)
+        t2 = time.perf_counter()
+        self.optimizer.step()
+        _sync(self.device)
+        t3 = time.perf_counter()
+        return {
+            "total": t3 - t0,
+            "fwd": t1 - t0,
+            "bwd": t2 - t1,
+            "opt": t3 - t2,
+            # first touches of fresh pages: allocator churn (freed and re-mapped buffers)
+            "page_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+            # time this thread was runnable but not running: contention (others' or our own
+            # communication threads) stretching the step
+            "runqueue": _runqueue_seconds() - waited,
+            # CPU seconds the step burnt: the whole process (compute thread plus the
+            # communication backend's threads) and the compute thread alone
+            "cpu": _process_cpu_seconds() - cpu,
+            "main_cpu": time.thread_time() - main_cpu,
+            "loss": float(loss.detach()),
+            "stats": self.stats() if self.stats is not None else None,
+        }
+
+
+STEP_KEYS = ("total", "fwd", "bwd", "opt", "page_faults", "runqueue", "cpu", "main_cpu")
+
+
+def _process_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _runqueue_seconds() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (Linux schedstat)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
+    """Build ``name``'s model from the shared seed and wrap it."""
+    from .models import GPT
+
+    torch.manual_seed(options.seed)
+    model = GPT(gpt_config(options.model), device=device)
+    originals = [weakref.ref(p) for p in model.parameters()]
+    stats = reset = None
+    if name in ("raggedfsdp", "raggedfsdp-copy"):
+        from .backend import FSDPBackend
+        from .dbuffer import DBufferConfig
+
+        FSDPBackend(model, dbuffer_config=DBufferConfig(zero_copy=name == "raggedfsdp"))
+        stats, reset = model.stats, model.reset_stats  # type: ignore[attr-defined]
+    elif name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        for block in model.blocks:  # type: ignore[attr-defined]
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    elif name != "floor":
+        raise ValueError(f"unknown system {name!r}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr)
+    gc.collect()
+    # Bytes of the model's own (unwrapped, full) parameters that wrapping left alive: the
+    # parameters themselves for DDP and the floor; for a sharded system, memory it should free.
+    alive = [p for p in (ref() for ref in originals) if p is not None]
+    own = {id(p) for p in model.parameters()}
+    retained = sum(p.numel() * p.element_size() for p in alive if id(p) not in own)
+    return Runner(name, model, optimizer, device, stats, reset, retained)
+
+
+def make_batches(
+    model: str,
+    *,
+    seed: int,
+    batch_size: int,
+    count: int,
+    rank: int,
+    world: int,
+    device: torch.device | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of global batches 0..count-1 (``batch_size`` sequences per rank) of a
+    random token stream for GPT shape ``model``; the same for every system compared."""
+    from .data import sample_batch
+
+    cfg = gpt_config(model)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (1 << 20,), generator=gen, dtype=torch.int64)
+    out = []
+    for step in range(count):
+        x, y = sample_batch(
+            tokens,
+            step,
+            seq_len=cfg.seq_len,
+            batch_size=batch_size * world,
+            seed=seed,
+            rank=rank,
+            world_size=world,
+        )
+        out.append((x.to(device), y.to(device)) if device is not None else (x, y))
+    return out
