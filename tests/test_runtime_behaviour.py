@@ -191,6 +191,52 @@ def test_memory_at_w4():
         assert m["unsharded_now"] == 0
 
 
+def _traffic(rank: int, world: int) -> dict[str, dict[str, float] | dict[str, int]]:
+    cfg = GPT_CONFIGS["gpt-small"]
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    rf.FSDPBackend(model)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1))
+    steps = {}
+    for name in ("first", "second"):  # the first step records the unit order
+        model.reset_stats()
+        model(idx[:, :-1], idx[:, 1:]).backward()
+        steps[name] = model.stats()
+    units = {}
+    for module_name, module in model.named_modules():
+        state = getattr(module, "_raggedfsdp_state", None)
+        if state is not None:
+            buckets = state.group.buckets
+            units[module_name or "<root>"] = (
+                sum(b.shard_numel * b.comm_dtype.itemsize for b in buckets),
+                sum(b.full_numel * b.comm_dtype.itemsize for b in buckets),
+            )
+    return {"steps": steps, "units": units, "layers": cfg.n_layer}
+
+
+def test_collectives_per_step():
+    """Bytes moved per step, exactly: the root is gathered once (it stays unsharded through
+    backward), each block twice except the one that runs forward last, which stays unsharded
+    into backward (one all-gather fewer per step than FSDP2's defaults; in the first step the
+    order is not known yet, so it is freed and gathered again: the negative control); every unit
+    is reduce-scattered once."""
+    for r in run_distributed(_traffic, 2):
+        layers, units = r["layers"], r["units"]
+        shard = {name: s for name, (s, _) in units.items()}
+        full = sum(f for _, f in units.values())
+        last = f"blocks.{layers - 1}"
+        gathered = shard["<root>"] + 2 * sum(shard[f"blocks.{i}"] for i in range(layers))
+        second, first = r["steps"]["second"], r["steps"]["first"]
+        assert second["all_gather_calls"] == 2 * layers
+        assert second["all_gather_bytes"] == gathered - shard[last]
+        assert first["all_gather_calls"] == 2 * layers + 1
+        assert first["all_gather_bytes"] == gathered
+        for step in (first, second):
+            assert step["reduce_scatter_calls"] == layers + 1
+            assert step["reduce_scatter_bytes"] == full
+            assert step["unsharded_bytes"] == 0  # all freed (and the pool emptied) after backward
+
+
 def _meta_init(rank: int, world: int) -> bool:
     cfg = GPT_CONFIGS["gpt-tiny"]
     torch.manual_seed(5)
