@@ -123,13 +123,14 @@ class _PendingReduce:
     bucket: DBuffer
     pending: Pending
     output: torch.Tensor  # [S] in reduce dtype: becomes the sharded gradients (or is added)
-    rs_input: torch.Tensor  # kept alive until the collective is done
+    rs_input: torch.Tensor | None  # kept alive until the reduce-scatter is done
     replicas: Pending | None = None  # HSDP: the all-reduce of ``output``, once issued
 
     def scattered(self) -> None:
         """Wait for the reduce-scatter; the unsharded gradients are read, so the unit may free
         them; under HSDP issue the all-reduce over the replicas."""
         self.pending.wait()
+        self.rs_input = None
         self.group.reduce_scattered()
         mesh = self.group.mesh_info
         if mesh.replicate_group is not None:
