@@ -6,11 +6,12 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
 - ``local``      ``[S]`` master dtype, persistent: the sharded parameters are views of it, so the
   optimizer updates it in place;
 - ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
-  all-gather writes straight into it and the unsharded parameters are views of it;
-- ``full_grad``  ``[W*S]`` communication dtype, bound from a unit's pre-backward to its
-  reduce-scatter's completion (a block of the model's :class:`~raggedfsdp.pool.BufferPool`):
-  autograd accumulates the unsharded gradients into views of it, and the reduce-scatter reads
-  it as is;
+  all-gather writes straight into it and the unsharded parameters are views of it (those this
+  rank holds whole are views of ``local`` instead: nothing needs placing for them);
+- ``full_grad``  ``[W*S]`` communication dtype, bound from the unit's first gradient in a
+  backward to its reduce-scatter's completion (a block of the model's
+  :class:`~raggedfsdp.pool.BufferPool`): autograd accumulates the unsharded gradients into
+  views of it, and the reduce-scatter reads it as is;
 - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
   it; the sharded gradients are views of it, so it lives as long as they do.
 
