@@ -7,6 +7,8 @@ same seed on the same batches, with ``torch.optim.AdamW`` in fp32, one thread pe
                        bucket buffers);
 - ``raggedfsdp-copy``  the same with ``DBufferConfig(zero_copy=False)`` (FSDP2-style copies);
 - ``fsdp2``            ``torch.distributed.fsdp.fully_shard`` on each block, then the root;
+- ``fsdp2-last``       the same with ``reshard_after_forward=False`` on the last block, as
+                       torchtitan configures it (raggedfsdp keeps that unit unsharded by itself);
 - ``ddp``              ``DistributedDataParallel`` with its defaults;
 - ``floor``            every rank trains its own unsharded replica on its per-rank batch with no
                        communication at all. The ranks run it *concurrently*, so it sees the same
@@ -81,6 +83,7 @@ SYSTEMS: dict[str, str] = {
     "raggedfsdp": "raggedfsdp (zero copy)",
     "raggedfsdp-copy": "raggedfsdp (zero_copy=False)",
     "fsdp2": "PyTorch FSDP2 (fully_shard)",
+    "fsdp2-last": "PyTorch FSDP2, last block kept unsharded (as torchtitan)",
     "ddp": "DDP",
     "floor": "compute floor (no comm)",
 }

@@ -123,13 +123,15 @@ def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
 
         FSDPBackend(model, dbuffer_config=DBufferConfig(zero_copy=name == "raggedfsdp"))
         stats, reset = model.stats, model.reset_stats  # type: ignore[attr-defined]
-    elif name == "fsdp2":
+    elif name in ("fsdp2", "fsdp2-last"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        for block in model.blocks:  # type: ignore[attr-defined]
-            fully_shard(block, mesh=mesh)
+        blocks = list(model.blocks)  # type: ignore[attr-defined]
+        for i, block in enumerate(blocks):
+            keep = name == "fsdp2-last" and i == len(blocks) - 1
+            fully_shard(block, mesh=mesh, reshard_after_forward=not keep)
         fully_shard(model, mesh=mesh)
     elif name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
