@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import pytest
+import torch.distributed as dist
+
 from raggedfsdp.spawn import run_on_ranks
+
+# The process group a grid case runs on: None for the default group.
+Group = dist.ProcessGroup | None
+# What a world grid holds: per world size W, the results of ranks 0..W-1 in rank order.
+Grid = dict[int, list[Any]]
 
 
 def run_distributed(
@@ -21,3 +29,44 @@ def run_distributed(
     return run_on_ranks(
         fn, world_size, *args, timeout=timeout, pg_timeout=pg_timeout, env=env, backend="gloo"
     )
+
+
+def run_world_grid(cases: Callable[[int, int, Group], Any], worlds: Sequence[int]) -> Grid:
+    """Run ``cases(rank, w, group)`` for every world size ``w`` in ``worlds`` on the group of
+    ranks [0, w), all within ONE launch of ``max(worlds)`` ranks (starting ranks is the slow part);
+    returns the :data:`Grid` of their results. ``cases`` must be importable by module and name."""
+    per_rank = run_distributed(_world_grid_on_rank, max(worlds), cases, tuple(worlds))
+    return {w: [results[w] for results in per_rank[:w]] for w in worlds}
+
+
+def _world_grid_on_rank(
+    rank: int, world: int, cases: Callable[[int, int, Group], Any], worlds: tuple[int, ...]
+) -> dict[int, Any]:
+    """Returns this rank's results of ``cases`` by world size, for the sizes it takes part in."""
+    # new_group is collective over the whole launch, so every rank makes every group, in the same
+    # order. The full launch is the default group (None); W = 1 needs none, as a one-rank layout
+    # never communicates.
+    groups = {w: dist.new_group(list(range(w))) if 1 < w < world else None for w in worlds}
+    return {w: cases(rank, w, group) for w, group in groups.items() if rank < w}
+
+
+def world_grid_fixture(
+    cases: Callable[[int, int, Group], Any], worlds: Sequence[int]
+) -> Callable[[], Grid]:
+    """Returns a module-scoped fixture named ``grid``, to bind at module level under that name,
+    whose value is :func:`run_world_grid` of ``cases`` and ``worlds``: one launch per test module,
+    shared by all its tests."""
+
+    @pytest.fixture(scope="module", name="grid")
+    def grid() -> Grid:
+        return run_world_grid(cases, worlds)
+
+    return grid
+
+
+def assert_no_failures(grid: Grid, world: int) -> None:
+    """Asserts that every rank of world size ``world`` reported an empty ``"failures"`` list; the
+    message names the first rank that did not and its first five failures."""
+    for rank, result in enumerate(grid[world]):
+        failures = result["failures"]
+        assert failures == [], f"W={world} rank {rank}: {failures[:5]}"

@@ -7,41 +7,22 @@ W ranks; the tests judge its collected results.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from harness import run_distributed
+from harness import Group, assert_no_failures, world_grid_fixture
+from optim_grid import WORLDS, random_layout, shard, state_dict_round_trip, step_twins, twin_params
 from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
 from raggedfsdp.optim import AdamW8bit
 from raggedfsdp.optim.adamw8bit import dequantize_blocks, dynamic_map, quantize_blocks
 
-Group = dist.ProcessGroup | None
-WORLDS = (1, 2, 3, 4)
 FLAT_SHAPES = [(64, 96), (5000,), (16, 16), (8192,)]  # 2-D, partial last block, small, global-only
 TILE_SHAPES = [(96, 64), (100, 48), (4500,)]  # whole tiles, partial edge tiles, 1-D (flat blocks)
-
-
-def _aligned_layout(
-    rng: random.Random, shape: tuple[int, ...], unit: int, world: int
-) -> ShardLayout:
-    """Random cuts at multiples of ``unit`` (a quantization block), empty ranks allowed."""
-    numel = math.prod(shape)
-    units = -(-numel // unit)
-    cuts = sorted(min(rng.randint(0, units) * unit, numel) for _ in range(world - 1))
-    return ShardLayout(shape, unit, tuple(itertools.pairwise([0, *cuts, numel])))
-
-
-def _shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
-    param = nn.Parameter(layout.to_local(full, rank).clone())
-    mark_sharded(param, ShardInfo(layout, rank, group))
-    return param
 
 
 def _torchao_rule(local_numel: int, block_size: int = 256) -> bool:
@@ -68,17 +49,13 @@ def _parity_case(
         return 32 * shape[-1] if tiles and len(shape) == 2 else 256
 
     fulls = [torch.randn(s, generator=gen) for s in shapes]
-    layouts = [_aligned_layout(rng, s, unit(s), world) for s in shapes]
-    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
-    single = [nn.Parameter(f.clone()) for f in fulls]
+    # Cuts at multiples of a quantization block: a block row of tiles, else 256 elements.
+    layouts = [random_layout(rng, s, unit(s), world) for s in shapes]
+    ours, single = twin_params(fulls, layouts, rank, group)
     opts = [AdamW8bit(ours, **options), AdamW8bit(single, **options)]
     failures: list[str] = []
     for step in range(3):
-        for p, s, lay in zip(ours, single, layouts, strict=True):
-            g = torch.randn(s.shape, generator=gen)
-            p.grad, s.grad = lay.to_local(g, rank).clone(), g
-        for o in opts:
-            o.step()
+        step_twins(ours, single, layouts, rank, gen, opts)
         for i, (p, s, lay) in enumerate(zip(ours, single, layouts, strict=True)):
             where = f"seed {seed} step {step} {shapes[i]} {lay.ranges}"
             if not torch.equal(p.detach(), lay.to_local(s.detach(), rank)):
@@ -114,7 +91,7 @@ def _even_eligibility(rank: int, world: int, group: Group) -> dict[str, bool]:
     piece = 256 * -(-32 // world)  # as even as whole 256-element blocks allow
     cuts = [min(r * piece, 8192) for r in range(world + 1)]
     layout = ShardLayout((8192,), 256, tuple(itertools.pairwise(cuts)))
-    param = _shard(torch.randn(8192), layout, rank, group)
+    param = shard(torch.randn(8192), layout, rank, group)
     opt = AdamW8bit([param])
     param.grad = torch.randn(param.shape)
     opt.step()
@@ -125,8 +102,8 @@ def _even_eligibility(rank: int, world: int, group: Group) -> dict[str, bool]:
 
 
 def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
-    layout = _aligned_layout(random.Random(1), (4096,), 256, world)
-    param = _shard(torch.randn(4096), layout, rank, group)
+    layout = random_layout(random.Random(1), (4096,), 256, world)
+    param = shard(torch.randn(4096), layout, rank, group)
     before = param.detach().clone()
     opt = AdamW8bit([param])
     param.grad = torch.zeros(param.shape)
@@ -137,44 +114,35 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     return {"skipped": opt.skipped_steps, "unchanged": torch.equal(param.detach(), before)}
 
 
-def _adamw8bit_grid(rank: int, world: int) -> dict[int, dict[str, object]]:
-    groups = {w: dist.new_group(list(range(w))) if 1 < w < world else None for w in WORLDS}
-    out: dict[int, dict[str, object]] = {}
-    for w, group in groups.items():
-        if rank >= w:
-            continue
-        failures, decisions = [], []
-        for seed, tiles in itertools.product(range(3), (False, True)):
-            fails, decided = _parity_case(rank, w, group, seed, tiles)
-            failures += fails
-            if decided:
-                decisions.append(decided)
-        out[w] = {
-            "failures": failures,
-            "random_decisions": decisions,
-            "even_decision": _even_eligibility(rank, w, group),
-            "nonfinite": _nonfinite_case(rank, w, group),
-        }
-    return out
+def _adamw8bit_cases(rank: int, world: int, group: Group) -> dict[str, object]:
+    """Every case of one world size on this rank; returns their results by name."""
+    failures, decisions = [], []
+    for seed, tiles in itertools.product(range(3), (False, True)):
+        fails, decided = _parity_case(rank, world, group, seed, tiles)
+        failures += fails
+        if decided:
+            decisions.append(decided)
+    return {
+        "failures": failures,
+        "random_decisions": decisions,
+        "even_decision": _even_eligibility(rank, world, group),
+        "nonfinite": _nonfinite_case(rank, world, group),
+    }
 
 
-@pytest.fixture(scope="module")
-def grid() -> list[dict[int, dict[str, object]]]:
-    return run_distributed(_adamw8bit_grid, max(WORLDS))
+grid = world_grid_fixture(_adamw8bit_cases, WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sharded_codes_scales_params_bitwise(grid, world: int) -> None:
-    for rank in range(world):
-        failures = grid[rank][world]["failures"]
-        assert failures == [], f"W={world} rank {rank}: {failures[:5]}"
+    assert_no_failures(grid, world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_eligibility_is_global(grid, world: int) -> None:
     """Quantized on every rank by global numel; torchao's local rule disagrees from W=3 (and on
     ragged layouts), which would change the maths with the mesh."""
-    results = [grid[rank][world] for rank in range(world)]
+    results = grid[world]
     assert all(d["ours"] for r in results for d in [r["even_decision"], *r["random_decisions"]])
     local = [r["even_decision"]["torchao_local"] for r in results]
     assert local == [world <= 2] * world  # ~8192/W elements: >= 4096 only for W <= 2
@@ -182,8 +150,8 @@ def test_eligibility_is_global(grid, world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_nonfinite_gradient_skips_on_every_rank(grid, world: int) -> None:
-    for rank in range(world):
-        assert grid[rank][world]["nonfinite"] == {"skipped": 1, "unchanged": True}
+    for result in grid[world]:
+        assert result["nonfinite"] == {"skipped": 1, "unchanged": True}
 
 
 def test_dynamic_maps() -> None:
@@ -255,22 +223,10 @@ def test_layout_cutting_a_block_is_named(ranges, options, message) -> None:
 
 
 def test_state_dict_round_trip_keeps_codes_and_scales() -> None:
-    gen = torch.Generator().manual_seed(8)
-    params = [nn.Parameter(torch.randn(64, 64, generator=gen).bfloat16()) for _ in range(2)]
-    opt = AdamW8bit([params[0]])
-    params[0].grad = torch.randn(64, 64, generator=gen).bfloat16()
-    opt.step()
-    params[1].data.copy_(params[0].detach())
-    resumed = AdamW8bit([params[1]])
-    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
-    state = resumed.state[params[1]]
+    state, equal_after_step = state_dict_round_trip(AdamW8bit, (64, 64), seed=8)
     assert state["exp_avg_codes"].dtype == torch.uint8
     assert state["exp_avg_sq_scales"].dtype == torch.float32
-    for p in params:
-        p.grad = torch.ones(64, 64, dtype=torch.bfloat16)
-    opt.step()
-    resumed.step()
-    assert torch.equal(params[0], params[1])
+    assert equal_after_step
 
 
 def test_bad_hyper_parameters_are_named() -> None:

@@ -8,24 +8,21 @@ dynamo import that torch.optim's first param group triggers); the tests judge th
 from __future__ import annotations
 
 import copy
-import itertools
 import math
 import random
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from harness import run_distributed
-from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded, shard_info
+from harness import Group, assert_no_failures, world_grid_fixture
+from optim_grid import WORLDS, random_layout, shard, step_twins, twin_params
+from raggedfsdp.layout import ShardLayout, mark_sharded, shard_info
 from raggedfsdp.optim import Muon
 from raggedfsdp.optim.muon import _newton_schulz, newton_schulz_cost, plan_owners
 
-Group = dist.ProcessGroup | None
-WORLDS = (1, 2, 3, 4)
 NS = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
 SHAPES = [(3, 16), (40, 24), (24, 40), (32, 32), (1, 8), (3, 8, 12)]  # incl. a 3-D stack
 ADAMW = {"adamw_lr": 0.003, "adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8}
@@ -43,20 +40,9 @@ def _ragged_layout(
 ) -> ShardLayout:
     """A random layout of unit ``kind`` (0: element, 1: row, 2: whole tensor on a random rank),
     random cuts, empty ranks allowed."""
-    numel = math.prod(shape)
     if kind == 2:
         return _whole_layout(shape, rng.randrange(world), world)
-    unit = 1 if kind == 0 else shape[-1]
-    units = -(-numel // unit)
-    cuts = sorted(min(rng.randint(0, units) * unit, numel) for _ in range(world - 1))
-    bounds = [0, *cuts, numel]
-    return ShardLayout(shape, unit, tuple(itertools.pairwise(bounds)))
-
-
-def _shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
-    param = nn.Parameter(layout.to_local(full, rank).clone())
-    mark_sharded(param, ShardInfo(layout, rank, group))
-    return param
+    return random_layout(rng, shape, 1 if kind == 0 else shape[-1], world)
 
 
 def _check_equal(failures: list[str], what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
@@ -75,8 +61,8 @@ def _parity_case(rank: int, world: int, group: Group, seed: int, failures: list[
     layouts = [_ragged_layout(rng, s, world, (i + seed) % 3) for i, s in enumerate(SHAPES)]
     bias_layout = _ragged_layout(rng, (7,), world, 0)
     nesterov = seed % 2 == 0
-    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
-    ours_bias = _shard(bias, bias_layout, rank, group)
+    ours = [shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
+    ours_bias = shard(bias, bias_layout, rank, group)
     opt = Muon(
         [*ours, ours_bias],
         lr=0.02,
@@ -139,15 +125,10 @@ def _fp32_case(rank: int, world: int, group: Group, failures: list[str]) -> None
     gen = torch.Generator().manual_seed(100)
     fulls = [torch.randn(s, generator=gen) for s in SHAPES]
     layouts = [_ragged_layout(rng, s, world, i % 3) for i, s in enumerate(SHAPES)]
-    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
-    single = [nn.Parameter(f.clone()) for f in fulls]
+    ours, single = twin_params(fulls, layouts, rank, group)
     opts = [Muon(params, lr=0.02, ns_dtype=torch.float32) for params in (ours, single)]
     for step in range(2):
-        for p, s, lay in zip(ours, single, layouts, strict=True):
-            g = torch.randn(s.shape, generator=gen)
-            p.grad, s.grad = lay.to_local(g, rank).clone(), g
-        for o in opts:
-            o.step()
+        step_twins(ours, single, layouts, rank, gen, opts)
         for i, (p, s, lay) in enumerate(zip(ours, single, layouts, strict=True)):
             _check_equal(failures, f"fp32 step {step} param {i}", p.detach(), lay.to_local(s, rank))
 
@@ -166,7 +147,7 @@ def _traffic_case(rank: int, world: int, group: Group) -> dict[str, int]:
         "whole": [_whole_layout(shape, i % world, world) for i in range(count)],
     }
     for name, layouts in cases.items():
-        params = [_shard(torch.randn(shape), lay, rank, group) for lay in layouts]
+        params = [shard(torch.randn(shape), lay, rank, group) for lay in layouts]
         opt = Muon(params, lr=0.02)
         for p in params:
             p.grad = torch.randn(p.shape)
@@ -185,7 +166,7 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     full = torch.randn(shape, generator=torch.Generator().manual_seed(7))
     out: dict[str, object] = {}
     for skip in (True, False):
-        param = _shard(full, layout, rank, group)
+        param = shard(full, layout, rank, group)
         before = param.detach().clone()
         opt = Muon([param], lr=0.1, skip_nonfinite=skip)
         param.grad = torch.ones(param.shape)
@@ -205,47 +186,32 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     return out
 
 
-def _muon_grid(rank: int, world: int) -> dict[int, dict[str, object]]:
-    """Every case for each world size w <= world on the group of ranks [0, w)."""
-    groups = {w: dist.new_group(list(range(w))) if 1 < w < world else None for w in WORLDS}
-    out: dict[int, dict[str, object]] = {}
-    for w, group in groups.items():
-        if rank >= w:
-            continue
-        failures: list[str] = []
-        for seed in range(3):
-            _parity_case(rank, w, group, seed, failures)
-        _fp32_case(rank, w, group, failures)
-        out[w] = {
-            "failures": failures,
-            "traffic": _traffic_case(rank, w, group),
-            "nonfinite": _nonfinite_case(rank, w, group),
-        }
-    return out
+def _muon_cases(rank: int, world: int, group: Group) -> dict[str, object]:
+    """Every case of one world size on this rank; returns their results by name."""
+    failures: list[str] = []
+    for seed in range(3):
+        _parity_case(rank, world, group, seed, failures)
+    _fp32_case(rank, world, group, failures)
+    return {
+        "failures": failures,
+        "traffic": _traffic_case(rank, world, group),
+        "nonfinite": _nonfinite_case(rank, world, group),
+    }
 
 
-@pytest.fixture(scope="module")
-def grid() -> list[dict[int, dict[str, object]]]:
-    return run_distributed(_muon_grid, max(WORLDS))
-
-
-def _results(grid: list[dict[int, dict[str, object]]], world: int) -> list[dict[str, object]]:
-    return [grid[rank][world] for rank in range(world)]
+grid = world_grid_fixture(_muon_cases, WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sharded_muon_equals_torch_muon_bitwise(grid, world: int) -> None:
     """bf16 NS vs torch.optim.Muon, and fp32 NS vs our single-device Muon: no bit differs."""
-    results = _results(grid, world)
-    for rank, result in enumerate(results):
-        assert result["failures"] == [], f"W={world} rank {rank}: {result['failures'][:5]}"
+    assert_no_failures(grid, world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_muon_traffic_per_rank(grid, world: int) -> None:
     """Bytes sent per rank within 1.1x of 2(W-1)/W² · P · 2 (bf16); none for whole tensors."""
-    results = _results(grid, world)
-    for result in results:
+    for result in grid[world]:
         traffic = result["traffic"]
         expected = 2 * (world - 1) / world**2 * traffic["params_numel"] * 2
         assert traffic["even"] <= 1.1 * expected
@@ -256,8 +222,7 @@ def test_muon_traffic_per_rank(grid, world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_nonfinite_gradient_skips_on_every_rank(grid, world: int) -> None:
-    results = _results(grid, world)
-    for result in results:
+    for result in grid[world]:
         outcome = result["nonfinite"]
         assert outcome["skipped"] == 1 and outcome["unchanged"] and outcome["state_empty"]
         assert any("skipped a step" in w for w in outcome["warnings"])

@@ -6,39 +6,28 @@ W ranks; the tests judge its collected results.
 
 from __future__ import annotations
 
-import copy
+import functools
 import itertools
 import math
 import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from harness import run_distributed
+from harness import Group, world_grid_fixture
+from optim_grid import WORLDS, random_layout, shard, state_dict_round_trip, step_twins, twin_params
 from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded, row_numel
 from raggedfsdp.optim import Shampoo
 
-Group = dist.ProcessGroup | None
-WORLDS = (1, 2, 3, 4)
 DIM = 4  # max_preconditioner_dim: small, so matrices have several blocks and partial edges
 SHAPES = [(12, 10), (10, 6), (2, 6, 5), (4, 2, 2, 2), (7,)]  # matrix, partial, stack, conv, bias
 
 
 def _block_layout(rng: random.Random, shape: tuple[int, ...], world: int) -> ShardLayout:
     """Random cuts on whole blocks of DIM rows (elements for 1-D), empty ranks allowed."""
-    numel = math.prod(shape)
     unit = DIM * row_numel(shape) if len(shape) >= 2 else 1
-    units = -(-numel // unit)
-    cuts = sorted(min(rng.randint(0, units) * unit, numel) for _ in range(world - 1))
-    return ShardLayout(shape, unit, tuple(itertools.pairwise([0, *cuts, numel])))
-
-
-def _shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
-    param = nn.Parameter(layout.to_local(full, rank).clone())
-    mark_sharded(param, ShardInfo(layout, rank, group))
-    return param
+    return random_layout(rng, shape, unit, world)
 
 
 def _parity_case(rank: int, world: int, group: Group, seed: int) -> dict[str, float | bool]:
@@ -56,16 +45,11 @@ def _parity_case(rank: int, world: int, group: Group, seed: int) -> dict[str, fl
         "shampoo_beta2": 1.0 if seed % 2 == 0 else 0.99,
         "epsilon": 1e-6,
     }
-    ours = [_shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
-    single = [nn.Parameter(f.clone()) for f in fulls]
+    ours, single = twin_params(fulls, layouts, rank, group)
     opts = [Shampoo(ours, **options), Shampoo(single, **options)]
     worst, bitwise = 0.0, True
     for _ in range(5):
-        for p, s, lay in zip(ours, single, layouts, strict=True):
-            g = torch.randn(s.shape, generator=gen)
-            p.grad, s.grad = lay.to_local(g, rank).clone(), g
-        for o in opts:
-            o.step()
+        step_twins(ours, single, layouts, rank, gen, opts)
         for p, s, lay in zip(ours, single, layouts, strict=True):
             expected = lay.to_local(s.detach(), rank)
             bitwise &= torch.equal(p.detach(), expected)
@@ -79,7 +63,7 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     """An Inf on the last rank only: every rank skips the step."""
     shape = (8, 3)
     layout = _block_layout(random.Random(0), shape, world)
-    param = _shard(torch.randn(shape), layout, rank, group)
+    param = shard(torch.randn(shape), layout, rank, group)
     before = param.detach().clone()
     opt = Shampoo([param], max_preconditioner_dim=DIM)
     param.grad = torch.ones(param.shape)
@@ -90,27 +74,21 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     return {"skipped": opt.skipped_steps, "unchanged": torch.equal(param.detach(), before)}
 
 
-def _shampoo_grid(rank: int, world: int) -> dict[int, dict[str, object]]:
-    groups = {w: dist.new_group(list(range(w))) if 1 < w < world else None for w in WORLDS}
-    out: dict[int, dict[str, object]] = {}
-    for w, group in groups.items():
-        if rank < w:
-            out[w] = {
-                "parity": [_parity_case(rank, w, group, seed) for seed in range(3)],
-                "nonfinite": _nonfinite_case(rank, w, group),
-            }
-    return out
+def _shampoo_cases(rank: int, world: int, group: Group) -> dict[str, object]:
+    """Every case of one world size on this rank; returns their results by name."""
+    return {
+        "parity": [_parity_case(rank, world, group, seed) for seed in range(3)],
+        "nonfinite": _nonfinite_case(rank, world, group),
+    }
 
 
-@pytest.fixture(scope="module")
-def grid() -> list[dict[int, dict[str, object]]]:
-    return run_distributed(_shampoo_grid, max(WORLDS))
+grid = world_grid_fixture(_shampoo_cases, WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sharded_shampoo_equals_single_device(grid, world: int) -> None:
     """Within fp32 round-off (1e-5 relative); bitwise in practice, reported if not."""
-    cases = [case for rank in range(world) for case in grid[rank][world]["parity"]]
+    cases = [case for result in grid[world] for case in result["parity"]]
     worst = max(case["max_rel_diff"] for case in cases)
     assert worst <= 1e-5, worst
     if not all(case["bitwise"] for case in cases):
@@ -119,8 +97,8 @@ def test_sharded_shampoo_equals_single_device(grid, world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_nonfinite_gradient_skips_on_every_rank(grid, world: int) -> None:
-    for rank in range(world):
-        assert grid[rank][world]["nonfinite"] == {"skipped": 1, "unchanged": True}
+    for result in grid[world]:
+        assert result["nonfinite"] == {"skipped": 1, "unchanged": True}
 
 
 def test_layout_cutting_a_block_is_named() -> None:
@@ -150,21 +128,10 @@ def test_grafting_gives_each_block_adams_step_length() -> None:
 
 
 def test_state_dict_round_trip_keeps_fp32_preconditioners() -> None:
-    gen = torch.Generator().manual_seed(4)
-    params = [nn.Parameter(torch.randn(6, 5, generator=gen).bfloat16()) for _ in range(2)]
-    opt = Shampoo([params[0]], max_preconditioner_dim=4)
-    params[0].grad = torch.randn(6, 5, generator=gen).bfloat16()
-    opt.step()
-    params[1].data.copy_(params[0].detach())
-    resumed = Shampoo([params[1]], max_preconditioner_dim=4)
-    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
-    state = resumed.state[params[1]]
+    make = functools.partial(Shampoo, max_preconditioner_dim=4)
+    state, equal_after_step = state_dict_round_trip(make, (6, 5), seed=4)
     assert all(m.dtype == torch.float32 for key in ("L", "R", "L_inv_root") for m in state[key])
-    for p in params:
-        p.grad = torch.ones(6, 5, dtype=torch.bfloat16)
-    opt.step()
-    resumed.step()
-    assert torch.equal(params[0], params[1])
+    assert equal_after_step
 
 
 def test_bad_hyper_parameters_are_named() -> None:

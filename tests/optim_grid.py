@@ -1,0 +1,86 @@
+"""What the optimizer tests share: the world sizes of their grid (run by
+:func:`harness.run_world_grid`), sharded parameters on random layouts, stepping them beside their
+single-device twins, and the state dict round trip."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from harness import Group
+from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
+
+# One launch of max(WORLDS) ranks runs each optimizer's grid for all of them.
+WORLDS = (1, 2, 3, 4)
+
+
+def random_layout(rng: random.Random, shape: tuple[int, ...], unit: int, world: int) -> ShardLayout:
+    """A layout of ``shape`` on ``world`` ranks, cut at random multiples of ``unit`` elements (or
+    at the end); returns it. Empty ranks are allowed."""
+    numel = math.prod(shape)
+    units = -(-numel // unit)
+    cuts = sorted(min(rng.randint(0, units) * unit, numel) for _ in range(world - 1))
+    return ShardLayout(shape, unit, tuple(itertools.pairwise([0, *cuts, numel])))
+
+
+def shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
+    """Returns rank's piece of ``full`` under ``layout`` as a parameter sharded on ``group``."""
+    param = nn.Parameter(layout.to_local(full, rank).clone())
+    mark_sharded(param, ShardInfo(layout, rank, group))
+    return param
+
+
+def twin_params(
+    fulls: Sequence[torch.Tensor], layouts: Sequence[ShardLayout], rank: int, group: Group
+) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Returns rank's sharded parameters of ``fulls`` and their single-device twins (copies)."""
+    ours = [shard(f, lay, rank, group) for f, lay in zip(fulls, layouts, strict=True)]
+    return ours, [nn.Parameter(f.clone()) for f in fulls]
+
+
+def step_twins(
+    ours: Sequence[nn.Parameter],
+    single: Sequence[nn.Parameter],
+    layouts: Sequence[ShardLayout],
+    rank: int,
+    gen: torch.Generator,
+    opts: Sequence[torch.optim.Optimizer],
+) -> None:
+    """One step of every optimizer in ``opts`` on a fresh random gradient per parameter (drawn
+    from ``gen`` in parameter order): the whole to each twin, rank's piece to its shard."""
+    for p, s, lay in zip(ours, single, layouts, strict=True):
+        g = torch.randn(s.shape, generator=gen)
+        p.grad, s.grad = lay.to_local(g, rank).clone(), g
+    for o in opts:
+        o.step()
+
+
+def state_dict_round_trip(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], shape: tuple[int, ...], seed: int
+) -> tuple[dict[str, Any], bool]:
+    """One step of ``make([p])`` on a random bf16 parameter, then a fresh ``make`` on a copy of it,
+    loaded from the original's state dict. Returns the resumed state of that copy as loaded (a
+    deep copy) and whether both parameters are still bitwise equal after one more step of each
+    on a gradient of ones."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(shape, generator=gen).bfloat16()) for _ in range(2)]
+    opt = make([params[0]])
+    params[0].grad = torch.randn(shape, generator=gen).bfloat16()
+    opt.step()
+    params[1].data.copy_(params[0].detach())
+    resumed = make([params[1]])
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    # Copied: the tests check the state as loaded, not as the step below leaves it.
+    state = copy.deepcopy(resumed.state[params[1]])
+    for p in params:
+        p.grad = torch.ones(shape, dtype=torch.bfloat16)
+    opt.step()
+    resumed.step()
+    return state, torch.equal(params[0], params[1])
