@@ -289,14 +289,7 @@ def _muon_breakdown(runner: Runner, batch: tuple[Any, Any], ns_dtype: torch.dtyp
 def _rank_main(rank: int, world: int, options: Options) -> dict[str, Any]:
     runners = {kind: _build(kind, options) for kind in options.optimizers}
     rounds = options.warmup + options.steps
-    batches = make_batches(
-        options.model,
-        seed=options.seed,
-        batch_size=options.batch_size,
-        count=rounds + 1,
-        rank=rank,
-        world=world,
-    )
+    batches = make_batches(options, rounds + 1, rank, world)
     records: dict[str, list[dict[str, Any]]] = {kind: [] for kind in options.optimizers}
     order = list(options.optimizers)
     for k in range(rounds):

@@ -498,15 +498,7 @@ def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any
     device = bench_device()
     runners = {name: build(name, options, device) for name in options.systems}
     rounds = options.warmup + options.steps
-    batches = make_batches(
-        options.model,
-        seed=options.seed,
-        batch_size=options.batch_size,
-        count=rounds + 1,
-        rank=rank,
-        world=world,
-        device=device,
-    )
+    batches = make_batches(options, rounds + 1, rank, world, device)
     records: dict[str, list[dict[str, Any]]] = {name: [] for name in options.systems}
     order = list(options.systems)
     for k in range(rounds):

@@ -42,15 +42,7 @@ def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dic
     from torch.profiler import ProfilerActivity, profile
 
     device = bench_device()
-    batches = make_batches(
-        options.model,
-        seed=options.seed,
-        batch_size=options.batch_size,
-        count=2,
-        rank=rank,
-        world=world,
-        device=device,
-    )
+    batches = make_batches(options, 2, rank, world, device)
     dist.barrier()
     rss_before = _current_rss()
     cuda_at_start = 0

@@ -10,7 +10,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,27 @@ from torch import nn
 if TYPE_CHECKING:
     from .bench import BenchOptions
 
-__all__ = ["STEP_KEYS", "Runner", "bench_device", "build", "gpt_config", "make_batches"]
+__all__ = [
+    "STEP_KEYS",
+    "BatchSpec",
+    "Runner",
+    "bench_device",
+    "build",
+    "gpt_config",
+    "make_batches",
+]
+
+
+class BatchSpec(Protocol):
+    """What :func:`make_batches` reads from a benchmark's options (read-only, so frozen
+    dataclasses qualify)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
 
 
 def gpt_config(name: str):
@@ -152,21 +172,14 @@ def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
 
 
 def make_batches(
-    model: str,
-    *,
-    seed: int,
-    batch_size: int,
-    count: int,
-    rank: int,
-    world: int,
-    device: torch.device | None = None,
+    spec: BatchSpec, count: int, rank: int, world: int, device: torch.device | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's share of global batches 0..count-1 (``batch_size`` sequences per rank) of a
-    random token stream for GPT shape ``model``; the same for every system compared."""
+    """This rank's share of global batches 0..count-1 (``spec.batch_size`` sequences per rank) of
+    a random token stream for GPT shape ``spec.model``; the same for every system compared."""
     from .data import sample_batch
 
-    cfg = gpt_config(model)
-    gen = torch.Generator().manual_seed(seed)
+    cfg = gpt_config(spec.model)
+    gen = torch.Generator().manual_seed(spec.seed)
     tokens = torch.randint(0, cfg.vocab_size, (1 << 20,), generator=gen, dtype=torch.int64)
     out = []
     for step in range(count):
@@ -174,8 +187,8 @@ def make_batches(
             tokens,
             step,
             seq_len=cfg.seq_len,
-            batch_size=batch_size * world,
-            seed=seed,
+            batch_size=spec.batch_size * world,
+            seed=spec.seed,
             rank=rank,
             world_size=world,
         )
