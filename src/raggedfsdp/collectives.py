@@ -1,6 +1,6 @@
 """The collectives the runtime issues, as free functions over explicit buffers.
 
-Each returns a :class:`Pending` that carries the work handle; ``wait()`` blocks (timed into the
+Each returns a :class:`Pending` that carries the work handles; ``wait()`` blocks (timed into the
 stats as exposed communication) and is idempotent. Everything is labelled for the profiler.
 Collectives use the process group's timeout, so a rank that fails leaves the others with an
 error rather than a hang.
@@ -34,6 +34,11 @@ class Pending:
     works: list[dist.Work]
     stats: RuntimeStats
     then: Callable[[], None] | None = None
+
+    @classmethod
+    def of(cls, work: dist.Work | None, stats: RuntimeStats) -> Pending:
+        """A native collective's handle (``None`` when it ran synchronously)."""
+        return cls([work] if work is not None else [], stats)
 
     def wait(self) -> None:
         if self.works:
@@ -80,7 +85,7 @@ def all_gather(
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
             work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
-            pending = Pending([work] if work is not None else [], stats)
+            pending = Pending.of(work, stats)
     if not async_op:
         pending.wait()
     return pending
@@ -133,7 +138,7 @@ def reduce_scatter(
             work = _reduce_scatter_tensor(
                 output, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
             )
-            pending = Pending([work] if work is not None else [], stats)
+            pending = Pending.of(work, stats)
     if not async_op:
         pending.wait()
     return pending
@@ -228,4 +233,4 @@ def all_reduce(
         stats.all_reduce_calls += 1
         stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    return Pending([work] if work is not None else [], stats)
+    return Pending.of(work, stats)
