@@ -53,7 +53,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from generated_docs import write_section
-from raggedfsdp.data import BatchSampler, load_corpus
+from raggedfsdp.data import BatchSampler, eval_batches, load_corpus
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
 from raggedfsdp.spawn import run_on_ranks
 
@@ -155,14 +155,15 @@ def _rank_main(rank: int, world: int, kind: str, options: Options) -> dict[str, 
         rank=rank,
         world_size=world,
     )
-    val_batches = BatchSampler(
+    val_batches = eval_batches(
         corpus.val,
+        options.eval_batches,
         seq_len=cfg.seq_len,
         global_batch=options.global_batch,
         seed=options.seed,
         rank=rank,
         world_size=world,
-    ).eval_batches(options.eval_batches)
+    )
 
     def evaluate() -> float:
         model.eval()
