@@ -159,6 +159,13 @@ def analyse_profile(events: Sequence[Any], top: int, world: int) -> dict[str, An
         if on_main:
             self_us[e.name] += e.self_cpu_time_total
             split_us[_time_kind(e.name, chain)] += e.self_cpu_time_total
+    # Gloo runs its own reduce-scatter as an all-reduce of the full input; what remains of its
+    # all-reduce bytes are real all-reduces (DDP buckets, HSDP), whose c10d op records no shapes.
+    # (Before the point-to-point reduce-scatters are added: they make no all-reduce records.)
+    if "all_reduce" in collectives:
+        rs_bytes = collectives.get("reduce_scatter", {"bytes": 0})["bytes"]
+        total = sum(v["bytes"] for k, v in gloo.items() if k.endswith("all_reduce"))
+        collectives["all_reduce"]["bytes"] = max(0, total - rs_bytes)
     # As RuntimeStats counts them: an all-gather's input is the one shard sent to every peer; a
     # reduce-scatter's is the whole gradient, of which the W-1 peers' chunks are sent.
     for _, _, kind, sends in p2p_ranges:
@@ -168,12 +175,6 @@ def analyse_profile(events: Sequence[Any], top: int, world: int) -> dict[str, An
                 collectives[kind]["bytes"] += sends[0]
             else:
                 collectives[kind]["bytes"] += sum(sends) * world // (world - 1)
-    # Gloo runs a reduce-scatter as an all-reduce of the full input; what remains of its
-    # all-reduce bytes are real all-reduces (DDP buckets, HSDP), whose c10d op records no shapes.
-    if "all_reduce" in collectives:
-        rs_bytes = collectives.get("reduce_scatter", {"bytes": 0})["bytes"]
-        total = sum(v["bytes"] for k, v in gloo.items() if k.endswith("all_reduce"))
-        collectives["all_reduce"]["bytes"] = max(0, total - rs_bytes)
     tracked = sum(split_us.values())
     split_us["untracked"] = max(0.0, wall_us - tracked)
     copy_ops = {
