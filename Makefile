@@ -25,6 +25,7 @@ run: setup
 lint: setup
 	$(BIN)/python -m ruff check src tests benchmarks
 	$(BIN)/python -m ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -1,12 +1,12 @@
 """Collectives benchmark: raggedfsdp's Gloo all-gather and reduce-scatter against torch's own.
 
 On Gloo, raggedfsdp builds its all-gather and reduce-scatter from point-to-point transfers
-(``raggedfsdp.collectives``, [Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo]);
-this measures each against ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (AVG) on the
-same process group, inputs and sizes, each call writing into a fresh output as the runtime's do.
-Per call and rank: wall time, the process's CPU time (compute thread plus Gloo's threads: on a
-machine with no idle core that is what a training step pays) and page faults; the median over
-``--repeats`` calls, the max over ranks.
+(``raggedfsdp.runtime._collectives``, [Note: all-gather on Gloo] and [Note: reduce-scatter on
+Gloo]); this measures each against ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (AVG)
+on the same process group, inputs and sizes, each call writing into a fresh output as the
+runtime's do. Per call and rank: wall time, the process's CPU time (compute thread plus Gloo's
+threads: on a machine with no idle core that is what a training step pays) and page faults; the
+median over ``--repeats`` calls, the max over ranks.
 
 Usage::
 
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from generated_docs import write_section
-from raggedfsdp.collectives import Pending, all_gather, reduce_scatter
-from raggedfsdp.metrics import RuntimeStats
-from raggedfsdp.pool import BufferPool
+from raggedfsdp.runtime import RuntimeStats
+from raggedfsdp.runtime._collectives import Pending, all_gather, reduce_scatter
+from raggedfsdp.runtime._pool import BufferPool
 from raggedfsdp.spawn import run_on_ranks
 
 #: Per-rank shard sizes in MiB of fp32; 6 MiB is a gpt-ref block's shard at W=2.

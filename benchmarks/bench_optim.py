@@ -68,7 +68,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from generated_docs import write_section
-from raggedfsdp.bench_systems import make_batches
+from raggedfsdp.bench import make_batches
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
 from raggedfsdp.spawn import run_on_ranks
 

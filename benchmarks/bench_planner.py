@@ -36,7 +36,7 @@ import torch
 from generated_docs import write_section
 from raggedfsdp.layout import BlockSize
 from raggedfsdp.models import build_model
-from raggedfsdp.plan_report import WorldReport, plan_report
+from raggedfsdp.planner.report import WorldReport, plan_report
 
 MODELS = ("llama3-8b", "llama3-70b", "llama3-405b", "deepseek-v3-671b", "gpt-oss-120b")
 WORLDS = (8, 64, 1024, 10000)

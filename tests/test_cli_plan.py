@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from raggedfsdp.cli import main, parse_block_size, parse_buffer_size, parse_world_sizes
+from raggedfsdp.cli import main
+from raggedfsdp.layout import parse_block_size
 from raggedfsdp.models import build_model
-from raggedfsdp.plan_report import fsdp1_unit_split, fsdp2_param_split, plan_report
+from raggedfsdp.planner import parse_buffer_size
+from raggedfsdp.planner.command import parse_world_sizes
+from raggedfsdp.planner.report import fsdp1_unit_split, fsdp2_param_split, plan_report
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from harness import run_distributed
-from raggedfsdp.train_checkpoint import (
+from raggedfsdp.checkpoint import (
     init_optimizer_state,
     load_optim_state_dict,
     optim_state_dict,

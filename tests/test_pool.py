@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from raggedfsdp.metrics import RuntimeStats
-from raggedfsdp.pool import BufferPool
+from raggedfsdp.runtime import RuntimeStats
+from raggedfsdp.runtime._pool import BufferPool
 
 CPU = torch.device("cpu")
 

@@ -27,26 +27,27 @@ import torch.distributed.checkpoint as dcp
 
 import raggedfsdp as rf
 from harness import run_distributed
-from raggedfsdp import cli, health, launch
+from raggedfsdp import cli
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.train import build_model, build_optimizer, build_parser
-from raggedfsdp.train_checkpoint import (
-    COMPLETE,
+from raggedfsdp.train import build_model, build_optimizer, build_parser, health, launch
+from raggedfsdp.train.checkpoints import (
     check_entries,
     export_checkpoint,
     load_checkpoint,
     load_full,
     save_checkpoint,
 )
-from raggedfsdp.train_config import TrainConfig, config_from_args, load_toml, train_argv
+from raggedfsdp.train.config import TrainConfig, config_from_args, load_toml, train_argv
+from raggedfsdp.train.run_dir import COMPLETE
 
 pytestmark = pytest.mark.slow
 
 # `raggedfsdp train|export` before cli.py registers them (a no-op once it does).
 _SHIM = """
 import sys
-from raggedfsdp import cli, launch
+from raggedfsdp import cli
+from raggedfsdp.train import launch
 cli.SUBCOMMANDS.setdefault("train", cli.Subcommand(
     "train", launch.configure_train_parser, launch.run_train))
 cli.SUBCOMMANDS.setdefault("export", cli.Subcommand(
@@ -434,7 +435,7 @@ def test_nonfinite_loss_is_judged_globally(reloaded):
 def test_watchdog_aborts_a_stuck_step():
     code = (
         "import time\n"
-        "from raggedfsdp.health import StepWatchdog\n"
+        "from raggedfsdp.train.health import StepWatchdog\n"
         "watchdog = StepWatchdog(0.3, rank=5)\n"
         "with watchdog.step(7):\n"
         "    time.sleep(30)\n"

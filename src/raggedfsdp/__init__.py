@@ -1,14 +1,21 @@
-"""raggedfsdp: structure-aware fully sharded data parallelism for PyTorch."""
+"""raggedfsdp: structure-aware fully sharded data parallelism for PyTorch.
+
+The layers, each a room of its own (imports flow down this list only):
+
+- ``layout``      RaggedShard policies, ShardLayout, the ShardInfo a sharded parameter carries
+- ``planner``     StructAwarePlanner, ShardPlan, the one bucketing (pure Python, no group)
+- ``runtime``     fully_shard / FSDPBackend, DBuffer, collectives, hooks
+- ``checkpoint``  full state dicts, optimizer state for DCP; ``optim``, ``clip``, ``materialize``
+- ``train``, ``bench``, ``cli``   the job, the benchmark, the command
+"""
 
 from . import optim
-from .backend import FSDPBackend, FSDPModule, fully_shard
-from .checkpoint import full_state_dict
+from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_
-from .dbuffer import DBufferConfig
-from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, shard_info
+from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
 from .materialize import init_sharded_
-from .param_group import MixedPrecisionPolicy
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
+from .runtime import DBufferConfig, FSDPBackend, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = [
     "DBufferConfig",
@@ -26,7 +33,10 @@ __all__ = [
     "fully_shard",
     "init_sharded_",
     "layout_of",
+    "load_optim_state_dict",
+    "mark_sharded",
     "optim",
+    "optim_state_dict",
     "shard_info",
     "shard_size_lower_bound",
 ]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from .optim._common import comm_group
+from .layout import comm_group
 
 __all__ = ["clip_grad_norm_"]
 

@@ -19,20 +19,22 @@ import fnmatch
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, TypeAlias, Union
+from typing import Literal, TypeAlias, Union
 
 import torch
-
-if TYPE_CHECKING:
-    import torch.distributed as dist
+import torch.distributed as dist
 
 __all__ = [
     "BlockSize",
     "RaggedShard",
     "ShardInfo",
     "ShardLayout",
+    "comm_group",
+    "global_shape",
     "layout_of",
+    "local_range",
     "mark_sharded",
+    "parse_block_size",
     "row_numel",
     "shard_info",
 ]
@@ -329,3 +331,63 @@ def layout_of(param: torch.Tensor) -> ShardLayout | None:
     """The :class:`ShardLayout` of a sharded parameter, or ``None`` for a plain tensor."""
     info = shard_info(param)
     return None if info is None else info.layout
+
+
+def global_shape(param: torch.Tensor) -> torch.Size:
+    """Shape of the whole parameter: the layout's global shape, or the tensor's own shape."""
+    info = shard_info(param)
+    return param.shape if info is None else info.layout.global_shape
+
+
+def local_range(param: torch.Tensor) -> tuple[int, int]:
+    """This rank's ``[start, end)`` in the parameter's flattened index space."""
+    info = shard_info(param)
+    return (0, param.numel()) if info is None else info.layout.ranges[info.rank]
+
+
+def comm_group(param: torch.Tensor) -> dist.ProcessGroup | None:
+    """The process group a sharded parameter's pieces are spread over, or ``None`` when this
+    process holds the whole parameter (a plain tensor, or a layout of one rank)."""
+    info = shard_info(param)
+    if info is None or info.layout.world_size == 1:
+        return None
+    if info.group is None and not dist.is_initialized():
+        raise ValueError(
+            f"a parameter of shape {list(info.layout.global_shape)} is sharded over "
+            f"{info.layout.world_size} ranks but has no process group and torch.distributed is "
+            f"not initialized"
+        )
+    # ShardInfo.group=None on a multi-rank layout means the default group.
+    group = info.group if info.group is not None else dist.group.WORLD
+    if (dist.get_world_size(group), dist.get_rank(group)) != (info.layout.world_size, info.rank):
+        raise ValueError(
+            f"a parameter of shape {list(info.layout.global_shape)} is rank {info.rank} of a "
+            f"layout over {info.layout.world_size} ranks, but this process is rank "
+            f"{dist.get_rank(group)} of {dist.get_world_size(group)} in its process group"
+        )
+    return group
+
+
+def parse_block_size(text: str) -> BlockSize:
+    """``"none"`` (element), ``"32"`` (rows), ``"128x128"`` (tiles) or ``"whole"``."""
+    value = text.strip().lower()
+    block: BlockSize
+    if value == "none":
+        block = None
+    elif value == "whole":
+        block = "whole"
+    elif value.isdigit():
+        block = int(value)
+    elif value.count("x") == 1 and all(p.isdigit() for p in value.split("x")):
+        rows, cols = value.split("x")
+        block = (int(rows), int(cols))
+    else:
+        block = "invalid"  # type: ignore[assignment]
+    try:
+        RaggedShard(block_size=block)  # positive sizes only
+    except ValueError:
+        raise ValueError(
+            f"invalid block size {text!r}: expected none, whole, ROWS (e.g. 32) or ROWSxCOLS "
+            f"(e.g. 128x128) with positive integers"
+        ) from None
+    return block

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from ..layout import ShardLayout, shard_info
+from ..layout import ShardLayout, comm_group, global_shape, local_range
 
 __all__ = [
     "ShardedOptimizer",
@@ -28,41 +28,6 @@ __all__ = [
     "global_shape",
     "local_range",
 ]
-
-
-def global_shape(param: torch.Tensor) -> torch.Size:
-    """Shape of the whole parameter: the layout's global shape, or the tensor's own shape."""
-    info = shard_info(param)
-    return param.shape if info is None else info.layout.global_shape
-
-
-def local_range(param: torch.Tensor) -> tuple[int, int]:
-    """This rank's ``[start, end)`` in the parameter's flattened index space."""
-    info = shard_info(param)
-    return (0, param.numel()) if info is None else info.layout.ranges[info.rank]
-
-
-def comm_group(param: torch.Tensor) -> dist.ProcessGroup | None:
-    """The process group a sharded parameter's pieces are spread over, or ``None`` when this
-    process holds the whole parameter (a plain tensor, or a layout of one rank)."""
-    info = shard_info(param)
-    if info is None or info.layout.world_size == 1:
-        return None
-    if info.group is None and not dist.is_initialized():
-        raise ValueError(
-            f"a parameter of shape {list(info.layout.global_shape)} is sharded over "
-            f"{info.layout.world_size} ranks but has no process group and torch.distributed is "
-            f"not initialized"
-        )
-    # ShardInfo.group=None on a multi-rank layout means the default group.
-    group = info.group if info.group is not None else dist.group.WORLD
-    if (dist.get_world_size(group), dist.get_rank(group)) != (info.layout.world_size, info.rank):
-        raise ValueError(
-            f"a parameter of shape {list(info.layout.global_shape)} is rank {info.rank} of a "
-            f"layout over {info.layout.world_size} ranks, but this process is rank "
-            f"{dist.get_rank(group)} of {dist.get_world_size(group)} in its process group"
-        )
-    return group
 
 
 def check_block_cuts(label: str, layout: ShardLayout, stride: int, block: str, fix: str) -> None:

@@ -34,16 +34,17 @@ Phases, each in freshly spawned processes (one per rank):
    RSS of the timing processes would mix all systems, so it is not used.) On CUDA the tensor
    figures are ``torch.cuda`` allocator statistics instead.
 
-Collective bytes follow :class:`raggedfsdp.metrics.RuntimeStats`: per rank, what the rank feeds
+Collective bytes follow :class:`raggedfsdp.runtime.RuntimeStats`: per rank, what the rank feeds
 into the collective (all-gather: its shard; reduce-scatter: the whole unsharded gradient;
 all-reduce: the tensor). For every system they are read from the profiler (the ``c10d::`` operator
 input shapes; raggedfsdp's point-to-point collectives on Gloo from Gloo's ``gloo:send`` records);
 Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only Gloo
 all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
 
-The systems are built and stepped in :mod:`raggedfsdp.bench_systems`, the profiled step is
-analysed in :mod:`raggedfsdp.bench_profile`, the memory phase runs in
-:mod:`raggedfsdp.bench_memory` and :mod:`raggedfsdp.bench_report` renders the results.
+The options are in :mod:`.options`, the systems are built and stepped in :mod:`.systems`, the
+profiled step is analysed in :mod:`.profile`, the memory phase runs in :mod:`.memory` and
+:mod:`.report` renders the results; this module drives the phases and merges what the ranks
+report.
 """
 
 from __future__ import annotations
@@ -56,198 +57,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .bench_memory import memory_phase
-from .bench_profile import profile_step
-from .bench_report import render, render_markdown
-from .bench_systems import STEP_KEYS, bench_device, build, gpt_config, make_batches
-from .spawn import run_on_ranks
+from .._host import default_device
+from ..models import GPT, GPT_CONFIGS
+from ..spawn import run_on_ranks
+from .memory import memory_phase
+from .options import SYSTEMS, BenchOptions, options_from_args
+from .profile import profile_step
+from .report import render
+from .systems import STEP_KEYS, build, make_batches
 
-__all__ = [
-    "SYSTEMS",
-    "BenchOptions",
-    "configure_parser",
-    "options_from_args",
-    "render",
-    "render_markdown",
-    "run",
-    "run_bench",
-]
-
-SYSTEMS: dict[str, str] = {
-    "raggedfsdp": "raggedfsdp (zero copy)",
-    "raggedfsdp-copy": "raggedfsdp (zero_copy=False)",
-    "fsdp2": "PyTorch FSDP2 (fully_shard)",
-    "fsdp2-last": "PyTorch FSDP2, last block kept unsharded (as torchtitan)",
-    "ddp": "DDP",
-    "floor": "compute floor (no comm)",
-}
-"""Every system the bench knows, in report order."""
-
-BENCH_MODELS = ("gpt-ref", "gpt-small", "gpt-tiny", "gpt-medium")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchOptions:
-    """One benchmark invocation.
-
-    Attributes:
-        model: a name of :data:`raggedfsdp.models.GPT_CONFIGS`.
-        world: number of ranks (processes) to launch.
-        steps: measured steps per system (the median is reported).
-        warmup: unmeasured steps per system before them.
-        batch_size: sequences per rank per step.
-        systems: which of :data:`SYSTEMS` to run, in report order.
-        seed: model initialisation and data seed (the same for every system).
-        lr: AdamW learning rate.
-        profile: run profiled steps (copy counts, collective bytes, time split).
-        profile_rounds: profiled steps per system, interleaved; the fastest one is reported.
-        memory: run the per-system memory phase in fresh processes.
-        top_ops: how many operators the per-system profile lists by self CPU time.
-        timeout: seconds one phase may take before its processes are killed.
-    """
-
-    model: str = "gpt-ref"
-    world: int = 2
-    steps: int = 4
-    warmup: int = 2
-    batch_size: int = 4
-    systems: tuple[str, ...] = tuple(SYSTEMS)
-    seed: int = 0
-    lr: float = 1e-4
-    profile: bool = True
-    profile_rounds: int = 2
-    memory: bool = True
-    top_ops: int = 12
-    timeout: float = 1200.0
-
-    def __post_init__(self) -> None:
-        from .models import GPT_CONFIGS
-
-        if self.model not in GPT_CONFIGS:
-            raise ValueError(
-                f"unknown bench model {self.model!r}: expected one of {', '.join(GPT_CONFIGS)}"
-            )
-        for name in ("world", "steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
-                )
-        if self.profile_rounds < 1:
-            raise ValueError(f"--profile-rounds must be >= 1, got {self.profile_rounds}")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
-        unknown = [s for s in self.systems if s not in SYSTEMS]
-        if unknown or not self.systems:
-            raise ValueError(
-                f"unknown or empty --systems {','.join(unknown) or '(none)'}: expected a "
-                f"comma-separated subset of {','.join(SYSTEMS)}"
-            )
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line.
-
-
-def _parse_systems(text: str) -> tuple[str, ...]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SYSTEMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown systems {','.join(unknown) or '(none)'}: expected a comma-separated subset "
-            f"of {','.join(SYSTEMS)}"
-        )
-    return tuple(s for s in SYSTEMS if s in names)  # report order, no duplicates
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` arguments to ``parser``."""
-    parser.add_argument(
-        "--model",
-        default="gpt-ref",
-        choices=BENCH_MODELS,
-        help="GPT shape (default: gpt-ref, the DESIGN.md reference model)",
-    )
-    parser.add_argument(
-        "--world", type=int, default=2, metavar="W", help="ranks to launch (default: 2)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=4, help="measured steps per system (default: 4)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=2, help="warm-up steps per system (default: 2)"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=4,
-        metavar="B",
-        help="sequences per rank per step (default: 4)",
-    )
-    parser.add_argument(
-        "--systems",
-        type=_parse_systems,
-        default=tuple(SYSTEMS),
-        metavar="S[,S...]",
-        help=f"systems to run (default: all of {','.join(SYSTEMS)})",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
-    parser.add_argument(
-        "--no-profile",
-        dest="profile",
-        action="store_false",
-        help="skip the profiled step (copy counts, collective bytes, time split)",
-    )
-    parser.add_argument(
-        "--profile-rounds",
-        type=int,
-        default=2,
-        metavar="N",
-        help="profiled steps per system; the fastest one's time split is reported (default: 2)",
-    )
-    parser.add_argument(
-        "--no-memory",
-        dest="memory",
-        action="store_false",
-        help="skip the per-system memory phase (fresh processes)",
-    )
-    parser.add_argument(
-        "--top-ops",
-        type=int,
-        default=12,
-        metavar="N",
-        help="operators listed per system by self CPU time (default: 12)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1200.0,
-        metavar="SECONDS",
-        help="limit per phase before the rank processes are killed (default: 1200)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-
-
-def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    return BenchOptions(
-        model=args.model,
-        world=args.world,
-        steps=args.steps,
-        warmup=args.warmup,
-        batch_size=args.batch_size,
-        systems=tuple(args.systems),
-        seed=args.seed,
-        profile=args.profile,
-        profile_rounds=args.profile_rounds,
-        memory=args.memory,
-        top_ops=args.top_ops,
-        timeout=args.timeout,
-    )
+__all__ = ["run", "run_bench"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -296,7 +121,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     else:
         memory_note = "memory phase skipped (--no-memory)"
     _add_ratios(systems)
-    cfg = gpt_config(options.model)
+    cfg = GPT_CONFIGS[options.model]
     backend = ranks[0]["backend"]
     return {
         "options": asdict(options),
@@ -380,9 +205,8 @@ def _loadavg() -> list[float] | None:
 
 
 def _num_params(name: str) -> int:
-    from .models import GPT
 
-    return GPT(gpt_config(name), device="meta").num_params()
+    return GPT(GPT_CONFIGS[name], device="meta").num_params()
 
 
 def _merge_timing(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -495,7 +319,7 @@ def _add_ratios(systems: dict[str, Any]) -> None:
 
 
 def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any]:
-    device = bench_device()
+    device = default_device()
     runners = {name: build(name, options, device) for name in options.systems}
     rounds = options.warmup + options.steps
     batches = make_batches(options, rounds + 1, rank, world, device)

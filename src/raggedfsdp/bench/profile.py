@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from .bench_systems import Runner
+    from .systems import Runner
 
 __all__ = ["COPY_OPS", "FILL_OPS", "STEP_RANGE", "analyse_profile", "profile_step"]
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .metrics import RuntimeStats
-from .pool import BufferPool
+from ._metrics import RuntimeStats
+from ._pool import BufferPool
 
 __all__ = ["Pending", "all_gather", "all_reduce", "reduce_scatter"]
 

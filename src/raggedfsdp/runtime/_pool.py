@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .metrics import RuntimeStats
+from ._metrics import RuntimeStats
 
 __all__ = ["BufferPool"]
 

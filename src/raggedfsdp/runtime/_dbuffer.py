@@ -27,53 +27,17 @@ allocation (and one free) however many buckets it has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from .layout import ShardInfo, mark_sharded
-from .planner import ShardPlan
+from ..layout import ShardInfo, mark_sharded
+from ..planner import ShardPlan
+from ._param import FSDPParam, Registration
 
-__all__ = ["DBuffer", "DBufferConfig", "FlatStorage", "carve", "packed_nbytes"]
+__all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
 
 # Sub-buffers in a FlatStorage start on this many bytes, enough for any dtype and for vector loads.
 _STORAGE_ALIGN = 256
-
-
-@dataclass(frozen=True, kw_only=True)
-class DBufferConfig:
-    """How the runtime lays out and manages bucket buffers.
-
-    Attributes:
-        zero_copy: parameters and gradients are views of the bucket buffers, so collectives run
-            in place. ``False`` is an FSDP2-style copy-in/copy-out path kept for A/B measurement.
-        group_level: memory is managed per unit and shared across units: the unsharded
-            parameter buffers of all buckets of a unit share one storage, allocated and freed
-            as a whole, and the gradient and reduce-scatter scratch blocks come from one pool
-            shared by all units of the model, reused from unit to unit within a backward and
-            emptied at its end. ``False`` gives each bucket its own parameter storage and
-            allocates every scratch block afresh (as FSDP2 does). Unsharded *parameter*
-            storage is not pooled across units: see [Note: freeing unsharded storage].
-        buffer_size: a unit's parameters are split into buckets of at most this many bytes (in
-            the communication dtype); a single larger parameter gets its own bucket; ``None`` makes
-            each unit one bucket per dtype.
-    """
-
-    zero_copy: bool = True
-    group_level: bool = True
-    buffer_size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.buffer_size is not None and (
-            isinstance(self.buffer_size, bool)
-            or not isinstance(self.buffer_size, int)
-            or self.buffer_size < 1
-        ):
-            raise ValueError(
-                f"DBufferConfig.buffer_size must be a positive number of bytes or None, "
-                f"got {self.buffer_size!r}"
-            )
 
 
 def packed_nbytes(sizes: list[tuple[int, torch.dtype]]) -> int:
@@ -122,25 +86,6 @@ class FlatStorage:
         self._bytes.untyped_storage().resize_(0)
 
 
-@dataclass
-class ParamSlot:
-    """One parameter of a bucket: its plan entry and its sharded and unsharded forms."""
-
-    fqn: str
-    offset: int  # in the global buffer
-    shape: torch.Size
-    local_start: int  # this rank's piece, in the local buffer
-    local_end: int
-    sharded: nn.Parameter  # persistent; a view of DBuffer.local
-    # persistent; a view of DBuffer.full (zero copy; of DBuffer.local when held whole here) or
-    # of the FSDP2-style path's own buffer
-    unsharded: nn.Parameter
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
-
-
 class DBuffer:
     """The buffers of one bucket and the views that make parameters and gradients out of them.
 
@@ -152,7 +97,7 @@ class DBuffer:
     def __init__(
         self,
         plan: ShardPlan,
-        params: dict[str, nn.Parameter],
+        registrations: list[Registration],
         *,
         rank: int,
         group: torch.distributed.ProcessGroup | None,
@@ -164,7 +109,7 @@ class DBuffer:
         self.world_size = plan.world_size
         self.shard_numel = plan.shard_numel
         self.device = device
-        first = next(iter(params.values()))
+        first = registrations[0].param
         self.dtype = first.dtype  # master dtype of the local shard
         self.comm_dtype = comm_dtype
         self.requires_grad = first.requires_grad
@@ -172,10 +117,12 @@ class DBuffer:
         self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
         self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; bound during backward
-        self.slots: list[ParamSlot] = []
+        by_name = {r.fqn: r for r in registrations}
+        self.params: list[FSDPParam] = []  # in buffer order
         shard_start = rank * self.shard_numel
         for fqn, entry in plan.entries.items():
-            original = params[fqn]
+            registration = by_name[fqn]
+            original = registration.param
             start, end = plan.local_range(fqn, rank)
             layout = plan.layout(fqn)
             lo = entry.offset + start - shard_start
@@ -184,14 +131,18 @@ class DBuffer:
                 view.copy_(layout.to_local(original.detach().to(device), rank))
             sharded = nn.Parameter(view, requires_grad=original.requires_grad)
             mark_sharded(sharded, ShardInfo(layout, rank, group))
-            # The unsharded form gets its data (a view) in bind_full.
-            unsharded = nn.Parameter(
+            unsharded = nn.Parameter(  # its data (a view) is bound in bind_full
                 torch.empty(0, dtype=comm_dtype, device=device),
                 requires_grad=original.requires_grad,
             )
-            self.slots.append(
-                ParamSlot(
-                    fqn, entry.offset, original.shape, lo, lo + end - start, sharded, unsharded
+            self.params.append(
+                FSDPParam(
+                    registration,
+                    offset=entry.offset,
+                    local_start=lo,
+                    local_end=lo + end - start,
+                    sharded=sharded,
+                    unsharded=unsharded,
                 )
             )
 
@@ -211,15 +162,16 @@ class DBuffer:
         not place it in ``full`` (see ``own_ranges``)."""
         self.full = full
         own_ranges = []
-        for slot in self.slots:
-            whole_here = slot.local_end - slot.local_start == slot.numel
-            if whole_from_local and whole_here:
-                slot.unsharded.data = self.local[slot.local_start : slot.local_end].view(slot.shape)
+        for param in self.params:
+            if whole_from_local and param.held_whole:
+                param.unsharded.data = self.local[param.local_start : param.local_end].view(
+                    param.shape
+                )
                 continue
-            view = param_buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
-            slot.unsharded.data = view
-            if slot.local_end > slot.local_start:
-                own_ranges.append((slot.local_start, slot.local_end))
+            view = param_buffer[param.offset : param.offset + param.numel].view(param.shape)
+            param.unsharded.data = view
+            if param.local_end > param.local_start:
+                own_ranges.append((param.local_start, param.local_end))
         #: the pieces of ``local`` (start, end) that unsharded views read from this rank's slot
         #: of ``full``: what an all-gather must place there (all of it without zero copy)
         self.own_ranges = own_ranges if whole_from_local else [(0, self.shard_numel)]
@@ -227,28 +179,28 @@ class DBuffer:
     def attach_unsharded_grads(self, full_grad: torch.Tensor) -> None:
         """Unsharded gradients become views of ``full_grad`` (autograd accumulates into them)."""
         self.full_grad = full_grad
-        for slot in self.slots:
-            if slot.unsharded.requires_grad:
-                slot.unsharded.grad = self.full_grad[slot.offset : slot.offset + slot.numel].view(
-                    slot.shape
-                )
+        for param in self.params:
+            if param.unsharded.requires_grad:
+                param.unsharded.grad = self.full_grad[
+                    param.offset : param.offset + param.numel
+                ].view(param.shape)
 
     def detach_unsharded_grads(self) -> None:
         self.full_grad = None
-        for slot in self.slots:
-            slot.unsharded.grad = None
+        for param in self.params:
+            param.unsharded.grad = None
 
     def has_sharded_grads(self) -> bool:
         """Whether any sharded parameter still holds a gradient (not cleared by zero_grad)."""
-        return any(slot.sharded.grad is not None for slot in self.slots)
+        return any(param.sharded.grad is not None for param in self.params)
 
     def attach_sharded_grads(self, local_grad: torch.Tensor) -> None:
         """Sharded gradients become views of ``local_grad`` (1-D ``[S]``, the reduce-scatter's
         output)."""
-        for slot in self.slots:
-            if slot.sharded.requires_grad:
-                view = local_grad[slot.local_start : slot.local_end]
-                slot.sharded.grad = view.view(slot.sharded.shape)
+        for param in self.params:
+            if param.sharded.requires_grad:
+                view = local_grad[param.local_start : param.local_end]
+                param.sharded.grad = view.view(param.sharded.shape)
 
     def persistent_bytes(self) -> int:
         """Bytes this bucket holds between steps: the local shard, and its gradient while the

@@ -24,7 +24,6 @@ shows the traceback); another rank reports only an error rank 0 did not have.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -40,265 +39,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._console import USAGE_ERROR
+from .._host import local_device, synchronize
+from ..clip import clip_grad_norm_
+from ..data import BatchSampler, eval_batches, load_corpus
+from ..layout import global_shape
 from . import health
-from .backend import FSDPBackend
-from .clip import clip_grad_norm_
-from .data import BatchSampler, eval_batches, load_corpus
-from .layout import RaggedShard, shard_info
-from .models import GPT, GPT_CONFIGS
+from .build import build_model, build_optimizer, lr_factor, optimizer_bytes
+from .checkpoints import load_checkpoint, save_checkpoint
+from .config import TrainConfig, add_config_arguments, config_from_args
 from .monitor import Monitor, StepTimes
-from .param_group import MixedPrecisionPolicy
-from .planner import StructAwarePlanner
-from .train_checkpoint import (
-    check_entries,
-    check_out_dir,
-    latest_checkpoint,
-    load_checkpoint,
-    prepare_out_dir,
-    read_meta,
-    remove_partial,
-    save_checkpoint,
-)
-from .train_config import TrainConfig, add_config_arguments, config_from_args
+from .preflight import dry_run_report
+from .run_dir import latest_checkpoint, prepare_out_dir, remove_partial
 
-__all__ = [
-    "build_model",
-    "build_optimizer",
-    "build_parser",
-    "dry_run_report",
-    "lr_factor",
-    "main",
-    "preflight",
-]
+__all__ = ["build_parser", "evaluate", "main", "train"]
 
-#: Exit status of a user error (argparse's convention, as the ``raggedfsdp`` command).
-USAGE_ERROR = 2
 #: Seconds a rank other than 0 waits before reporting a user error (see main()).
 ERROR_GRACE_S = 3.0
-#: Betas of every Adam-style update (nanoGPT's choice for small GPTs).
-BETAS = (0.9, 0.95)
 
 T = TypeVar("T")
-
-
-# ---------------------------------------------------------------------------------------------
-# Builders (also used by the tests and by --dry-run).
-
-
-def build_planner(cfg: TrainConfig) -> StructAwarePlanner:
-    """The shard planner: the user's block policy, plus the optimizer's blocks kept whole."""
-    options = (
-        {"max_preconditioner_dim": cfg.max_preconditioner_dim} if cfg.optimizer == "shampoo" else {}
-    )
-    return StructAwarePlanner(
-        optimizer_type=cfg.optimizer,
-        shard_policy=RaggedShard(block_size=cfg.parsed_block_size()),
-        **options,
-    )
-
-
-def _mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy | None:
-    if cfg.mixed_precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return None
-
-
-def apply_activation_checkpointing(model: GPT) -> None:
-    """Recompute each block's activations in backward. The block's ``forward`` is replaced on the
-    instance (not wrapped in another module), so parameter names - and checkpoints - do not
-    change; the FSDP hooks of the block still run around it and unshard before recomputation."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in model.blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-
-
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    """The same GPT on every rank (seeded by ``cfg.seed``), sharded by raggedfsdp. Needs the
-    process group."""
-    torch.manual_seed(cfg.seed)
-    model = GPT(GPT_CONFIGS[cfg.model], device=device)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    FSDPBackend(model, planner=build_planner(cfg), mp_policy=_mp_policy(cfg))
-    return model
-
-
-def _global_ndim(p: torch.Tensor) -> int:
-    """Dimensions of the whole parameter (a local shard of a matrix may be 1-D)."""
-    info = shard_info(p)
-    return p.ndim if info is None else info.layout.ndim
-
-
-def _global_numel(p: torch.Tensor) -> int:
-    info = shard_info(p)
-    return p.numel() if info is None else info.layout.numel
-
-
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``--optimizer``, with weight decay on matrices only. Muon takes the
-    blocks' matrices; embeddings and vectors go to its auxiliary AdamW. Every group records its
-    peak learning rate as ``initial_lr`` (the schedule scales it)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in named if _global_ndim(p) >= 2]
-    vectors = [p for n, p in named if _global_ndim(p) < 2]
-    decay = {"params": matrices, "weight_decay": cfg.weight_decay}
-    no_decay = {"params": vectors, "weight_decay": 0.0}
-    optimizer: torch.optim.Optimizer
-    if cfg.optimizer == "adamw":
-        optimizer = torch.optim.AdamW([decay, no_decay], lr=cfg.lr, betas=BETAS)
-    else:
-        try:  # raggedfsdp.optim is optional for AdamW runs; import it only when asked for
-            from . import optim
-        except ImportError as err:
-            raise ValueError(
-                f"--optimizer {cfg.optimizer} needs raggedfsdp.optim, which cannot be imported "
-                f"({err})"
-            ) from None
-        if cfg.optimizer == "muon":
-            in_blocks = [p for n, p in named if n.startswith("blocks.") and _global_ndim(p) >= 2]
-            embeddings = [
-                p for n, p in named if not n.startswith("blocks.") and _global_ndim(p) >= 2
-            ]
-            optimizer = optim.Muon(
-                [
-                    {"params": in_blocks},
-                    {"params": embeddings, "use_muon": False, "weight_decay": cfg.weight_decay},
-                    {"params": vectors, "use_muon": False, "weight_decay": 0.0},
-                ],
-                lr=cfg.muon_lr,
-                weight_decay=cfg.weight_decay,
-                adamw_lr=cfg.lr,
-                adamw_betas=BETAS,
-            )
-        elif cfg.optimizer == "shampoo":
-            optimizer = optim.Shampoo(
-                [decay, no_decay],
-                lr=cfg.lr,
-                betas=BETAS,
-                max_preconditioner_dim=cfg.max_preconditioner_dim,
-            )
-        else:
-            optimizer = optim.AdamW8bit([decay, no_decay], lr=cfg.lr, betas=BETAS)
-    for group in optimizer.param_groups:
-        group["initial_lr"] = group["lr"]
-    return optimizer
-
-
-def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Learning-rate multiplier of step ``step`` (0-based): linear warm-up, then cosine decay to
-    ``min_lr_ratio``. A function of the step alone, so resuming needs no scheduler state."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
-
-
-def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            values = value if isinstance(value, (list, tuple)) else [value]
-            total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
-    return total
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks a launcher runs before starting workers, and the dry run.
-
-
-def check_data_path(path: str | None) -> None:
-    """The cheap part of ``load_corpus``'s checks: a missing path or an empty file."""
-    if path is None:
-        return
-    data = Path(path)
-    if not data.exists():
-        raise ValueError(f"data: corpus path {str(data)!r} does not exist")
-    if data.is_file() and data.stat().st_size == 0:
-        raise ValueError(f"data: corpus file {str(data)!r} is empty")
-    if data.is_dir() and not any(p.is_file() for p in data.rglob("*")):
-        raise ValueError(f"data: corpus folder {str(data)!r} has no files")
-
-
-def _model_entries(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
-    """DCP keys and shapes of the model part of a checkpoint of this run."""
-    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
-    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> None:
-    """What can be checked before any worker starts (``ValueError`` naming the problem): the
-    batch split, the data path, the output folder (``check_out``: only where the run starts, on
-    one node) and, when resuming, that the newest checkpoint fits the model and optimizer."""
-    cfg.check_world(world_size)
-    check_data_path(cfg.data)
-    if not check_out:
-        return
-    check_out_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
-    if ckpt is not None:
-        meta = read_meta(ckpt)
-        saved = meta["config"].get("optimizer")
-        if saved != cfg.optimizer:
-            raise ValueError(
-                f"checkpoint {str(ckpt)!r} was saved with --optimizer {saved}; this run uses "
-                f"{cfg.optimizer}, whose state it does not have"
-            )
-        check_entries(ckpt, _model_entries(cfg), meta)
-
-
-def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
-    """The shard plan of the model on the meta device and an estimate of memory per rank."""
-    gpt = GPT_CONFIGS[cfg.model]
-    model = GPT(gpt, device="meta")
-    comm_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    plans = build_planner(cfg).plan_model(model, world_size, dtype=comm_dtype)
-    shard = sum(p.shard_numel for p in plans)
-    padding = sum(p.padding_numel for p in plans)
-    numel = sum(p.param_numel for p in plans)
-    lines = [
-        f"{cfg.model}: {model.num_params():,} parameters on {world_size} rank(s), "
-        f"optimizer {cfg.optimizer}, block {cfg.block_size}",
-        f"{'bucket':<28}{'params':>8}{'elements':>12}{'per rank':>12}{'padding':>10}",
-    ]
-    for plan in plans:
-        lines.append(
-            f"{plan.name:<28}{len(plan.entries):>8}{plan.param_numel:>12,}"
-            f"{plan.shard_numel:>12,}{100 * plan.padding_ratio:>9.3f}%"
-        )
-    lines.append(
-        f"{'total':<28}{'':>8}{numel:>12,}{shard:>12,}{100 * padding / max(1, numel):>9.3f}%"
-    )
-    # Per rank: fp32 master shard and gradient; optimizer state per element; the unsharded
-    # working set (the two largest units gathered - one computing, one prefetched - and one
-    # unit's full gradient); activations by Megatron's estimate of s*b*h*(34 + 5*a*s/h) bytes
-    # per layer at 16 bits (doubled for fp32; only the block inputs kept under checkpointing).
-    state_bytes = {"adamw": 8, "muon": 6, "shampoo": 12, "adamw8bit": 3}[cfg.optimizer]
-    units = sorted((p.total_numel for p in plans), reverse=True)
-    working = (sum(units[:2]) * comm_dtype.itemsize) + units[0] * 4
-    b, s, h, a = (
-        cfg.batch_size // world_size // cfg.grad_accum,
-        cfg.tokens_per_seq,
-        gpt.d_model,
-        gpt.n_head,
-    )
-    per_layer = s * b * h * (34 + 5 * a * s / h) * (2 if comm_dtype == torch.float32 else 1)
-    activations = (
-        gpt.n_layer * s * b * h * 4 + per_layer
-        if cfg.activation_checkpointing
-        else gpt.n_layer * per_layer
-    )
-    estimates = [
-        ("parameters + gradients (fp32 shards)", shard * 8),
-        (f"optimizer state (~{state_bytes} B/element)", shard * state_bytes),
-        ("unsharded working set", working),
-        (f"activations (~, micro-batch of {b})", int(activations)),
-    ]
-    lines.append("estimated memory per rank:")
-    lines += [f"  {name:<40}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
-    lines.append(f"  {'total':<40}{sum(n for _, n in estimates) / 2**20:>10,.1f} MiB")
-    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,12 +78,6 @@ def _rank0_decides(fn: Callable[[], T]) -> T:
     if kind == "error":
         raise ValueError(value)
     return value
-
-
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued device work so that wall-clock timings mean something on GPUs."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -367,9 +120,7 @@ def train(cfg: TrainConfig) -> None:
         if rank == 0:
             print(dry_run_report(cfg, world))
         return
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = local_device(local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     health.init_process_group(backend, timeout_s=cfg.comm_timeout_s, device=device)
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -451,7 +202,8 @@ def train(cfg: TrainConfig) -> None:
         device=device,
     )
     monitor.print(
-        f"{cfg.model}: {sum(_global_numel(p) for p in params):,} parameters, {world} rank(s) "
+        f"{cfg.model}: {sum(global_shape(p).numel() for p in params):,} parameters, "
+        f"{world} rank(s) "
         f"({backend}), optimizer {cfg.optimizer}, block {cfg.block_size}, padding "
         f"{100 * padding_ratio:.3f}%, corpus {corpus.source} "
         f"({corpus.train.numel():,} train tokens)"
@@ -497,7 +249,7 @@ def train(cfg: TrainConfig) -> None:
                     loss = model(xb.to(device), yb.to(device)) / len(micro)
                     loss.backward()
                 loss_sum += loss.detach()
-            _synchronize(device)
+            synchronize(device)
             t_backward = time.perf_counter()
             loss_value = health.global_loss(loss_sum)
             t_optimizer = time.perf_counter()
@@ -513,7 +265,7 @@ def train(cfg: TrainConfig) -> None:
             else:
                 monitor.print(f"step {done}: non-finite loss or gradient; step skipped")
             optimizer.zero_grad(set_to_none=True)
-            _synchronize(device)
+            synchronize(device)
             t_end = time.perf_counter()
         stats = model.stats()
         comm = stats["comm_wait_seconds"]
@@ -529,7 +281,7 @@ def train(cfg: TrainConfig) -> None:
                 optimizer=t_end - t_optimizer,
             ),
             stats=stats,
-            optimizer_bytes=_optimizer_bytes(optimizer),
+            optimizer_bytes=optimizer_bytes(optimizer),
             skipped=not finite,
         )
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:

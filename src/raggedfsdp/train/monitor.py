@@ -37,7 +37,8 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from .train_config import TrainConfig
+from .._console import format_bytes
+from .config import TrainConfig
 
 __all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics"]
 
@@ -69,12 +70,6 @@ def read_metrics(out: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
-
-
-def _mib(n: float) -> str:
-    """Bytes in MiB, with a decimal below 10 MiB (tiny models move kilobytes per step)."""
-    value = n / _MIB
-    return f"{value:,.0f} MiB" if value >= 10 else f"{value:.2f} MiB"
 
 
 class Monitor:
@@ -261,7 +256,7 @@ class Monitor:
             f"lr {record['lr']:.2e} | {record['tokens_per_s']:,.0f} tok/s | "
             f"{step_s:.3f} s/step (compute {record['compute_s']:.3f}, comm "
             f"{record['comm_exposed_s']:.3f}, optim {record['optimizer_s']:.3f}) | "
-            f"peak RSS {_mib(rss)}"
+            f"peak RSS {format_bytes(rss)}"
         )
 
     def eval(self, step: int, val_loss: float) -> None:
@@ -322,15 +317,15 @@ class Monitor:
             ("exposed comm fraction", f"{100 * median('comm_fraction'):.1f}%"),
             (
                 "bytes sent / step / rank",
-                f"all-gather {_mib(median('all_gather_bytes'))}, reduce-scatter "
-                f"{_mib(median('reduce_scatter_bytes'))}",
+                f"all-gather {format_bytes(median('all_gather_bytes'))}, reduce-scatter "
+                f"{format_bytes(median('reduce_scatter_bytes'))}",
             ),
             ("padding ratio", f"{100 * self.padding_ratio:.3f}%"),
-            ("peak RSS (max over ranks)", _mib(max(r["peak_rss_bytes"] for r in train))),
+            ("peak RSS (max over ranks)", format_bytes(max(r["peak_rss_bytes"] for r in train))),
             (
                 "framework + optimizer bytes (max)",
-                f"{_mib(max(r['framework_bytes'] for r in train))} + "
-                f"{_mib(max(r['optimizer_bytes'] for r in train))}",
+                f"{format_bytes(max(r['framework_bytes'] for r in train))} + "
+                f"{format_bytes(max(r['optimizer_bytes'] for r in train))}",
             ),
             ("wall time (this launch)", f"{wall_s:,.1f} s"),
         ]

@@ -5,35 +5,20 @@ byte that system allocated; peak RSS of the same process is reported beside it.
 
 from __future__ import annotations
 
-import os
-import resource
-import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .bench_profile import STEP_RANGE
-from .bench_systems import bench_device, build, make_batches
+from .._host import current_rss_bytes, default_device, peak_rss_bytes
+from .profile import STEP_RANGE
+from .systems import build, make_batches
 
 if TYPE_CHECKING:
-    from .bench import BenchOptions
+    from .options import BenchOptions
 
 __all__ = ["memory_phase"]
-
-
-def _current_rss() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: fall back to the high-water mark
-        return _peak_rss()
-
-
-def _peak_rss() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dict[str, Any]:
@@ -41,10 +26,10 @@ def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dic
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    device = bench_device()
+    device = default_device()
     batches = make_batches(options, 2, rank, world, device)
     dist.barrier()
-    rss_before = _current_rss()
+    rss_before = current_rss_bytes()
     cuda_at_start = 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         runner = build(name, options, device)
@@ -65,8 +50,8 @@ def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dic
     result.update(
         retained_original_param_bytes=runner.retained_original_bytes,
         rss_before_bytes=rss_before,
-        peak_rss_bytes=_peak_rss(),
-        peak_rss_above_start_bytes=_peak_rss() - rss_before,
+        peak_rss_bytes=peak_rss_bytes(),
+        peak_rss_above_start_bytes=peak_rss_bytes() - rss_before,
     )
     if runner.stats is not None:
         stats = runner.stats()

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from .train_config import add_config_arguments, config_from_args, train_argv
+from .config import add_config_arguments, config_from_args, train_argv
 
 __all__ = [
     "configure_export_parser",
@@ -138,7 +138,7 @@ def run_train(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from .train import dry_run_report, preflight
+    from .preflight import dry_run_report, preflight
 
     cfg = config_from_args(args)
     nproc = args.nproc or default_nproc()
@@ -189,7 +189,7 @@ def configure_export_parser(parser: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     """Write the checkpoint's model as a plain state dict of the unwrapped model."""
-    from .train_checkpoint import export_checkpoint
+    from .checkpoints import export_checkpoint
 
     for path in export_checkpoint(args.checkpoint, args.out):
         print(f"wrote {path}")

@@ -1,4 +1,4 @@
-"""Checkpoints: DCP-compatible sharded state dicts, and full (unsharded) export.
+"""The state dict of a sharded module: ragged shards as DCP-reshardable values, and back.
 
 [Note: ragged shards in DCP] A rank's piece of a parameter is a contiguous flat range, which is
 not one rectangle of the N-D tensor; :meth:`ShardLayout.boxes` cuts it into at most ``2*ndim-1``
@@ -13,7 +13,7 @@ a single process.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -26,17 +26,9 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties,
 )
 
-from .collectives import all_gather
-from .layout import ShardInfo, ShardLayout, shard_info
-from .metrics import RuntimeStats
+from ..layout import ShardInfo, ShardLayout, shard_info
 
-__all__ = [
-    "full_state_dict",
-    "register_state_dict_hooks",
-    "to_sharded_tensor",
-]
-
-_STATE_ATTR = "_raggedfsdp_state"
+__all__ = ["load_state_dict_pre_hook", "state_dict_post_hook", "to_sharded_tensor"]
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -81,12 +73,13 @@ def _full_scalar(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
     return value
 
 
-def _state_dict_post_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+def state_dict_post_hook(
+    named_params: Sequence[tuple[str, nn.Parameter]], state_dict: dict[str, Any]
 ) -> None:
-    """Turn the sharded parameters under this unit into ShardedTensors (state-dict values are
-    detached, so parameters are found by name; inner units' are converted already)."""
-    for key, param in _unit_params(module, prefix):
+    """Turn a unit's sharded parameters (``(key, parameter)`` under every name) into
+    ShardedTensors in ``state_dict`` (its values are detached, so parameters are found by name;
+    inner units' are converted by their own hooks)."""
+    for key, param in named_params:
         info = shard_info(param)
         if info is None or key not in state_dict:
             continue
@@ -96,12 +89,13 @@ def _state_dict_post_hook(
             state_dict[key] = to_sharded_tensor(param.detach(), info.layout, info.rank, info.group)
 
 
-def _load_state_dict_pre_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+def load_state_dict_pre_hook(
+    named_params: Sequence[tuple[str, nn.Parameter]], state_dict: dict[str, Any]
 ) -> None:
-    """Accept, for every sharded parameter, a ShardedTensor (from DCP) or a full tensor (from a
-    single process or ``full_state_dict``), and hand ``nn.Module`` this rank's piece."""
-    for key, param in _unit_params(module, prefix):
+    """Accept, for every sharded parameter of a unit, a ShardedTensor (from DCP) or a full
+    tensor (from a single process or ``full_state_dict``), and hand ``nn.Module`` this rank's
+    piece."""
+    for key, param in named_params:
         info = shard_info(param)
         if info is None or key not in state_dict:
             continue
@@ -115,21 +109,6 @@ def _load_state_dict_pre_hook(
                     f"full shape {list(info.layout.global_shape)}"
                 )
             state_dict[key] = info.layout.to_local(value.to(param.device), info.rank)
-
-
-def _unit_params(module: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
-    """State-dict keys and sharded parameters of this unit only (inner units have their own
-    hooks), under every name a tied parameter has."""
-    state = getattr(module, _STATE_ATTR)
-    names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    out = []
-    for reg in state.group.registrations:
-        for owner, attr in reg.owners:
-            path = names[id(owner)]
-            out.append(
-                (f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}", owner._parameters[attr])
-            )
-    return out
 
 
 def _local_from_sharded(
@@ -165,56 +144,3 @@ def _is_view_of(tensor: torch.Tensor, param: torch.Tensor) -> bool:
     base = param.data_ptr()
     end = base + param.numel() * param.element_size()
     return base <= tensor.data_ptr() < end
-
-
-def register_state_dict_hooks(module: nn.Module) -> None:
-    """Installed by ``fully_shard`` on every unit."""
-    module.register_state_dict_post_hook(_state_dict_post_hook)
-    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
-
-
-def _sharded_to_full(model: nn.Module) -> dict[int, torch.Tensor]:
-    """``id(sharded parameter) -> full tensor on CPU`` for every bucket under ``model``."""
-    full: dict[int, torch.Tensor] = {}
-    stats = RuntimeStats()
-    for module in model.modules():
-        state = getattr(module, _STATE_ATTR, None)
-        if state is None:
-            continue
-        group = state.group
-        for bucket in group.buckets:
-            gathered = torch.empty(
-                bucket.world_size * bucket.shard_numel, dtype=bucket.dtype, device=bucket.device
-            )
-            all_gather(gathered, bucket.local, group.mesh_info.shard_group, stats, async_op=False)
-            for slot in bucket.slots:
-                piece = gathered[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                full[id(slot.sharded)] = piece.detach().to("cpu", copy=True)
-    return full
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The unwrapped model's ``state_dict()``: same keys (both names of a tied parameter,
-    persistent buffers included), full tensors on CPU, on every rank. A collective: every rank
-    must call it, with the model between steps (sharded)."""
-    full = _sharded_to_full(model)
-    out: dict[str, torch.Tensor] = {}
-    for key, value in _raw_state_dict(model).items():
-        out[key] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
-    return out
-
-
-def _raw_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
-    """The keys and order of ``state_dict()`` (parameters, then persistent buffers, module by
-    module, pre-order, shared ones under every name), with the parameter objects themselves
-    rather than what our state-dict hooks make of them."""
-    out: dict[str, torch.Tensor] = {}
-    for mname, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        for name, param in module._parameters.items():
-            if param is not None:
-                out[prefix + name] = param
-        for name, buf in module._buffers.items():
-            if buf is not None and name not in module._non_persistent_buffers_set:
-                out[prefix + name] = buf
-    return out

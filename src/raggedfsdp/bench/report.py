@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._console import format_bytes
+
 __all__ = ["render", "render_markdown"]
 
 _MIB = 1 << 20
@@ -19,8 +21,8 @@ _PHASES = ("fwd", "bwd", "opt")
 _Systems = dict[str, Any]  # system name -> its results entry
 
 
-def _mib(n: float | None) -> str:
-    return "-" if n is None else f"{n / _MIB:,.1f}"
+def _in_mib(n: float | None) -> str:
+    return format_bytes(n, "MiB", suffix=False)
 
 
 def _ratio(x: float | None) -> str:
@@ -96,7 +98,9 @@ _COPY_COLUMNS = (
 
 def _own_traffic(entry: dict[str, Any]) -> str:
     st = entry.get("runtime_stats")
-    return f"{_mib(st['all_gather_bytes'])} / {_mib(st['reduce_scatter_bytes'])}" if st else "-"
+    return (
+        f"{_in_mib(st['all_gather_bytes'])} / {_in_mib(st['reduce_scatter_bytes'])}" if st else "-"
+    )
 
 
 def _own_wait(entry: dict[str, Any]) -> str:
@@ -113,21 +117,23 @@ _COLLECTIVE_COLUMNS = (
 )
 
 
-def _max_mib(figure: str, optional: bool = False) -> Callable[[dict[str, Any]], str]:
+def _max_in_mib(figure: str, optional: bool = False) -> Callable[[dict[str, Any]], str]:
     """Cell of a memory figure's maximum over ranks; only raggedfsdp has the optional ones."""
     key = f"max_{figure}_bytes"
-    return lambda e: _mib(e["memory"].get(key) if optional else e["memory"][key])
+    return lambda e: _in_mib(e["memory"].get(key) if optional else e["memory"][key])
 
 
 _MEMORY_COLUMNS = (
-    _Col("tensor peak", "tensor peak", _max_mib("tensor_peak")),
-    _Col("at step start", "tensors at step start", _max_mib("tensor_at_step_start")),
-    _Col(None, "unwrapped params alive", _max_mib("retained_original_param")),
-    _Col("peak RSS", "peak RSS", _max_mib("peak_rss")),
-    _Col("RSS above start", "RSS above start", _max_mib("peak_rss_above_start")),
-    _Col("framework persistent", "own persistent", _max_mib("framework_persistent", True)),
+    _Col("tensor peak", "tensor peak", _max_in_mib("tensor_peak")),
+    _Col("at step start", "tensors at step start", _max_in_mib("tensor_at_step_start")),
+    _Col(None, "unwrapped params alive", _max_in_mib("retained_original_param")),
+    _Col("peak RSS", "peak RSS", _max_in_mib("peak_rss")),
+    _Col("RSS above start", "RSS above start", _max_in_mib("peak_rss_above_start")),
+    _Col("framework persistent", "own persistent", _max_in_mib("framework_persistent", True)),
     _Col(
-        "framework unsharded peak", "own unsharded peak", _max_mib("framework_peak_unsharded", True)
+        "framework unsharded peak",
+        "own unsharded peak",
+        _max_in_mib("framework_peak_unsharded", True),
     ),
 )
 
@@ -236,7 +242,7 @@ def _live_sites_table(systems: _Systems) -> _Table:
     return _ranked(
         "What is live at the tensor peak (rank 0, MiB, by allocation site):",
         {name: m.get("live_at_peak_by_site", []) for name, m in rank0.items()},
-        lambda site: f"`{site['site']}` {_mib(site['bytes'])}",
+        lambda site: f"`{site['site']}` {_in_mib(site['bytes'])}",
     )
 
 
@@ -321,8 +327,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         if "peak_memory" in targets:
             pm = targets["peak_memory"]
             lines.append(
-                f"- peak tensor memory per rank {_mib(pm['value_bytes'])} MiB vs FSDP2 "
-                f"{_mib(pm['fsdp2_bytes'])} MiB (ratio {pm['ratio']:.3f}), target <= FSDP2: "
+                f"- peak tensor memory per rank {_in_mib(pm['value_bytes'])} MiB vs FSDP2 "
+                f"{_in_mib(pm['fsdp2_bytes'])} MiB (ratio {pm['ratio']:.3f}), target <= FSDP2: "
                 f"{'met' if pm['met'] else 'missed'}"
             )
         lines.append("")

@@ -7,8 +7,6 @@ collectives and the copy sites add to it. ``model.stats()`` returns a snapshot a
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["RuntimeStats", "process_peak_rss_bytes"]
+__all__ = ["RuntimeStats"]
 
 
 @dataclass
@@ -64,9 +62,3 @@ class RuntimeStats:
 
     def snapshot(self) -> dict[str, float]:
         return asdict(self)
-
-
-def process_peak_rss_bytes() -> int:
-    """The process's resident-set high-water mark (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024

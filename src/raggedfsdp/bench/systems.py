@@ -16,16 +16,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._host import synchronize
+from ..data import sample_batch
+from ..models import GPT, GPT_CONFIGS
+from ..runtime import DBufferConfig, FSDPBackend
+
 if TYPE_CHECKING:
-    from .bench import BenchOptions
+    from .options import BenchOptions
 
 __all__ = [
     "STEP_KEYS",
     "BatchSpec",
     "Runner",
-    "bench_device",
     "build",
-    "gpt_config",
     "make_batches",
 ]
 
@@ -40,25 +43,6 @@ class BatchSpec(Protocol):
     def seed(self) -> int: ...
     @property
     def batch_size(self) -> int: ...
-
-
-def gpt_config(name: str):
-    """The GPT shape ``name`` (models.GPT_CONFIGS)."""
-    from .models import GPT_CONFIGS
-
-    return GPT_CONFIGS[name]
-
-
-def bench_device() -> torch.device:
-    """The device this rank benchmarks on: its GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -78,20 +62,20 @@ class Runner:
         """One training step; wall times of its phases."""
         if self.reset_stats is not None:
             self.reset_stats()
-        _sync(self.device)
+        synchronize(self.device)
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         waited = _runqueue_seconds()
         cpu, main_cpu = _process_cpu_seconds(), time.thread_time()
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.model(x, y)
-        _sync(self.device)
+        synchronize(self.device)
         t1 = time.perf_counter()
         loss.backward()
-        _sync(self.device)
+        synchronize(self.device)
         t2 = time.perf_counter()
         self.optimizer.step()
-        _sync(self.device)
+        synchronize(self.device)
         t3 = time.perf_counter()
         return {
             "total": t3 - t0,
@@ -131,16 +115,12 @@ def _runqueue_seconds() -> float:
 
 def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
     """Build ``name``'s model from the shared seed and wrap it."""
-    from .models import GPT
 
     torch.manual_seed(options.seed)
-    model = GPT(gpt_config(options.model), device=device)
+    model = GPT(GPT_CONFIGS[options.model], device=device)
     originals = [weakref.ref(p) for p in model.parameters()]
     stats = reset = None
     if name in ("raggedfsdp", "raggedfsdp-copy"):
-        from .backend import FSDPBackend
-        from .dbuffer import DBufferConfig
-
         FSDPBackend(model, dbuffer_config=DBufferConfig(zero_copy=name == "raggedfsdp"))
         stats, reset = model.stats, model.reset_stats  # type: ignore[attr-defined]
     elif name in ("fsdp2", "fsdp2-last"):
@@ -176,9 +156,8 @@ def make_batches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of global batches 0..count-1 (``spec.batch_size`` sequences per rank) of
     a random token stream for GPT shape ``spec.model``; the same for every system compared."""
-    from .data import sample_batch
 
-    cfg = gpt_config(spec.model)
+    cfg = GPT_CONFIGS[spec.model]
     gen = torch.Generator().manual_seed(spec.seed)
     tokens = torch.randint(0, cfg.vocab_size, (1 << 20,), generator=gen, dtype=torch.int64)
     out = []

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .layout import BlockSize, RaggedShard
-from .models import build_model
-from .planner import ShardPlan, StructAwarePlanner, bucket_params
+from ..layout import BlockSize, RaggedShard
+from ..models import build_model
+from . import ShardPlan, StructAwarePlanner, bucket_params
 
 __all__ = [
     "PlanOptions",

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .models import GPT_CONFIGS
+from ..layout import BlockSize, parse_block_size
+from ..models import GPT_CONFIGS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -190,11 +191,8 @@ class TrainConfig:
         """The sequence length actually used (``seq_len`` or the model's)."""
         return self.seq_len or GPT_CONFIGS[self.model].seq_len
 
-    def parsed_block_size(self) -> Any:
+    def parsed_block_size(self) -> BlockSize:
         """``block_size`` as a :data:`raggedfsdp.layout.BlockSize`."""
-        # Imported here: cli.py imports this module (through launch.py) to register `train`.
-        from .cli import parse_block_size
-
         return parse_block_size(self.block_size)
 
     def check_world(self, world_size: int) -> None:

@@ -1,0 +1,23 @@
+"""Checkpoint state of sharded models and their optimizers, for ``torch.distributed.checkpoint``.
+
+Offers :func:`full_state_dict` (the unwrapped model's state, full, on every rank) and the
+optimizer's state as DCP-reshardable values (:func:`optim_state_dict`,
+:func:`load_optim_state_dict`, :func:`init_optimizer_state`). A sharded model's own
+``state_dict()`` is reshardable already (its hooks live in the runtime).
+"""
+
+from ._model_state import full_state_dict
+from ._optim_state import (
+    init_optimizer_state,
+    is_tensor_list,
+    load_optim_state_dict,
+    optim_state_dict,
+)
+
+__all__ = [
+    "full_state_dict",
+    "init_optimizer_state",
+    "is_tensor_list",
+    "load_optim_state_dict",
+    "optim_state_dict",
+]

@@ -1,0 +1,83 @@
+"""One parameter of a unit: the runtime's single record of it.
+
+An :class:`FSDPParam` knows every place the parameter is registered (tied parameters have
+several), where it lies in its bucket's buffers, and its two forms: the sharded parameter (a view
+of the bucket's local shard, carrying its :class:`~raggedfsdp.layout.ShardInfo` for optimizers
+and tools) and the unsharded one (a view of the gathered buffer, bound by the DBuffer). Swapping
+what the modules hold is its job too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["FSDPParam", "Registration"]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A parameter as ``fully_shard`` finds it, before sharding: its name, the tensor, and every
+    ``(module, attribute)`` it is registered under."""
+
+    fqn: str
+    param: nn.Parameter
+    owners: tuple[tuple[nn.Module, str], ...]
+
+
+class FSDPParam:
+    """One parameter of a bucket: where it is registered, where it lies, its two forms."""
+
+    def __init__(
+        self,
+        registration: Registration,
+        *,
+        offset: int,
+        local_start: int,
+        local_end: int,
+        sharded: nn.Parameter,
+        unsharded: nn.Parameter,
+    ) -> None:
+        self.fqn = registration.fqn
+        #: every (module, attribute) the parameter is registered under
+        self.owners = registration.owners
+        self.shape = registration.param.shape
+        self.offset = offset  # in the bucket's global buffer
+        self.local_start = local_start  # this rank's piece, in the bucket's local buffer
+        self.local_end = local_end
+        #: persistent; a view of DBuffer.local that the optimizer updates in place
+        self.sharded = sharded
+        #: persistent; a view of DBuffer.full (of DBuffer.local when held whole here, or of the
+        #: FSDP2-style path's own buffer); its data is bound by DBuffer.bind_full
+        self.unsharded = unsharded
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def held_whole(self) -> bool:
+        """Whether this rank's piece is the whole parameter."""
+        return self.local_end - self.local_start == self.numel
+
+    def hold(self, *, unsharded: bool) -> None:
+        """Make every module that registers this parameter hold its unsharded (or sharded)
+        form."""
+        param = self.unsharded if unsharded else self.sharded
+        for module, attr in self.owners:
+            module._parameters[attr] = param
+
+    def named_in(self, paths: dict[int, str], prefix: str) -> list[tuple[str, nn.Parameter]]:
+        """``(state-dict key, what the owner holds)`` under every name the parameter has;
+        ``paths`` maps ``id(module)`` to its path below the module whose keys start with
+        ``prefix``."""
+        out = []
+        for owner, attr in self.owners:
+            path = paths[id(owner)]
+            key = f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"
+            out.append((key, owner._parameters[attr]))
+        return out
+
+    def __repr__(self) -> str:
+        return f"FSDPParam({self.fqn!r}, shape={list(self.shape)}, offset={self.offset})"

@@ -1,0 +1,427 @@
+"""One FSDP unit's parameters: its buckets, and unshard / reshard / reduce over them.
+
+Layering runs one way: hooks (``_state.py``) -> this group -> collectives -> DBuffers.
+The group owns the state of its parameters and of their reductions in flight; the hooks only
+decide *when* to call it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.profiler import record_function
+
+from ..planner import StructAwarePlanner, split_by_bytes
+from ._collectives import Pending, all_gather, all_reduce, reduce_scatter
+from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
+from ._mesh import MeshInfo
+from ._metrics import RuntimeStats
+from ._param import FSDPParam, Registration
+from ._pool import BufferPool
+from ._reduce import BucketReduce, ReduceQueue
+from ._states import ShardedState, TrainingState, check_state
+from .api import DBufferConfig, MixedPrecisionPolicy
+
+__all__ = ["FSDPParamGroup", "SharedResources"]
+
+
+@dataclass(frozen=True)
+class SharedResources:
+    """What every unit under one root shares, made once by the root at lazy init."""
+
+    stats: RuntimeStats  # counters of every unit, reset by model.reset_stats()
+    reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
+    pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
+    unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
+
+    @classmethod
+    def new(cls) -> SharedResources:
+        stats = RuntimeStats()
+        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
+
+
+class FSDPParamGroup:
+    """The parameters of one ``fully_shard``-ed module, in one or more buckets."""
+
+    def __init__(
+        self,
+        registrations: list[Registration],
+        *,
+        mesh_info: MeshInfo,
+        planner: StructAwarePlanner,
+        config: DBufferConfig,
+        mp_policy: MixedPrecisionPolicy | None,
+        device: torch.device,
+        label: str,
+    ) -> None:
+        self.mesh_info = mesh_info
+        self.config = config
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        self.device = device
+        self.label = label  # the module's path below the root once known (profiler labels)
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.requires_gradient_sync = True
+        self._shared: SharedResources | None = None  # the root's, bound at its lazy init
+        self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
+        self._reduces: list[BucketReduce] = []  # this unit's reductions, from issue to finish
+        self.buckets = self._build_buckets(registrations, planner)
+        #: every parameter of the unit, bucket by bucket in buffer order
+        self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
+        # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
+        # of it. The FSDP2-style path copies out into a second storage, as FSDP2 does.
+        self._gather_storage = self._storages(self.buckets)
+        self._param_storage = (
+            self._gather_storage if config.zero_copy else self._storages(self.buckets)
+        )
+        gathered = _views(self._gather_storage)
+        param_buffers = _views(self._param_storage)
+        for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
+            whole_from_local = config.zero_copy and bucket.comm_dtype == bucket.dtype
+            bucket.bind_full(full, param_buffer, whole_from_local=whole_from_local)
+        for storage in self._gather_storage + self._param_storage:
+            storage.free()  # views taken; memory only while unsharded
+        # The unsharded gradients of all trainable buckets: one pooled block per backward,
+        # taken at the first gradient and given back when the reduce-scatters have read it.
+        self._trainable = [b for b in self.buckets if b.requires_grad]
+        self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
+        self._grad_block: torch.Tensor | None = None
+        for bucket in self._trainable:
+            for param in bucket.params:
+                if param.unsharded.requires_grad:
+                    param.unsharded.register_hook(self._gradient_arrives)
+        for param in self.params:
+            param.hold(unsharded=False)
+
+    # -- construction --------------------------------------------------------------------------
+
+    def comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        if self.mp_policy.param_dtype is not None and dtype.is_floating_point:
+            return self.mp_policy.param_dtype
+        return dtype
+
+    def reduce_dtype(self, bucket: DBuffer) -> torch.dtype:
+        if self.mp_policy.reduce_dtype is not None and bucket.dtype.is_floating_point:
+            return self.mp_policy.reduce_dtype
+        return bucket.comm_dtype
+
+    def _build_buckets(
+        self, registrations: list[Registration], planner: StructAwarePlanner
+    ) -> list[DBuffer]:
+        """Group by (dtype, requires_grad) in model order, split at ``buffer_size`` bytes of the
+        communication dtype, plan each bucket, and build its DBuffer."""
+        groups: dict[tuple[torch.dtype, bool], list[Registration]] = {}
+        for reg in registrations:
+            groups.setdefault((reg.param.dtype, reg.param.requires_grad), []).append(reg)
+        buckets = []
+        for (dtype, requires_grad), regs in groups.items():
+            comm = self.comm_dtype(dtype)
+            # Plan in the narrower dtype so the alignment (in elements) suits both buffers.
+            plan_dtype = comm if comm.itemsize < dtype.itemsize else dtype
+            for i, chunk in enumerate(
+                split_by_bytes(
+                    regs, lambda r, c=comm: r.param.numel() * c.itemsize, self.config.buffer_size
+                )
+            ):
+                name = f"{self.label}/{str(dtype).removeprefix('torch.')}"
+                name += "" if requires_grad else "/frozen"
+                params = {r.fqn: r.param for r in chunk}
+                plan = planner.plan(
+                    params, self.mesh_info.shard_size, plan_dtype, name=f"{name}/{i}"
+                )
+                buckets.append(
+                    DBuffer(
+                        plan,
+                        chunk,
+                        rank=self.mesh_info.shard_rank,
+                        group=self.mesh_info.shard_group,
+                        comm_dtype=comm,
+                        device=self.device,
+                    )
+                )
+        return buckets
+
+    def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
+        """One storage for all ``buckets`` (``group_level``), or one each."""
+        sizes = [(b.full_numel, b.comm_dtype) for b in buckets]
+        if not sizes:
+            return []
+        if self.config.group_level:
+            return [FlatStorage(sizes, self.device)]
+        return [FlatStorage([size], self.device) for size in sizes]
+
+    def bind(self, shared: SharedResources) -> None:
+        """Use the root's shared resources (once, at the root's lazy init)."""
+        if self._shared is not None and self._shared is not shared:
+            raise RuntimeError(
+                f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
+                f"fully_shard to the root once and run forward through it"
+            )
+        self._shared = shared
+
+    @property
+    def _ctx(self) -> SharedResources:
+        if self._shared is None:
+            raise RuntimeError(
+                f"raggedfsdp: unit {self.label!r} was used before its root's first forward "
+                f"(or unshard) initialised it"
+            )
+        return self._shared
+
+    @property
+    def stats(self) -> RuntimeStats:
+        return self._ctx.stats
+
+    @property
+    def _pool(self) -> BufferPool:
+        return self._ctx.pool if self.config.group_level else self._ctx.unpooled
+
+    def _allocate(self, storages: list[FlatStorage]) -> None:
+        """Allocate the storages not yet allocated."""
+        fresh = [s for s in storages if s.allocate()]
+        self.stats.note_unsharded(sum(s.nbytes for s in fresh))
+
+    def _free(self, storages: list[FlatStorage]) -> None:
+        live = [s for s in {id(s): s for s in storages}.values() if s.allocated]
+        for storage in live:
+            storage.free()
+        self.stats.note_unsharded(-sum(s.nbytes for s in live))
+
+    def _hold(self, *, unsharded: bool) -> None:
+        """Make the modules hold the unsharded (or sharded) parameter objects."""
+        for param in self.params:
+            param.hold(unsharded=unsharded)
+
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        return [param.sharded for param in self.params]
+
+    def named_parameters_in(self, root: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
+        """``(state-dict key, what its module holds)`` for every name of every parameter of
+        this unit, ``root`` being the unit's module (for its state-dict hooks)."""
+        paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+        return [item for param in self.params for item in param.named_in(paths, prefix)]
+
+    # -- unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """Issue the all-gathers of every bucket (asynchronously); idempotent."""
+        if self.sharded_state is not ShardedState.SHARDED:
+            return
+        with record_function(f"raggedfsdp::unshard({self.label})"):
+            self._allocate(self._gather_storage)
+            for bucket in self.buckets:
+                self._pending_unshard.append(self._all_gather(bucket))
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def _all_gather(self, bucket: DBuffer) -> Pending:
+        full = bucket.full
+        assert full is not None
+        rank, size = bucket.rank, bucket.shard_numel
+        if full.dtype != bucket.dtype:
+            # Mixed precision: cast the fp32 shard into its slot of the bf16 buffer; this cast
+            # is the only copy, and the all-gather then runs in place.
+            shard = full[rank * size : (rank + 1) * size]
+            shard.copy_(bucket.local)
+            self.stats.add_copy(shard)
+        elif self.config.zero_copy:
+            shard = bucket.local
+        else:
+            shard = bucket.local.clone()  # FSDP2-style copy-in, for A/B measurement
+            self.stats.add_copy(shard)
+        return all_gather(
+            full, shard, self.mesh_info.shard_group, self.stats, own_ranges=bucket.own_ranges
+        )
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the all-gathers and hand the modules the unsharded parameters."""
+        if self.sharded_state is ShardedState.SHARDED:
+            self.unshard()
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        for pending in self._pending_unshard:
+            pending.wait()
+        self._pending_unshard.clear()
+        if not self.config.zero_copy:
+            # FSDP2-style copy-out into the separately stored unsharded parameters.
+            self._allocate(self._param_storage)
+            for bucket in self.buckets:
+                assert bucket.full is not None
+                for param in bucket.params:
+                    src = bucket.full[param.offset : param.offset + param.numel].view(param.shape)
+                    param.unsharded.data.copy_(src)
+                    self.stats.add_copy(src)
+            self._free(self._gather_storage)
+        self._hold(unsharded=True)
+        self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the modules hold the sharded ones again."""
+        if self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()  # never free a buffer a collective is still writing
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        self._hold(unsharded=False)
+        self._free(self._param_storage + self._gather_storage)
+        self.sharded_state = ShardedState.SHARDED
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def pre_forward(self) -> None:
+        """This unit's forward starts: its parameters unsharded."""
+        check_state(self.training_state, TrainingState.IDLE, unit=self.label)
+        self.training_state = TrainingState.FORWARD
+        self.wait_for_unshard()
+
+    def post_forward(self, *, reshard: bool) -> None:
+        """This unit's forward is done; free its unsharded parameters if ``reshard``."""
+        check_state(self.training_state, TrainingState.FORWARD, unit=self.label)
+        if reshard:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def pre_backward(self) -> None:
+        """This unit's backward starts: parameters unsharded (its gradient block is taken when
+        the first gradient arrives, see :meth:`_gradient_arrives`). Idempotent: every output
+        that receives a gradient calls it."""
+        check_state(
+            self.training_state,
+            (TrainingState.IDLE, TrainingState.PRE_BACKWARD),
+            unit=self.label,
+        )
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.wait_for_unshard()
+
+    def _gradient_arrives(self, grad: torch.Tensor) -> None:
+        """Hook on every trainable unsharded parameter, run just before autograd accumulates
+        its gradient: the unit's gradient block is taken now rather than when its backward
+        starts, so it is not held while the unit's output gradients are still being computed
+        (for the root, the whole loss backward, which is where the memory peak lies)."""
+        self._take_grad_block()
+
+    def _take_grad_block(self) -> None:
+        """Unsharded gradients become views of a zeroed block; under no_sync the block stays
+        between backwards and keeps accumulating, so an existing one is kept as it is."""
+        if self._grad_block is not None:
+            return
+        block = self._pool.take(packed_nbytes(self._grad_sizes), torch.uint8, self.device)
+        block.zero_()
+        for bucket, full_grad in zip(self._trainable, carve(block, self._grad_sizes), strict=True):
+            bucket.attach_unsharded_grads(full_grad)
+        self._grad_block = block
+
+    def post_backward(self) -> None:
+        """This unit's backward is done: reduce its gradients (unless accumulating without
+        sync) and free its unsharded parameters. A no-op unless its backward ran."""
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        with record_function(f"raggedfsdp::post_backward({self.label})"):
+            if self.requires_gradient_sync and self._trainable:
+                # Every rank joins the reduce-scatter, whether or not gradients reached it.
+                self._take_grad_block()
+                self._ctx.reduce_queue.make_room()
+                self._reduce_scatter()
+                self._ctx.reduce_queue.push(self)
+            self.reshard()
+
+    def _reduce_scatter(self) -> None:
+        """Issue the reduce-scatter of every trainable bucket."""
+        if self._reduces:
+            raise RuntimeError(
+                f"raggedfsdp: unit {self.label!r} issued a reduction while its previous one "
+                f"is unfinished"
+            )
+        for bucket in self._trainable:
+            full_grad = bucket.full_grad
+            assert full_grad is not None
+            reduce_dtype = self.reduce_dtype(bucket)
+            scatter_input = full_grad
+            if reduce_dtype != full_grad.dtype:
+                scatter_input = full_grad.to(reduce_dtype)
+                self.stats.add_copy(scatter_input)
+            # A fresh [S] buffer: when no sharded gradient is held it becomes the gradient
+            # itself (the sharded grads are views of it), so it lives exactly as long as they
+            # do and zero_grad(set_to_none=True) frees it, as in FSDP2.
+            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
+            scatter = reduce_scatter(
+                output, scatter_input, self.mesh_info.shard_group, self.stats, scratch=self._pool
+            )
+            self._reduces.append(BucketReduce(bucket, scatter, output, scatter_input))
+
+    def finish_reduce_scatter(self) -> bool:
+        """Wait for this unit's reduce-scatters; its unsharded gradients are read, so their
+        block goes back to the pool. Under HSDP issue the all-reduces over the replicas and
+        return ``True`` (:meth:`finish_reduce` then waits for them)."""
+        replicate_group = self.mesh_info.replicate_group
+        for item in self._reduces:
+            item.scatter.wait()
+            item.scatter_input = None
+            if replicate_group is not None:
+                item.replicate = all_reduce(item.output, replicate_group, self.stats)
+        for bucket in self._trainable:
+            bucket.detach_unsharded_grads()
+        assert self._grad_block is not None
+        self._pool.give(self._grad_block)
+        self._grad_block = None
+        return replicate_group is not None
+
+    def finish_reduce(self) -> None:
+        """Wait for the all-reduces over the replicas (HSDP); the reduced shards become the
+        sharded gradients."""
+        for item in self._reduces:
+            if item.replicate is not None:
+                item.replicate.wait()
+            self._attach_reduced(item.bucket, item.output)
+        self._reduces.clear()
+
+    def _attach_reduced(self, bucket: DBuffer, output: torch.Tensor) -> None:
+        """The reduced gradient shard ``output`` becomes the sharded gradients (or is added to
+        those still held: gradients accumulate across steps, as in torch)."""
+        if bucket.has_sharded_grads():
+            for param in bucket.params:
+                piece = output[param.local_start : param.local_end].view(param.sharded.shape)
+                if param.sharded.grad is not None:
+                    param.sharded.grad += piece
+                elif param.sharded.requires_grad:
+                    param.sharded.grad = piece.to(bucket.dtype, copy=True)
+                    self.stats.add_copy(piece)
+        else:
+            if output.dtype != bucket.dtype:  # reduce_dtype other than the master dtype
+                output = output.to(bucket.dtype)
+                self.stats.add_copy(output)
+            bucket.attach_sharded_grads(output)
+
+    def finish_iteration(self) -> None:
+        """End of backward: this unit back to idle and sharded. Under no_sync the unsharded
+        gradient buffers stay, to keep accumulating."""
+        self.post_backward()
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    # -- state outside a step ------------------------------------------------------------------
+
+    def full_parameters(self) -> dict[int, torch.Tensor]:
+        """``id(sharded parameter) -> the full parameter`` on CPU; a collective over the shard
+        group (every rank calls it, between steps)."""
+        full: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
+            all_gather(
+                gathered, bucket.local, self.mesh_info.shard_group, RuntimeStats(), async_op=False
+            )
+            for param in bucket.params:
+                piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
+                full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
+        return full
+
+    def persistent_bytes(self) -> int:
+        return sum(bucket.persistent_bytes() for bucket in self.buckets)
+
+
+def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
+    """The buffers of ``storages``, in bucket order."""
+    return [view for storage in storages for view in storage.views]

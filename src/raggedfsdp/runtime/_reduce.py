@@ -1,0 +1,85 @@
+"""Gradient reductions in flight, and the order in which they are finished.
+
+A unit issues the reduce-scatters of all its buckets together (:class:`BucketReduce` holds one
+bucket's); the unit's parameter group owns them and finishes them. The :class:`ReduceQueue`,
+shared by every unit of a model, only decides *when*: before a unit issues its own, those of
+earlier units are finished (oldest first) until fewer than ``depth`` units have any in flight,
+so their gradient blocks and receive buffers are back in the pool for this unit to reuse rather
+than held beside its own. By then they have had a whole unit's backward to complete. Under HSDP
+a finished reduce-scatter issues the all-reduce of its shard over the replicas, which likewise
+stays in flight through the next unit's backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ._collectives import Pending
+from ._dbuffer import DBuffer
+
+__all__ = ["BucketReduce", "ReduceQueue", "Reducing"]
+
+
+class Reducing(Protocol):
+    """What the queue asks of a unit with reductions in flight (its parameter group)."""
+
+    def finish_reduce_scatter(self) -> bool:
+        """Wait for the reduce-scatters; ``True`` when all-reduces over replicas follow."""
+        ...
+
+    def finish_reduce(self) -> None:
+        """Wait for those all-reduces; the reduced shards become the sharded gradients."""
+        ...
+
+
+@dataclass
+class BucketReduce:
+    """One bucket's gradient reduction: its reduce-scatter, then (HSDP) the all-reduce over the
+    replicas; owned by the bucket's parameter group from issue to finish."""
+
+    bucket: DBuffer
+    scatter: Pending
+    #: 1-D [S] in the reduce dtype: the reduce-scatter writes it; it becomes the sharded
+    #: gradients (or is added to them)
+    output: torch.Tensor
+    #: what the reduce-scatter reads (the unsharded gradients, or their cast), kept alive until
+    #: it is done
+    scatter_input: torch.Tensor | None
+    replicate: Pending | None = None  # HSDP: the all-reduce of ``output``, once issued
+
+
+class ReduceQueue:
+    """Units with reductions in flight, in the order they issued them (see the module doc)."""
+
+    def __init__(self, depth: int = 1) -> None:
+        self.depth = depth
+        self._scattering: deque[Reducing] = deque()  # reduce-scatters in flight
+        self._replicating: deque[Reducing] = deque()  # HSDP all-reduces in flight
+
+    def make_room(self) -> None:
+        """Finish the oldest reductions until fewer than ``depth`` units have any in flight."""
+        while len(self._replicating) >= self.depth:
+            self._replicating.popleft().finish_reduce()
+        while len(self._scattering) >= self.depth:
+            self._scattered(self._scattering.popleft())
+
+    def push(self, group: Reducing) -> None:
+        """``group`` has just issued its reduce-scatters."""
+        self._scattering.append(group)
+
+    def drain(self) -> None:
+        """Finish every reduction (end of backward)."""
+        while self._scattering:
+            self._scattered(self._scattering.popleft())
+        while self._replicating:
+            self._replicating.popleft().finish_reduce()
+
+    def _scattered(self, group: Reducing) -> None:
+        if group.finish_reduce_scatter():  # an all-reduce over the replicas is now in flight
+            self._replicating.append(group)
+        else:
+            group.finish_reduce()

@@ -1,0 +1,276 @@
+"""The hooks of a ``fully_shard``-ed module, and what the units under one root share.
+
+[Note: the life of a step]
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
+  reduce queue and scratch pool, plan check across ranks). The unit issues its all-gather if not
+  prefetched, prefetches the next unit's (order recorded in the first iteration), then waits for
+  its own.
+- Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
+  ran forward last when gradients are on: its backward comes first), and hook the outputs so
+  that the first gradient flowing into them unshards the unit again (pre-backward; the root's
+  prefetches the unit whose backward follows its own). Inputs that require grad are routed
+  through :class:`_PostBackward`, whose backward runs when the unit's whole backward is done
+  (post-backward: reduce-scatter, reshard). A unit's gradient block is taken from the pool when
+  its first gradient arrives.
+- The first pre-backward queues an end-of-backward callback: it finishes units whose inputs had no
+  gradient (the root), waits for every reduce-scatter and leaves all units sharded and idle.
+- Under activation checkpointing a unit may run forward again *during* backward; the hooks then
+  only unshard.
+
+Hooks are bound methods of :class:`FSDPState`, registered once, that decide *when*; the unit's
+:class:`~._param_group.FSDPParamGroup` does the work.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+
+from ._collectives import all_gather
+from ._metrics import RuntimeStats
+from ._param_group import FSDPParamGroup, SharedResources
+from ._state_dict import load_state_dict_pre_hook, state_dict_post_hook
+from ._states import RootPhase, TrainingState, check_state
+
+__all__ = ["FSDPState", "RootContext", "state_of", "states_under"]
+
+# The attribute of a sharded module that holds its FSDPState; read only through state_of().
+_STATE_ATTR = "_raggedfsdp_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The :class:`FSDPState` of a ``fully_shard``-ed module, or ``None``."""
+    return getattr(module, _STATE_ATTR, None)
+
+
+def states_under(module: nn.Module) -> list[FSDPState]:
+    """The states of ``module`` and of every sharded module below it, in module order."""
+    return [s for s in map(state_of, module.modules()) if s is not None]
+
+
+class RootContext:
+    """What all units under one root share: their resources, the unit order and the phase."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+        self.root = root
+        self.states = states
+        self.resources = SharedResources.new()
+        self.phase = RootPhase.FIRST_FORWARD
+        #: units in the order their forwards ran in the first iteration (prefetch order)
+        self.forward_order: list[FSDPState] = []
+
+    @property
+    def order_recorded(self) -> bool:
+        return self.phase is not RootPhase.FIRST_FORWARD
+
+    def neighbour(self, state: FSDPState, step: int) -> FSDPState | None:
+        """The unit ``step`` places after ``state`` in the recorded forward order."""
+        if not self.order_recorded or state not in self.forward_order:
+            return None
+        i = self.forward_order.index(state) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+
+    def start_backward(self) -> None:
+        """The first gradient reached a unit: queue the end-of-backward callback, once."""
+        if self.phase is RootPhase.BACKWARD:
+            return
+        check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
+        self.phase = RootPhase.BACKWARD
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback (queued on the autograd engine)."""
+        for state in reversed(self.forward_order or self.states):
+            state.group.post_backward()
+        self.resources.reduce_queue.drain()
+        for state in self.states:
+            state.group.finish_iteration()
+        self.resources.pool.clear()  # nothing pooled through forward, where the memory peak is
+        self.phase = RootPhase.READY
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward marks the end of the unit's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.group.post_backward()
+        return (None, *grads)
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard``-ed module; they delegate to its parameter group."""
+
+    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool):
+        self.module = module
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.ctx: RootContext | None = None  # set by the root's lazy init
+        setattr(module, _STATE_ATTR, self)
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=False)
+        # torch marks state-dict hooks with an attribute, which a bound method cannot take.
+        module.register_state_dict_post_hook(
+            functools.partial(FSDPState._state_dict_post_hook, self)
+        )
+        module.register_load_state_dict_pre_hook(
+            functools.partial(FSDPState._load_state_dict_pre_hook, self)
+        )
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    # -- lazy init -----------------------------------------------------------------------------
+
+    def lazy_init(self) -> RootContext:
+        """The first unit to run forward (or to be unsharded by hand) is the root: it takes
+        every unit below it, shares its resources with them and checks, before the first
+        all-gather, that every rank planned the same buckets. Idempotent."""
+        if self.ctx is not None:
+            return self.ctx
+        states = []
+        for name, module in self.module.named_modules():
+            state = state_of(module)
+            if state is not None:
+                if state.ctx is not None:
+                    raise RuntimeError(
+                        f"raggedfsdp: {name or '<root>'} already ran under another root; run "
+                        f"forward through the outermost fully_shard-ed module"
+                    )
+                state.group.label = name or "<root>"  # profiler labels by module path
+                states.append(state)
+        ctx = RootContext(self, states)
+        for state in states:
+            state.ctx = ctx
+            state.group.bind(ctx.resources)
+        _check_plans_agree(states)
+        return ctx
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "raggedfsdp: forward called but the torch.distributed process group does not "
+                "exist (was it destroyed?)"
+            )
+        ctx = self.lazy_init()
+        if ctx.phase is RootPhase.BACKWARD:  # recomputation under activation checkpointing
+            self.group.wait_for_unshard()
+            return None
+        self.group.unshard()
+        if not ctx.order_recorded:
+            ctx.forward_order.append(self)
+        else:
+            nxt = ctx.neighbour(self, +1)
+            if nxt is not None:
+                nxt.group.unshard()  # prefetch: overlaps the next all-gather with this compute
+        self.group.pre_forward()
+        param_dtype = self.group.mp_policy.param_dtype
+        if param_dtype is not None:
+            args, kwargs = tree_map(lambda x: _cast_floating(x, param_dtype), (args, kwargs))
+        if torch.is_grad_enabled():
+            args, kwargs = self._route_inputs(args, kwargs)
+        return args, kwargs
+
+    def _route_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Pass tensor inputs that require grad through :class:`_PostBackward`."""
+        flat, spec = tree_flatten((args, kwargs))
+        index = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+        if not index:
+            return args, kwargs
+        routed = _PostBackward.apply(self, *(flat[i] for i in index))
+        for i, x in zip(index, routed, strict=True):
+            flat[i] = x
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.phase is RootPhase.BACKWARD:
+            return output
+        if self.is_root:
+            ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
+        grad_enabled = torch.is_grad_enabled()
+        self.group.post_forward(reshard=self._reshards_after_forward(ctx, grad_enabled))
+        if grad_enabled:
+            tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._pre_backward, mode="any"
+                )
+        return output
+
+    def _reshards_after_forward(self, ctx: RootContext, grad_enabled: bool) -> bool:
+        if self.is_root:
+            return not grad_enabled
+        # The unit that runs forward last is the first to run backward: freeing it would only
+        # make backward gather it straight back (torchtitan sets this by hand).
+        last = ctx.order_recorded and ctx.forward_order[-1] is self
+        return self.reshard_after_forward and not (last and grad_enabled)
+
+    # -- backward ------------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        ctx.start_backward()
+        self.group.pre_backward()
+        # The root's backward (the loss and whatever it computes after its last child) comes
+        # first; the unit that ran forward last is next, so its all-gather overlaps the root's.
+        if self.is_root and ctx.order_recorded and ctx.forward_order[-1] is not self:
+            prev = ctx.forward_order[-1]
+        else:
+            prev = ctx.neighbour(self, -1)
+        if prev is not None and prev.group.training_state is TrainingState.IDLE:
+            prev.group.unshard()  # prefetch the unit whose backward comes next
+
+    # -- state dict ----------------------------------------------------------------------------
+
+    def _state_dict_post_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        state_dict_post_hook(self.group.named_parameters_in(module, prefix), state_dict)
+
+    def _load_state_dict_pre_hook(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
+        load_state_dict_pre_hook(self.group.named_parameters_in(module, prefix), state_dict)
+
+
+def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
+    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+
+
+def _check_plans_agree(states: list[FSDPState]) -> None:
+    """Before the first all-gather, check every rank planned the same buckets; a rank that
+    disagrees would otherwise hang or corrupt the collectives."""
+    h = hashlib.sha256()
+    for state in states:
+        for bucket in state.group.buckets:
+            h.update(bucket.plan.digest().encode())
+    local = int.from_bytes(h.digest()[:7], "little")
+    group = states[0].group
+    mesh = group.mesh_info
+    gathered = torch.zeros(mesh.shard_size, dtype=torch.int64, device=group.device)
+    mine = torch.tensor([local], dtype=torch.int64, device=group.device)
+    all_gather(gathered, mine, mesh.shard_group, RuntimeStats(), async_op=False)
+    if len(set(gathered.tolist())) != 1:
+        raise RuntimeError(
+            f"raggedfsdp: ranks planned different buckets (plan digests per rank: "
+            f"{gathered.tolist()}); every rank must wrap the same model with the same policy"
+        )

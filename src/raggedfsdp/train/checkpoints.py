@@ -1,0 +1,309 @@
+"""Checkpoints of a training run with ``torch.distributed.checkpoint`` (DCP): atomic, resumable at
+any world size and shard policy, exportable to a plain ``state_dict``.
+
+[Note: the life of a checkpoint]
+``save_checkpoint`` writes into ``OUT/checkpoints/step_000123.tmp/``: DCP's files (model and
+optimizer, one file per rank plus ``.metadata``) and one ``rng/rank_00000.pt`` per rank. After a
+barrier (every rank has written), rank 0 writes ``COMPLETE.json`` (step, world size, config, data
+position), then renames the folder to ``step_000123/`` and fsyncs the parent. A rename is atomic,
+so a crash at any point leaves either a complete checkpoint or a ``.tmp`` folder, which
+:func:`latest_checkpoint` ignores and :func:`remove_partial` deletes. ``--resume`` loads the
+newest complete one.
+How optimizer state reshards is in :mod:`raggedfsdp.checkpoint` ([Note: optimizer state across
+world sizes]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..checkpoint import (
+    init_optimizer_state,
+    is_tensor_list,
+    load_optim_state_dict,
+    optim_state_dict,
+)
+from .run_dir import COMPLETE, checkpoint_path, resolve_checkpoint
+
+__all__ = [
+    "check_entries",
+    "export_checkpoint",
+    "load_checkpoint",
+    "load_full",
+    "read_meta",
+    "save_checkpoint",
+]
+
+_FORMAT_VERSION = 1
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The ``COMPLETE.json`` of a checkpoint; ``ValueError`` when missing or corrupt."""
+    file = Path(path) / COMPLETE
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {str(path)!r} is incomplete: it has no {COMPLETE}") from None
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"checkpoint {str(path)!r}: {COMPLETE} is corrupt ({err})") from None
+    required = {"step", "world_size", "config", "data"}
+    if not isinstance(meta, dict) or not required <= meta.keys():
+        raise ValueError(
+            f"checkpoint {str(path)!r}: {COMPLETE} lacks "
+            f"{sorted(required - set(meta)) if isinstance(meta, dict) else 'everything'}"
+        )
+    return meta
+
+
+def _read_metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as err:  # DCP raises whatever its reader hit (OSError, pickle errors, ...)
+        raise ValueError(
+            f"checkpoint {str(path)!r} is corrupt: its DCP metadata cannot be read ({_cause(err)})"
+        ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def _cause(err: BaseException) -> str:
+    """``Type: first line`` of what went wrong; for DCP's CheckpointException (which carries
+    every failing rank's exception and traceback), that of the first failing rank."""
+    if isinstance(err, dcp.CheckpointException) and err.failures:
+        rank = min(err.failures)
+        inner = err.failures[rank][0]
+        return f"rank {rank}: {type(inner).__name__}: {_first_line(inner)}"
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state.
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking a checkpoint against what a run expects.
+
+
+def _expected_shapes(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(DCP key, shape or None)`` of a nested state dict, keys flattened as DCP does."""
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from _expected_shapes(value, f"{name}.")
+        elif isinstance(value, ShardedTensor):
+            yield name, tuple(value.size())
+        elif isinstance(value, torch.Tensor):
+            yield name, tuple(value.shape)
+        elif is_tensor_list(value):
+            for i, item in enumerate(value):
+                yield f"{name}.{i}", tuple(item.shape)
+        else:
+            yield name, None
+
+
+def check_entries(
+    path: str | Path, expected: Mapping[str, tuple[int, ...] | None], meta: Mapping[str, Any]
+) -> None:
+    """``ValueError`` naming the first entry this run needs that the checkpoint lacks or holds
+    in another shape (``None``: any non-tensor value)."""
+    entries = _read_metadata(Path(path)).state_dict_metadata
+    saved = meta.get("config", {})
+    origin = f"saved by model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}"
+    for key, shape in expected.items():
+        if key not in entries:
+            raise ValueError(
+                f"checkpoint {str(path)!r} has no entry {key!r} ({origin}; incompatible with "
+                f"this run)"
+            )
+        stored = entries[key]
+        if shape is not None:
+            if not isinstance(stored, TensorStorageMetadata):
+                raise ValueError(f"checkpoint {str(path)!r}: entry {key!r} is not a tensor")
+            if tuple(stored.size) != tuple(shape):
+                raise ValueError(
+                    f"checkpoint {str(path)!r}: entry {key!r} has shape {list(stored.size)}, "
+                    f"this run expects {list(shape)} ({origin})"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# Save and load.
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(
+    out: str | Path,
+    step: int,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    meta: Mapping[str, Any],
+    before_commit: Callable[[], None] | None = None,
+) -> Path:
+    """Save a checkpoint of ``step`` atomically (module Note); a collective. ``meta`` goes into
+    ``COMPLETE.json`` (with ``step``, ``world_size`` and the time); ``before_commit`` runs on
+    every rank after its files are written and before the checkpoint is made complete (a place
+    for fault injection in tests). Returns the final folder."""
+    rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    final = checkpoint_path(out, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "rng").mkdir(parents=True)
+    _barrier()
+    state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    if before_commit is not None:
+        before_commit()
+    _barrier()  # every rank's files are on disk
+    if rank == 0:
+        record = {
+            "version": _FORMAT_VERSION,
+            **meta,
+            "step": step,
+            "world_size": world,
+            "time": time.time(),
+        }
+        marker = tmp / COMPLETE
+        with open(marker, "w") as f:
+            json.dump(record, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again (a run resumed before it)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    _barrier()  # nobody moves on (or exits) before the checkpoint is complete
+    return final
+
+
+def load_checkpoint(
+    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size and shard policy into ``model`` and
+    ``optimizer`` (a collective); returns its ``COMPLETE.json``. This rank's RNG states are
+    restored when the world size is the one saved (elsewhere ranks do not correspond)."""
+    path = Path(path)
+    meta = read_meta(path)
+    init_optimizer_state(model, optimizer)
+    state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
+    check_entries(path, dict(_expected_shapes(state)), meta)
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    # DCP gathers every rank's failure into a CheckpointException, a BaseException.
+    except (Exception, dcp.CheckpointException) as err:
+        raise ValueError(f"checkpoint {str(path)!r} could not be read ({_cause(err)})") from None
+    model.load_state_dict(state["model"])
+    load_optim_state_dict(model, optimizer, state["optim"])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+    if meta["world_size"] == world and rng_file.is_file():
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return meta
+
+
+def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor entry of a checkpoint under ``prefix`` as a full tensor on CPU, keys without
+    the prefix; one process, no process group needed."""
+    path = Path(path)
+    entries = _read_metadata(path).state_dict_metadata
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in entries.items()
+        if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
+    if not state:
+        raise ValueError(f"checkpoint {str(path)!r} has no entries under {prefix!r}")
+    with warnings.catch_warnings():
+        # "torch.distributed is disabled ... assuming single process": exactly the intent.
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        except (Exception, dcp.CheckpointException) as err:
+            raise ValueError(
+                f"checkpoint {str(path)!r} could not be read ({_cause(err)})"
+            ) from None
+    return {key.removeprefix(prefix): value for key, value in state.items()}
+
+
+def export_checkpoint(checkpoint: str | Path, out_file: str | Path) -> list[Path]:
+    """Write the model of a checkpoint (or of a run folder's newest one) as a plain
+    ``torch.save`` state dict of the unwrapped model, plus ``.safetensors`` when the package is
+    installed. Checked by loading it into the model on the meta device. Returns the files."""
+    from ..models import GPT, GPT_CONFIGS
+
+    path = resolve_checkpoint(checkpoint)
+    meta = read_meta(path)
+    name = meta["config"].get("model")
+    if name not in GPT_CONFIGS:
+        raise ValueError(f"checkpoint {str(path)!r} was saved by an unknown model {name!r}")
+    state = load_full(path, "model.")
+    try:
+        GPT(GPT_CONFIGS[name], device="meta").load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as err:
+        raise ValueError(
+            f"checkpoint {str(path)!r} does not fit model {name!r}: {' '.join(str(err).split())}"
+        ) from None
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, out_file)
+    written = [out_file]
+    try:
+        from safetensors.torch import save_file
+    except ImportError:  # optional dependency
+        return written
+    tensors_file = out_file.with_suffix(".safetensors")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tensors_file))
+    written.append(tensors_file)
+    return written

@@ -1,0 +1,108 @@
+"""What the launcher checks before it starts any worker, and the ``--dry-run`` report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..models import GPT, GPT_CONFIGS
+from .build import build_planner
+from .checkpoints import check_entries, read_meta
+from .config import TrainConfig
+from .run_dir import check_out_dir, latest_checkpoint
+
+__all__ = ["check_data_path", "dry_run_report", "preflight"]
+
+
+def check_data_path(path: str | None) -> None:
+    """The cheap part of ``load_corpus``'s checks: a missing path or an empty file."""
+    if path is None:
+        return
+    data = Path(path)
+    if not data.exists():
+        raise ValueError(f"data: corpus path {str(data)!r} does not exist")
+    if data.is_file() and data.stat().st_size == 0:
+        raise ValueError(f"data: corpus file {str(data)!r} is empty")
+    if data.is_dir() and not any(p.is_file() for p in data.rglob("*")):
+        raise ValueError(f"data: corpus folder {str(data)!r} has no files")
+
+
+def _model_entries(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """DCP keys and shapes of the model part of a checkpoint of this run."""
+    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> None:
+    """What can be checked before any worker starts (``ValueError`` naming the problem): the
+    batch split, the data path, the output folder (``check_out``: only where the run starts, on
+    one node) and, when resuming, that the newest checkpoint fits the model and optimizer."""
+    cfg.check_world(world_size)
+    check_data_path(cfg.data)
+    if not check_out:
+        return
+    check_out_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
+    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
+    if ckpt is not None:
+        meta = read_meta(ckpt)
+        saved = meta["config"].get("optimizer")
+        if saved != cfg.optimizer:
+            raise ValueError(
+                f"checkpoint {str(ckpt)!r} was saved with --optimizer {saved}; this run uses "
+                f"{cfg.optimizer}, whose state it does not have"
+            )
+        check_entries(ckpt, _model_entries(cfg), meta)
+
+
+def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
+    """The shard plan of the model on the meta device and an estimate of memory per rank."""
+    gpt = GPT_CONFIGS[cfg.model]
+    model = GPT(gpt, device="meta")
+    comm_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    plans = build_planner(cfg).plan_model(model, world_size, dtype=comm_dtype)
+    shard = sum(p.shard_numel for p in plans)
+    padding = sum(p.padding_numel for p in plans)
+    numel = sum(p.param_numel for p in plans)
+    lines = [
+        f"{cfg.model}: {model.num_params():,} parameters on {world_size} rank(s), "
+        f"optimizer {cfg.optimizer}, block {cfg.block_size}",
+        f"{'bucket':<28}{'params':>8}{'elements':>12}{'per rank':>12}{'padding':>10}",
+    ]
+    for plan in plans:
+        lines.append(
+            f"{plan.name:<28}{len(plan.entries):>8}{plan.param_numel:>12,}"
+            f"{plan.shard_numel:>12,}{100 * plan.padding_ratio:>9.3f}%"
+        )
+    lines.append(
+        f"{'total':<28}{'':>8}{numel:>12,}{shard:>12,}{100 * padding / max(1, numel):>9.3f}%"
+    )
+    # Per rank: fp32 master shard and gradient; optimizer state per element; the unsharded
+    # working set (the two largest units gathered - one computing, one prefetched - and one
+    # unit's full gradient); activations by Megatron's estimate of s*b*h*(34 + 5*a*s/h) bytes
+    # per layer at 16 bits (doubled for fp32; only the block inputs kept under checkpointing).
+    state_bytes = {"adamw": 8, "muon": 6, "shampoo": 12, "adamw8bit": 3}[cfg.optimizer]
+    units = sorted((p.total_numel for p in plans), reverse=True)
+    working = (sum(units[:2]) * comm_dtype.itemsize) + units[0] * 4
+    b, s, h, a = (
+        cfg.batch_size // world_size // cfg.grad_accum,
+        cfg.tokens_per_seq,
+        gpt.d_model,
+        gpt.n_head,
+    )
+    per_layer = s * b * h * (34 + 5 * a * s / h) * (2 if comm_dtype == torch.float32 else 1)
+    activations = (
+        gpt.n_layer * s * b * h * 4 + per_layer
+        if cfg.activation_checkpointing
+        else gpt.n_layer * per_layer
+    )
+    estimates = [
+        ("parameters + gradients (fp32 shards)", shard * 8),
+        (f"optimizer state (~{state_bytes} B/element)", shard * state_bytes),
+        ("unsharded working set", working),
+        (f"activations (~, micro-batch of {b})", int(activations)),
+    ]
+    lines.append("estimated memory per rank:")
+    lines += [f"  {name:<40}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
+    lines.append(f"  {'total':<40}{sum(n for _, n in estimates) / 2**20:>10,.1f} MiB")
+    return "\n".join(lines)
