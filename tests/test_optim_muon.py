@@ -288,14 +288,14 @@ def test_reference_gpt_traffic_and_balance_on_planner_layouts() -> None:
     of 2(W-1)/W^2*P*2 (bf16) and Newton–Schulz load within 1.1x of the mean (pure logic)."""
     from raggedfsdp.models import GPT, GPT_CONFIGS
     from raggedfsdp.optim.muon import _plan_bucket
-    from raggedfsdp.planner import StructAwarePlanner, bucket_params
+    from raggedfsdp.planner import StructAwarePlanner, model_buckets
 
     model = GPT(GPT_CONFIGS["gpt-ref"], device="meta")
     planner = StructAwarePlanner("muon")
     for world in (2, 4):
         shapes, ranges = [], []
-        for _, params in bucket_params(model):
-            plan = planner.plan(params, world)
+        for bucket in model_buckets(model):
+            plan = planner.plan(bucket.params, world)
             for name, entry in plan.entries.items():
                 if len(entry.shape) >= 2 and "emb" not in name:
                     shapes.append(torch.Size(entry.shape))

@@ -50,34 +50,12 @@ def clip_grad_norm_(
     for p in with_grad[1:]:
         dtype = torch.promote_types(dtype, p.grad.dtype)
 
-    # Norms of the parts that are complete on this rank, and per shard group the partial sums.
-    norms: list[torch.Tensor] = []
-    groups: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
-    plain: list[torch.Tensor] = []
-    for p in with_grad:
-        group = comm_group(p)
-        if group is None:
-            plain.append(p.grad)
-        else:
-            groups.setdefault(id(group), (group, []))[1].append(p.grad)
-    plain = [g for g in plain if g.numel() > 0]
-    if plain:
-        norms.append(get_total_norm(plain, norm_type, foreach=foreach))
-    for group, grads in groups.values():
-        # Float64 so that |g|^p of large gradients neither overflows nor loses the small ones.
-        local = [g for g in grads if g.numel() > 0]
-        partial = (
-            get_total_norm(local, norm_type, foreach=foreach).to(device, torch.float64)
-            if local
-            else torch.zeros((), dtype=torch.float64, device=device)
-        )
-        if norm_type == math.inf:
-            dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
-        else:
-            partial = partial.pow(norm_type)
-            dist.all_reduce(partial, group=group)
-            partial = partial.pow(1.0 / norm_type)
-        norms.append(partial)
+    # Norms of the parts that are complete on this rank, and per shard group the global one.
+    plain, groups = _split_by_group(with_grad)
+    norms = [get_total_norm(plain, norm_type, foreach=foreach)] if plain else []
+    norms += [
+        _group_norm(group, grads, norm_type, device, foreach) for group, grads in groups.values()
+    ]
     total = torch.linalg.vector_norm(
         torch.stack([n.to(device, torch.float64) for n in norms]), norm_type
     ).to(dtype)
@@ -89,3 +67,44 @@ def clip_grad_norm_(
         )
     clip_grads_with_norm_(with_grad, max_norm, total, foreach)
     return total
+
+
+def _split_by_group(
+    params: list[torch.Tensor],
+) -> tuple[list[torch.Tensor], dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]]]:
+    """The non-empty gradients this rank holds whole, and the others by shard group (in first
+    appearance order, the same on every rank of a group)."""
+    plain: list[torch.Tensor] = []
+    groups: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    for p in params:
+        group = comm_group(p)
+        if group is None:
+            if p.grad.numel() > 0:
+                plain.append(p.grad)
+        else:
+            groups.setdefault(id(group), (group, []))[1].append(p.grad)
+    return plain, groups
+
+
+def _group_norm(
+    group: dist.ProcessGroup,
+    grads: list[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+    foreach: bool | None,
+) -> torch.Tensor:
+    """The norm of gradients sharded over ``group``: ONE all-reduce of the local partial sums
+    (``MAX`` for the infinity norm), joined by every rank even with no local piece."""
+    # Float64 so that |g|^p of large gradients neither overflows nor loses the small ones.
+    local = [g for g in grads if g.numel() > 0]
+    partial = (
+        get_total_norm(local, norm_type, foreach=foreach).to(device, torch.float64)
+        if local
+        else torch.zeros((), dtype=torch.float64, device=device)
+    )
+    if norm_type == math.inf:
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
+        return partial
+    partial = partial.pow(norm_type)
+    dist.all_reduce(partial, group=group)
+    return partial.pow(1.0 / norm_type)

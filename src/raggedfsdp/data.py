@@ -17,6 +17,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -117,23 +118,38 @@ def load_corpus(
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive or None, got {max_bytes!r}")
+    files, source = _corpus_files(path)
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    chunks = _read_capped(order, max_bytes)
+    if not chunks:
+        _raise_no_text(path, source)
+    train, val = _split(chunks, val_fraction, source)
+    return Corpus(
+        train=_to_tensor(train), val=_to_tensor(val), num_files=len(chunks), source=source
+    )
 
+
+def _corpus_files(path: str | Path | None) -> tuple[list[Path], str]:
+    """The candidate files of ``path`` (see :func:`load_corpus`), sorted so the shuffle that
+    follows depends on the seed only, and a description of the source for messages."""
     if path is None:
         files = default_corpus_files()
         source = f"Python standard library ({sysconfig.get_paths()['stdlib']})"
         if not files:
             raise ValueError(f"no .py files found in the standard library at {source}")
-    else:
-        root = Path(path)
-        if not root.exists():
-            raise ValueError(f"corpus path {str(root)!r} does not exist")
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
-        source = str(root)
+        return files, source
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"corpus path {str(root)!r} does not exist")
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    return files, str(root)
 
-    order = list(files)
-    random.Random(seed).shuffle(order)
 
-    # Read lazily in shuffled order so a cap stops the reading early (the stdlib is 30+ MB).
+def _read_capped(order: list[Path], max_bytes: int | None) -> list[bytes]:
+    """The non-empty text files of ``order``, read in that order while the total stays within
+    ``max_bytes`` (the first one always). Reading lazily lets a cap stop early: the stdlib is
+    30+ MB, and start-up should not pay for bytes the cap then drops."""
     chunks: list[bytes] = []
     total = 0
     for file in order:
@@ -144,27 +160,29 @@ def load_corpus(
             break
         chunks.append(data)
         total += len(data)
+    return chunks
 
-    if not chunks:
-        if path is not None and Path(path).is_file():
-            reason = "is empty" if Path(path).stat().st_size == 0 else "is not readable text"
-            raise ValueError(f"corpus file {source!r} {reason}")
-        raise ValueError(f"corpus folder {source!r} has no readable text files")
 
+def _raise_no_text(path: str | Path | None, source: str) -> NoReturn:
+    """Raise the error for a source that gave no text, naming why when it is a single file
+    (empty or binary), since that is what the user will want to fix."""
+    if path is not None and Path(path).is_file():
+        reason = "is empty" if Path(path).stat().st_size == 0 else "is not readable text"
+        raise ValueError(f"corpus file {source!r} {reason}")
+    raise ValueError(f"corpus folder {source!r} has no readable text files")
+
+
+def _split(chunks: list[bytes], val_fraction: float, source: str) -> tuple[bytes, bytes]:
+    """The train and validation bytes: by file (the last files to validation, at least one
+    each side), or by bytes for a single file, which could not otherwise give both sides."""
     if len(chunks) == 1:
         data = chunks[0]
         if len(data) < 2:
             raise ValueError(f"corpus {source!r} is too small to split ({len(data)} byte)")
         cut = min(max(round(len(data) * (1.0 - val_fraction)), 1), len(data) - 1)
-        train, val = data[:cut], data[cut:]
-    else:
-        n_val = min(max(math.ceil(val_fraction * len(chunks)), 1), len(chunks) - 1)
-        train = SEPARATOR.join(chunks[:-n_val])
-        val = SEPARATOR.join(chunks[-n_val:])
-
-    return Corpus(
-        train=_to_tensor(train), val=_to_tensor(val), num_files=len(chunks), source=source
-    )
+        return data[:cut], data[cut:]
+    n_val = min(max(math.ceil(val_fraction * len(chunks)), 1), len(chunks) - 1)
+    return SEPARATOR.join(chunks[:-n_val]), SEPARATOR.join(chunks[-n_val:])
 
 
 def _check_tokens(tokens: torch.Tensor, seq_len: int) -> None:

@@ -212,17 +212,21 @@ class ShardLayout:
 
     @property
     def numel(self) -> int:
+        """Elements of the whole parameter."""
         return math.prod(self.global_shape)
 
     @property
     def world_size(self) -> int:
+        """Ranks the parameter is laid over (one range each)."""
         return len(self.ranges)
 
     @property
     def ndim(self) -> int:
+        """Dimensions of the whole parameter (a rank's piece may be 1-D)."""
         return len(self.global_shape)
 
     def local_numel(self, rank: int) -> int:
+        """Elements of rank's piece (0 when it holds none)."""
         start, end = self.ranges[rank]
         return end - start
 

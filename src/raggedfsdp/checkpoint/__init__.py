@@ -8,16 +8,16 @@ optimizer's state as DCP-reshardable values (:func:`optim_state_dict`,
 
 from ._model_state import full_state_dict
 from ._optim_state import (
+    expected_entries,
     init_optimizer_state,
-    is_tensor_list,
     load_optim_state_dict,
     optim_state_dict,
 )
 
 __all__ = [
+    "expected_entries",
     "full_state_dict",
     "init_optimizer_state",
-    "is_tensor_list",
     "load_optim_state_dict",
     "optim_state_dict",
 ]

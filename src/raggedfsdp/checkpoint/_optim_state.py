@@ -35,7 +35,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from ..layout import ShardLayout, shard_info
 from ..runtime import to_sharded_tensor
 
-__all__ = ["init_optimizer_state", "is_tensor_list", "load_optim_state_dict", "optim_state_dict"]
+__all__ = [
+    "expected_entries",
+    "init_optimizer_state",
+    "load_optim_state_dict",
+    "optim_state_dict",
+]
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
@@ -69,7 +74,7 @@ def _flat(value: torch.Tensor | list[torch.Tensor], device: torch.device) -> tor
     return torch.cat([v.reshape(-1) for v in value])
 
 
-def is_tensor_list(value: Any) -> bool:
+def _is_tensor_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
 
 
@@ -162,7 +167,7 @@ def load_optim_state_dict(
             elif isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
                 if loaded.data_ptr() != target.data_ptr():
                     target.copy_(loaded)
-            elif is_tensor_list(loaded) and is_tensor_list(target):
+            elif _is_tensor_list(loaded) and _is_tensor_list(target):
                 for piece, value in zip(target, loaded, strict=True):
                     piece.copy_(value)
             else:
@@ -192,3 +197,21 @@ def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             p.grad = grad
         for group, lr in zip(optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
+
+
+def expected_entries(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(DCP key, shape or None)`` of every entry of a nested state dict (``None``: not a
+    tensor), keys flattened as DCP flattens them: what a checkpoint must hold to load it."""
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from expected_entries(value, f"{name}.")
+        elif isinstance(value, ShardedTensor):
+            yield name, tuple(value.size())
+        elif isinstance(value, torch.Tensor):
+            yield name, tuple(value.shape)
+        elif _is_tensor_list(value):
+            for i, item in enumerate(value):
+                yield f"{name}.{i}", tuple(item.shape)
+        else:
+            yield name, None

@@ -77,6 +77,8 @@ class ShardedOptimizer(Optimizer):
     # -- param groups ----------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer``, then validate it
+        (:meth:`_check_group`)."""
         super().add_param_group(param_group)
         self._check_group(self.param_groups[-1], len(self.param_groups) - 1)
 

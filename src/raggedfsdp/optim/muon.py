@@ -26,7 +26,7 @@ AdamW inside the same optimizer: param groups with ``use_muon=False``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,19 +254,7 @@ class Muon(ShardedOptimizer):
         adamw_weight_decay: float = 0.01,
         skip_nonfinite: bool = True,
     ) -> None:
-        if not momentum >= 0.0:
-            raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if len(tuple(ns_coefficients)) != 3:
-            raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients}")
-        if not 0 <= ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
-        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-            raise ValueError(
-                f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
-            )
-        if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-            raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
-        check_betas(adamw_betas, "adamw_betas")
+        _check_muon_args(momentum, ns_coefficients, ns_steps, adjust_lr_fn, ns_dtype, adamw_betas)
         self.ns_dtype = ns_dtype
         # Filled into use_muon=False groups by add_param_group (so "eps" there is AdamW's, not
         # Newton–Schulz's).
@@ -299,12 +287,15 @@ class Muon(ShardedOptimizer):
         return self.comm_stats["bytes_sent"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer``; a ``use_muon=False`` group gets the
+        auxiliary AdamW's hyper-parameters for the keys it does not set."""
         if not param_group.get("use_muon", True):
             for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
 
     def _check_group(self, group: dict[str, Any], group_index: int) -> None:
+        """The base checks, and every parameter of a Muon group a matrix or matrix stack."""
         super()._check_group(group, group_index)
         if not group["use_muon"]:
             return
@@ -317,6 +308,8 @@ class Muon(ShardedOptimizer):
                 )
 
     def _update(self) -> None:
+        """One step: AdamW groups directly; Muon's momentum locally, then per process group
+        (bucket) the orthogonalisation and the update."""
         buckets: dict[int, tuple[dist.ProcessGroup | None, list[_Pending]]] = {}
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -342,6 +335,7 @@ class Muon(ShardedOptimizer):
             self._orthogonalize_and_apply(pg, pending)
 
     def _exchange_plan(self, pg: dist.ProcessGroup | None, pending: list[_Pending]) -> _Exchange:
+        """This rank's plan for the bucket ``pending`` of group ``pg``, made once and cached."""
         key = tuple(id(item.param) for item in pending)
         plan = self._plans.get(key)
         if plan is None:
@@ -358,101 +352,17 @@ class Muon(ShardedOptimizer):
     def _orthogonalize_and_apply(
         self, pg: dist.ProcessGroup | None, pending: list[_Pending]
     ) -> None:
+        """Orthogonalise and apply the updates of one bucket (the Muon parameters of one process
+        group): gather, compute, scatter-and-apply. World size 1 is the same path with nothing to
+        exchange."""
         plan = self._exchange_plan(pg, pending)
         me = 0 if pg is None else dist.get_rank(pg)
-        wire = self.ns_dtype
-        device = pending[0].update.device
-        matrices = plan.matrices
-
-        def local_slice(j: int) -> tuple[int, int]:
-            """Where this rank's piece of matrix j lies in its parameter's local update."""
-            m = matrices[j]
-            lo, hi = m.pieces[me]
-            base = m.offset - pending[m.item].start
-            return base + lo, base + hi
-
-        # Gather: this rank's pieces of others' matrices, cast to the wire (= NS) dtype.
-        send = torch.empty(sum(plan.outgoing_splits), dtype=wire, device=device)
-        pos = 0
-        for j in plan.outgoing:
-            a, b = local_slice(j)
-            send[pos : pos + b - a].copy_(pending[matrices[j].item].update[a:b])
-            pos += b - a
-        recv = torch.empty(sum(plan.incoming_splits), dtype=wire, device=device)
-        work = None
-        if plan.split_anywhere:
-            work = dist.all_to_all_single(
-                recv,
-                send,
-                list(plan.incoming_splits),
-                list(plan.outgoing_splits),
-                group=pg,
-                async_op=True,
-            )
+        bucket = _Bucket(pg, plan, pending, me, self.ns_dtype)
+        send, recv, gathering = _gather(bucket)
+        if gathering is not None:
             self._count(plan)
-
-        # Newton–Schulz inputs of owned matrices: this rank's own piece now, the rest on arrival.
-        inputs: dict[int, torch.Tensor] = {}
-        for j in plan.owned:
-            m = matrices[j]
-            inputs[j] = torch.empty(m.rows * m.cols, dtype=wire, device=device)
-            lo, hi = m.pieces[me]
-            a, b = local_slice(j)
-            inputs[j][lo:hi].copy_(pending[m.item].update[a:b])
-        waiting = {j for j, _ in plan.incoming}
-        outputs: dict[int, torch.Tensor] = {}
-        # Matrices held whole here are orthogonalised while the gather is in flight.
-        for j in plan.owned:
-            if j not in waiting:
-                outputs[j] = _orthogonalize(matrices[j], inputs.pop(j), pending)
-        if work is not None:
-            work.wait()
-        pos = 0
-        for j, src in plan.incoming:
-            lo, hi = matrices[j].pieces[src]
-            inputs[j][lo:hi].copy_(recv[pos : pos + hi - lo])
-            pos += hi - lo
-        for j in plan.owned:
-            if j in waiting:
-                outputs[j] = _orthogonalize(matrices[j], inputs.pop(j), pending)
-
-        # Scatter: the gather reversed; the results land where this rank's pieces were sent from.
-        pos = 0
-        for j, src in plan.incoming:
-            lo, hi = matrices[j].pieces[src]
-            recv[pos : pos + hi - lo].copy_(outputs[j][lo:hi])
-            pos += hi - lo
-        work = None
-        if plan.split_anywhere:
-            work = dist.all_to_all_single(
-                send,
-                recv,
-                list(plan.outgoing_splits),
-                list(plan.incoming_splits),
-                group=pg,
-                async_op=True,
-            )
-        # Each parameter's local update in the NS dtype, from its own results (now) and from the
-        # owners (after the scatter); parameters that need nothing from others are applied first.
-        results = [torch.empty_like(item.update, dtype=wire) for item in pending]
-        remote_items = {matrices[j].item for j in plan.outgoing}
-        for j in plan.owned:
-            m = matrices[j]
-            lo, hi = m.pieces[me]
-            a, b = local_slice(j)
-            results[m.item][a:b].copy_(outputs[j][lo:hi])
-        for i, item in enumerate(pending):
-            if i not in remote_items:
-                _apply(item, results[i])
-        if work is not None:
-            work.wait()
-        pos = 0
-        for j in plan.outgoing:
-            a, b = local_slice(j)
-            results[matrices[j].item][a:b].copy_(send[pos : pos + b - a])
-            pos += b - a
-        for i in sorted(remote_items):
-            _apply(pending[i], results[i])
+        outputs = _compute(bucket, recv, gathering)
+        _scatter_and_apply(bucket, send, recv, outputs)
 
     def _count(self, plan: _Exchange) -> None:
         """Add one step's gather and scatter of ``plan`` to :attr:`comm_stats`."""
@@ -462,6 +372,138 @@ class Muon(ShardedOptimizer):
         self.comm_stats["bytes_sent"] += (out + inc) * itemsize
         self.comm_stats["bytes_received"] += (out + inc) * itemsize
         self.comm_stats["exchanges"] += 2
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One step of one bucket on this rank: its plan, its pending parameters and where their
+    pieces lie in the exchange buffers (both all_to_alls use the same two buffers)."""
+
+    pg: dist.ProcessGroup | None
+    plan: _Exchange
+    pending: list[_Pending]
+    me: int  # this rank in ``pg`` (0 without one)
+    wire: torch.dtype  # the Newton–Schulz dtype, also that of the buffers
+
+    def local_slice(self, j: int) -> slice:
+        """Where this rank's piece of matrix ``j`` lies in its parameter's local update."""
+        m = self.plan.matrices[j]
+        lo, hi = m.pieces[self.me]
+        base = m.offset - self.pending[m.item].start
+        return slice(base + lo, base + hi)
+
+    def own_piece(self, j: int) -> slice:
+        """Where this rank's piece of matrix ``j`` lies within the matrix's flattening."""
+        lo, hi = self.plan.matrices[j].pieces[self.me]
+        return slice(lo, hi)
+
+    def outgoing_segments(self) -> Iterator[tuple[int, slice, slice]]:
+        """``(matrix, buffer slice, local slice)`` per segment of the gather send (= scatter
+        receive) buffer: this rank's pieces of matrices owned elsewhere."""
+        pos = 0
+        for j in self.plan.outgoing:
+            local = self.local_slice(j)
+            size = local.stop - local.start
+            yield j, slice(pos, pos + size), local
+            pos += size
+
+    def incoming_segments(self) -> Iterator[tuple[int, slice, slice]]:
+        """``(matrix, buffer slice, slice within the matrix)`` per segment of the gather receive
+        (= scatter send) buffer: other ranks' pieces of the matrices this rank owns."""
+        pos = 0
+        for j, src in self.plan.incoming:
+            lo, hi = self.plan.matrices[j].pieces[src]
+            yield j, slice(pos, pos + hi - lo), slice(lo, hi)
+            pos += hi - lo
+
+
+def _all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_splits: tuple[int, ...],
+    in_splits: tuple[int, ...],
+    bucket: _Bucket,
+) -> dist.Work | None:
+    """Start the uneven ``all_to_all_single`` of ``inp`` into ``out`` over the bucket's group
+    and return its handle; ``None`` (nothing sent) when no matrix of the bucket is split."""
+    if not bucket.plan.split_anywhere:
+        return None
+    return dist.all_to_all_single(
+        out, inp, list(out_splits), list(in_splits), group=bucket.pg, async_op=True
+    )
+
+
+def _gather(bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None]:
+    """Phase 1: pack this rank's pieces of others' matrices, cast to the wire (= NS) dtype, and
+    start the all_to_all that brings every matrix's pieces to its owner.
+
+    Returns the send buffer, the receive buffer (filled once the handle is waited on) and the
+    handle (``None`` when nothing moves).
+    """
+    plan, device = bucket.plan, bucket.pending[0].update.device
+    send = torch.empty(sum(plan.outgoing_splits), dtype=bucket.wire, device=device)
+    for j, buf, local in bucket.outgoing_segments():
+        send[buf].copy_(bucket.pending[plan.matrices[j].item].update[local])
+    recv = torch.empty(sum(plan.incoming_splits), dtype=bucket.wire, device=device)
+    work = _all_to_all(recv, send, plan.incoming_splits, plan.outgoing_splits, bucket)
+    return send, recv, work
+
+
+def _compute(
+    bucket: _Bucket, recv: torch.Tensor, gathering: dist.Work | None
+) -> dict[int, torch.Tensor]:
+    """Phase 2: Newton–Schulz on every matrix this rank owns, given the gather's receive buffer
+    and handle (waited on once the matrices held whole here are done). Returns the flat result
+    per owned matrix index."""
+    plan, pending = bucket.plan, bucket.pending
+    # Newton–Schulz inputs of owned matrices: this rank's own piece now, the rest on arrival.
+    inputs: dict[int, torch.Tensor] = {}
+    for j in plan.owned:
+        m = plan.matrices[j]
+        inputs[j] = torch.empty(m.rows * m.cols, dtype=bucket.wire, device=recv.device)
+        inputs[j][bucket.own_piece(j)].copy_(pending[m.item].update[bucket.local_slice(j)])
+    waiting = {j for j, _ in plan.incoming}
+    outputs: dict[int, torch.Tensor] = {}
+    # Matrices held whole here are orthogonalised while the gather is in flight.
+    for j in plan.owned:
+        if j not in waiting:
+            outputs[j] = _orthogonalize(plan.matrices[j], inputs.pop(j), pending)
+    if gathering is not None:
+        gathering.wait()
+    for j, buf, piece in bucket.incoming_segments():
+        inputs[j][piece].copy_(recv[buf])
+    for j in plan.owned:
+        if j in waiting:
+            outputs[j] = _orthogonalize(plan.matrices[j], inputs.pop(j), pending)
+    return outputs
+
+
+def _scatter_and_apply(
+    bucket: _Bucket, send: torch.Tensor, recv: torch.Tensor, outputs: dict[int, torch.Tensor]
+) -> None:
+    """Phase 3: send the owned results' pieces back to the ranks they came from (reusing the
+    gather's buffers, roles swapped) and apply every pending parameter's update, in place."""
+    plan, pending = bucket.plan, bucket.pending
+    # Scatter: the gather reversed; the results land where this rank's pieces were sent from.
+    for j, buf, piece in bucket.incoming_segments():
+        recv[buf].copy_(outputs[j][piece])
+    scattering = _all_to_all(send, recv, plan.outgoing_splits, plan.incoming_splits, bucket)
+    # Each parameter's local update in the NS dtype, from its own results (now) and from the
+    # owners (after the scatter); parameters that need nothing from others are applied first.
+    results = [torch.empty_like(item.update, dtype=bucket.wire) for item in pending]
+    remote_items = {plan.matrices[j].item for j in plan.outgoing}
+    for j in plan.owned:
+        piece = outputs[j][bucket.own_piece(j)]
+        results[plan.matrices[j].item][bucket.local_slice(j)].copy_(piece)
+    for i, item in enumerate(pending):
+        if i not in remote_items:
+            _apply(item, results[i])
+    if scattering is not None:
+        scattering.wait()
+    for j, buf, local in bucket.outgoing_segments():
+        results[plan.matrices[j].item][local].copy_(send[buf])
+    for i in sorted(remote_items):
+        _apply(pending[i], results[i])
 
 
 def _orthogonalize(m: _Matrix, ns_input: torch.Tensor, pending: list[_Pending]) -> torch.Tensor:
@@ -480,6 +522,31 @@ def _apply(item: _Pending, update: torch.Tensor) -> None:
     adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape[-2:]))
     p.mul_(1 - group["lr"] * group["weight_decay"])
     p.add_(update.view(p.shape), alpha=-adjusted_lr)
+
+
+def _check_muon_args(
+    momentum: float,
+    ns_coefficients: tuple[float, float, float],
+    ns_steps: int,
+    adjust_lr_fn: str | None,
+    ns_dtype: torch.dtype,
+    adamw_betas: tuple[float, float],
+) -> None:
+    """``ValueError`` unless :class:`Muon`'s own arguments are valid (``lr`` and
+    ``weight_decay`` are checked per param group)."""
+    if not momentum >= 0.0:
+        raise ValueError(f"momentum must be >= 0, got {momentum}")
+    if len(tuple(ns_coefficients)) != 3:
+        raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients}")
+    if not 0 <= ns_steps < 100:
+        raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
+    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        raise ValueError(
+            f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
+        )
+    if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+        raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
+    check_betas(adamw_betas, "adamw_betas")
 
 
 def _route(params: Any, adamw_params: Iterable[Any] | AdamWRule | None) -> list[dict[str, Any]]:

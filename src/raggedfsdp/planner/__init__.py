@@ -10,17 +10,30 @@ the frozen :class:`ShardPlan` it returns, the provable lower bound
 from ._plan import PlanEntry, ShardPlan
 from ._planner import OPTIMIZER_TYPES, OptimizerType, StructAwarePlanner
 from ._search import shard_size_lower_bound
-from .bucketing import bucket_params, default_wrap_units, parse_buffer_size, split_by_bytes
+from .bucketing import (
+    Bucket,
+    WrapPolicy,
+    model_buckets,
+    parse_buffer_size,
+    post_order,
+    split_by_bytes,
+    unit_buckets,
+    wrap_units,
+)
 
 __all__ = [
     "OPTIMIZER_TYPES",
+    "Bucket",
     "OptimizerType",
     "PlanEntry",
     "ShardPlan",
     "StructAwarePlanner",
-    "bucket_params",
-    "default_wrap_units",
+    "WrapPolicy",
+    "model_buckets",
     "parse_buffer_size",
+    "post_order",
     "shard_size_lower_bound",
     "split_by_bytes",
+    "unit_buckets",
+    "wrap_units",
 ]

@@ -94,10 +94,12 @@ class ShardPlan:
 
     @property
     def param_numel(self) -> int:
+        """Elements of the bucket's parameters (without padding)."""
         return sum(e.numel for e in self.entries.values())
 
     @property
     def padding_numel(self) -> int:
+        """Elements of padding in the global buffer: ``W*S`` minus the parameters'."""
         return self.total_numel - self.param_numel
 
     @property
@@ -114,6 +116,7 @@ class ShardPlan:
         return start, end
 
     def layout(self, name: str) -> ShardLayout:
+        """Parameter ``name``'s :class:`ShardLayout`: its range on every rank, and its unit."""
         e = self.entries[name]
         return ShardLayout(
             torch.Size(e.shape),

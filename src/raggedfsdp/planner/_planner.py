@@ -4,7 +4,8 @@ or of a whole model. The search itself is in ``_search.py``."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+import typing
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -13,12 +14,13 @@ from torch import nn
 from ..layout import BlockSize, RaggedShard, row_numel
 from ._plan import PlanEntry, ShardPlan
 from ._search import Item, lower_bound, place, search
-from .bucketing import bucket_params, default_wrap_units
+from .bucketing import Bucket, WrapPolicy, model_buckets
 
 __all__ = ["OPTIMIZER_TYPES", "OptimizerType", "StructAwarePlanner"]
 
+#: The optimizers whose blocks the planner keeps whole (``None``: the policy's units alone).
 OptimizerType = Literal["adamw", "muon", "shampoo", "adamw8bit"]
-OPTIMIZER_TYPES: tuple[str, ...] = ("adamw", "muon", "shampoo", "adamw8bit")
+OPTIMIZER_TYPES: tuple[str, ...] = typing.get_args(OptimizerType)
 
 
 class StructAwarePlanner:
@@ -153,16 +155,19 @@ class StructAwarePlanner:
         world_size: int,
         *,
         buffer_size: int | None = None,
-        dtype: torch.dtype | None = None,
-        wrap: Callable[[nn.Module], list[tuple[str, nn.Module]]] = default_wrap_units,
+        param_dtype: torch.dtype | None = None,
+        wrap: WrapPolicy = None,
     ) -> list[ShardPlan]:
-        """Plan every bucket of a model: one per FSDP unit and dtype, split in model order at
-        ``buffer_size`` bytes (a single larger parameter gets its own bucket). Identical buckets
-        (repeated layers) are planned once."""
-        return [
-            self.plan(params, world_size, dtype, name=label)
-            for label, params in bucket_params(module, buffer_size=buffer_size, wrap=wrap)
-        ]
+        """Plan every bucket of a model exactly as the runtime will (:mod:`.bucketing`): one
+        per FSDP unit, dtype and ``requires_grad``, split in model order at ``buffer_size``
+        bytes of the communication dtype (``param_dtype`` under mixed precision). ``wrap`` is
+        ``FSDPBackend``'s. Identical buckets (repeated layers) are planned once."""
+        buckets = model_buckets(module, param_dtype=param_dtype, buffer_size=buffer_size, wrap=wrap)
+        return [self.plan_bucket(bucket, world_size) for bucket in buckets]
+
+    def plan_bucket(self, bucket: Bucket, world_size: int) -> ShardPlan:
+        """Plan one :class:`~.bucketing.Bucket` (in its planning dtype, under its name)."""
+        return self.plan(bucket.params, world_size, bucket.plan_dtype, name=bucket.name)
 
 
 def _bucket_dtype(params: Mapping[str, object]) -> torch.dtype:

@@ -1,60 +1,148 @@
 """The one bucketing: which FSDP units a model has, and how each unit's parameters split into
 buckets. ``plan_model``, the ``plan`` command, ``train --dry-run`` and the runtime all use it, so
-what is planned is what runs."""
+what is planned is what runs.
+
+A unit's parameters are grouped by ``(dtype, requires_grad)`` in model order (first appearance
+decides the group order), and each group is split in model order at ``buffer_size`` bytes *of
+the communication dtype* (``param_dtype`` under mixed precision: what the collectives move). A
+bucket is named ``<unit path>/<dtype>[/frozen]/<i>`` (``<root>`` for the root's path).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
 from torch import nn
 
-__all__ = ["bucket_params", "default_wrap_units", "parse_buffer_size", "split_by_bytes"]
+__all__ = [
+    "Bucket",
+    "WrapPolicy",
+    "model_buckets",
+    "parse_buffer_size",
+    "post_order",
+    "split_by_bytes",
+    "unit_buckets",
+    "wrap_units",
+]
 
 T = TypeVar("T")
 
-
-def default_wrap_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """FSDP units of a model, bottom-up: every element of every ``nn.ModuleList``, then the root
-    (which takes every parameter not in a unit). Names are fully qualified."""
-    units = [
-        (f"{name}.{i}" if name else str(i), child)
-        for name, sub in module.named_modules()
-        if isinstance(sub, nn.ModuleList)
-        for i, child in enumerate(sub)
-    ]
-    return [*units, ("", module)]
+#: Which modules are FSDP units (besides the root): ``None`` means every element of every
+#: ``nn.ModuleList`` (the blocks of a transformer).
+WrapPolicy = Callable[[nn.Module], bool] | None
 
 
-def bucket_params(
+@dataclass(frozen=True)
+class Bucket:
+    """The parameters of one collective, before planning."""
+
+    name: str  # ``<unit path>/<dtype>[/frozen]/<i>``
+    params: dict[str, torch.Tensor]  # name -> parameter, in model order
+    dtype: torch.dtype  # the master (sharded) dtype
+    comm_dtype: torch.dtype  # what the collectives move: param_dtype under mixed precision
+    requires_grad: bool
+
+    @property
+    def plan_dtype(self) -> torch.dtype:
+        """The dtype to plan in: the narrower of the two, so the alignment (in elements) suits
+        both the local shard and the communication buffer."""
+        return self.comm_dtype if self.comm_dtype.itemsize < self.dtype.itemsize else self.dtype
+
+
+def _bucket_name(unit_path: str, dtype: torch.dtype, requires_grad: bool, index: int) -> str:
+    """``<unit path>/<dtype>[/frozen]/<i>``; the root's path is ``<root>``."""
+    frozen = "" if requires_grad else "/frozen"
+    return f"{unit_path or '<root>'}/{str(dtype).removeprefix('torch.')}{frozen}/{index}"
+
+
+def _comm_dtype(dtype: torch.dtype, param_dtype: torch.dtype | None) -> torch.dtype:
+    """What the collectives move for a parameter of ``dtype``: ``param_dtype`` for floating
+    parameters under mixed precision, else its own dtype."""
+    return param_dtype if param_dtype is not None and dtype.is_floating_point else dtype
+
+
+def unit_buckets(
+    unit_path: str,
+    params: Sequence[tuple[str, torch.Tensor]],
+    *,
+    param_dtype: torch.dtype | None = None,
+    buffer_size: int | None = None,
+) -> list[Bucket]:
+    """The buckets of one unit whose parameters are ``params`` (name, tensor) in model order."""
+    if buffer_size is not None and (isinstance(buffer_size, bool) or buffer_size < 1):
+        raise ValueError(f"buffer_size must be positive bytes or None, got {buffer_size!r}")
+    groups: dict[tuple[torch.dtype, bool], list[tuple[str, torch.Tensor]]] = {}
+    for name, p in params:
+        groups.setdefault((p.dtype, p.requires_grad), []).append((name, p))
+    buckets = []
+    for (dtype, requires_grad), members in groups.items():
+        comm = _comm_dtype(dtype, param_dtype)
+        chunks = split_by_bytes(members, lambda kv, c=comm: kv[1].numel() * c.itemsize, buffer_size)
+        for i, chunk in enumerate(chunks):
+            name = _bucket_name(unit_path, dtype, requires_grad, i)
+            buckets.append(Bucket(name, dict(chunk), dtype, comm, requires_grad))
+    return buckets
+
+
+def wrap_units(module: nn.Module, wrap: WrapPolicy = None) -> list[tuple[str, nn.Module]]:
+    """The FSDP units of a model, each after the units nested inside it (siblings in model
+    order), the root last: ``(path, module)``. This is the order ``FSDPBackend`` applies
+    ``fully_shard`` in, so a parameter two units share goes to the first (innermost) one."""
+    if wrap is None:
+        chosen = {
+            id(child) for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub
+        }
+    else:
+        chosen = {id(m) for m in module.modules() if m is not module and wrap(m)}
+    return post_order(module, lambda m: id(m) in chosen)
+
+
+def post_order(
+    module: nn.Module, is_unit: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    """``(path, unit)`` for every submodule where ``is_unit`` holds, children before their
+    parents, then ``module`` itself (path ``""``); a module reachable twice is visited once."""
+    out: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool]] = [("", module, False)]
+    while stack:
+        path, sub, expanded = stack.pop()
+        if expanded:
+            if sub is not module and is_unit(sub):
+                out.append((path, sub))
+            continue
+        if id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        stack.append((path, sub, True))
+        for name, child in reversed(list(sub.named_children())):
+            stack.append((f"{path}.{name}" if path else name, child, False))
+    return [*out, ("", module)]
+
+
+def model_buckets(
     module: nn.Module,
     *,
+    param_dtype: torch.dtype | None = None,
     buffer_size: int | None = None,
-    wrap: Callable[[nn.Module], list[tuple[str, nn.Module]]] = default_wrap_units,
-) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """The buckets of a model in model order: ``(label, {name: param})``.
-
-    Each FSDP unit (from ``wrap``) takes its parameters not already taken by an inner unit (tied
-    parameters go to the first unit that sees them, under their first name); they are grouped by
-    dtype and split at ``buffer_size`` bytes.
-    """
-    if buffer_size is not None and buffer_size < 1:
-        raise ValueError(f"buffer_size must be positive bytes or None, got {buffer_size!r}")
+    wrap: WrapPolicy = None,
+) -> list[Bucket]:
+    """Every bucket of a model, unit by unit in :func:`wrap_units` order, parameters named by
+    their fully qualified names. Each unit takes its parameters that no earlier unit took (a
+    tied parameter goes to the first unit that sees it, under its first name)."""
     taken: set[int] = set()
-    for prefix, unit in wrap(module):
-        by_dtype: dict[torch.dtype, dict[str, torch.Tensor]] = {}
-        for pname, p in unit.named_parameters(prefix=prefix):
-            if id(p) in taken:
-                continue
-            taken.add(id(p))
-            by_dtype.setdefault(p.dtype, {})[pname] = p
-        for dt, group in by_dtype.items():
-            chunks = split_by_bytes(
-                list(group.items()), lambda kv, dt=dt: kv[1].numel() * dt.itemsize, buffer_size
-            )
-            for i, chunk in enumerate(chunks):
-                yield f"{prefix or '<root>'}/{str(dt).removeprefix('torch.')}/{i}", dict(chunk)
+    buckets = []
+    for path, unit in wrap_units(module, wrap):
+        params = []
+        for name, p in unit.named_parameters(prefix=path):
+            if id(p) not in taken:
+                taken.add(id(p))
+                params.append((name, p))
+        buckets += unit_buckets(path, params, param_dtype=param_dtype, buffer_size=buffer_size)
+    return buckets
 
 
 def split_by_bytes(

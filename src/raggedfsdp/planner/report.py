@@ -20,7 +20,7 @@ with the optimizer's need, see :meth:`StructAwarePlanner.unit_numel`), so FSDP2/
 by the same rule our plans obey; our plans cut none (every :class:`ShardPlan` is validated).
 
 Everything here is pure Python over shapes (models on the meta device); results are dataclasses,
-and rendering is the caller's business (:mod:`raggedfsdp.cli`).
+and rendering is the caller's business (:mod:`raggedfsdp.planner.command`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from . import ShardPlan, StructAwarePlanner, bucket_params
+from . import ShardPlan, StructAwarePlanner, model_buckets
 
 __all__ = [
     "PlanOptions",
@@ -215,11 +215,11 @@ def _fsdp_units(module: nn.Module, planner: StructAwarePlanner) -> list[tuple[_P
     """The model's FSDP units (one per wrap unit and dtype, whatever the buffer size), each a
     tuple of its parameters in model order with the planner's unit."""
     units = []
-    for _, params in bucket_params(module, buffer_size=None):
+    for bucket in model_buckets(module, buffer_size=None):
         units.append(
             tuple(
                 _Param(tuple(p.shape), p.numel(), planner.unit_numel(name, p.shape))
-                for name, p in params.items()
+                for name, p in bucket.params.items()
             )
         )
     return units
@@ -232,7 +232,7 @@ def _plan_once(
     planner = _planner(options)
     start = time.perf_counter()
     plans = planner.plan_model(
-        module, world_size, buffer_size=options.buffer_size, dtype=options.dtype
+        module, world_size, buffer_size=options.buffer_size, param_dtype=options.dtype
     )
     return plans, time.perf_counter() - start
 
@@ -242,6 +242,53 @@ def _planner(options: PlanOptions) -> StructAwarePlanner:
         optimizer_type=options.optimizer,  # type: ignore[arg-type]
         shard_policy=RaggedShard(block_size=options.block_size),
     )
+
+
+@dataclass
+class _Baselines:
+    """Per-rank elements, padding and cut policy blocks of FSDP2 and FSDP1 on the same units."""
+
+    fsdp2_rank: int = 0
+    fsdp2_cut: int = 0
+    fsdp1_rank: int = 0
+    fsdp1_pad: int = 0
+    fsdp1_cut: int = 0
+    blocks: int = 0  # policy blocks in the model
+
+
+def _baselines(fsdp_units: Sequence[tuple[_Param, ...]], world_size: int) -> _Baselines:
+    """FSDP2 (even rows per parameter) and FSDP1 (one flat split per unit) at ``world_size``.
+    Repeated layers share shapes, so each distinct parameter / unit is computed once."""
+    fsdp2_cache: dict[tuple[tuple[int, ...], int], tuple[int, int]] = {}
+    fsdp1_cache: dict[tuple[tuple[int, int], ...], tuple[int, int, int]] = {}
+    out = _Baselines()
+    for unit in fsdp_units:
+        for prm in unit:
+            key2 = (prm.shape, prm.unit)
+            if key2 not in fsdp2_cache:
+                fsdp2_cache[key2] = fsdp2_param_split(prm.shape, prm.unit, world_size)
+            per_rank, cut = fsdp2_cache[key2]
+            out.fsdp2_rank += per_rank
+            out.fsdp2_cut += cut
+            out.blocks += -(-prm.numel // prm.unit)
+        key1 = tuple((prm.numel, prm.unit) for prm in unit)
+        if key1 not in fsdp1_cache:
+            numels, units = [k[0] for k in key1], [k[1] for k in key1]
+            fsdp1_cache[key1] = fsdp1_unit_split(numels, units, world_size)
+        per_rank, pad, cut = fsdp1_cache[key1]
+        out.fsdp1_rank += per_rank
+        out.fsdp1_pad += pad
+        out.fsdp1_cut += cut
+    return out
+
+
+def _worst_bucket(plans: Sequence[ShardPlan]) -> tuple[float, str]:
+    """The largest ``S / bound`` of any bucket and that bucket's name (ties: model order)."""
+    worst_ratio, worst_bucket = 1.0, plans[0].name if plans else ""
+    for p in plans:
+        if p.lower_bound and p.shard_numel / p.lower_bound > worst_ratio:
+            worst_ratio, worst_bucket = p.shard_numel / p.lower_bound, p.name
+    return worst_ratio, worst_bucket
 
 
 def _world_report(
@@ -255,37 +302,13 @@ def _world_report(
     param_numel = sum(p.param_numel for p in plans)
     rank_numel = sum(p.shard_numel for p in plans)
     bound = sum(p.lower_bound for p in plans)
-    # The first bucket with the largest S / bound (ties go to model order).
-    worst_ratio, worst_bucket = 1.0, plans[0].name if plans else ""
-    for p in plans:
-        if p.lower_bound and p.shard_numel / p.lower_bound > worst_ratio:
-            worst_ratio, worst_bucket = p.shard_numel / p.lower_bound, p.name
-
-    # Repeated layers share shapes, so each distinct parameter / unit is computed once.
-    fsdp2_cache: dict[tuple[tuple[int, ...], int], tuple[int, int]] = {}
-    fsdp1_cache: dict[tuple[tuple[int, int], ...], tuple[int, int, int]] = {}
-    fsdp2_rank = fsdp2_cut = fsdp1_rank = fsdp1_pad = fsdp1_cut = blocks = 0
-    for unit in fsdp_units:
-        for prm in unit:
-            key2 = (prm.shape, prm.unit)
-            if key2 not in fsdp2_cache:
-                fsdp2_cache[key2] = fsdp2_param_split(prm.shape, prm.unit, w)
-            per_rank, cut = fsdp2_cache[key2]
-            fsdp2_rank += per_rank
-            fsdp2_cut += cut
-            blocks += -(-prm.numel // prm.unit)
-        key1 = tuple((prm.numel, prm.unit) for prm in unit)
-        if key1 not in fsdp1_cache:
-            fsdp1_cache[key1] = fsdp1_unit_split([k[0] for k in key1], [k[1] for k in key1], w)
-        per_rank, pad, cut = fsdp1_cache[key1]
-        fsdp1_rank += per_rank
-        fsdp1_pad += pad
-        fsdp1_cut += cut
+    worst_ratio, worst_bucket = _worst_bucket(plans)
+    base = _baselines(fsdp_units, w)
 
     def ratio(padding: int) -> float:
         return padding / param_numel if param_numel else 0.0
 
-    fsdp2_pad = w * fsdp2_rank - param_numel
+    fsdp2_pad = w * base.fsdp2_rank - param_numel
     return WorldReport(
         world_size=w,
         buckets=len(plans),
@@ -301,15 +324,15 @@ def _world_report(
         bound_ratio=rank_numel / bound if bound else 1.0,
         worst_bound_ratio=worst_ratio,
         worst_bucket=worst_bucket,
-        blocks_total=blocks,
+        blocks_total=base.blocks,
         fsdp2_padding_numel=fsdp2_pad,
         fsdp2_padding_ratio=ratio(fsdp2_pad),
-        fsdp2_rank_numel=fsdp2_rank,
-        fsdp2_cut_blocks=fsdp2_cut,
-        fsdp1_padding_numel=fsdp1_pad,
-        fsdp1_padding_ratio=ratio(fsdp1_pad),
-        fsdp1_rank_numel=fsdp1_rank,
-        fsdp1_cut_blocks=fsdp1_cut,
+        fsdp2_rank_numel=base.fsdp2_rank,
+        fsdp2_cut_blocks=base.fsdp2_cut,
+        fsdp1_padding_numel=base.fsdp1_pad,
+        fsdp1_padding_ratio=ratio(base.fsdp1_pad),
+        fsdp1_rank_numel=base.fsdp1_rank,
+        fsdp1_cut_blocks=base.fsdp1_cut,
     )
 
 

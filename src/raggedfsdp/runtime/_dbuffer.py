@@ -10,7 +10,7 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
   rank holds whole are views of ``local`` instead: nothing needs placing for them);
 - ``full_grad``  ``[W*S]`` communication dtype, bound from the unit's first gradient in a
   backward to its reduce-scatter's completion (a block of the model's
-  :class:`~raggedfsdp.pool.BufferPool`): autograd accumulates the unsharded gradients into
+  :class:`~._pool.BufferPool`): autograd accumulates the unsharded gradients into
   views of it, and the reduce-scatter reads it as is;
 - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
   it; the sharded gradients are views of it, so it lives as long as they do.
@@ -91,7 +91,7 @@ class DBuffer:
 
     ``full`` is a view into a :class:`FlatStorage` and ``full_grad`` into a pooled block, both
     owned by the unit's parameter group (which allocates and frees them); the collectives that
-    fill the buffers live in :mod:`raggedfsdp.collectives`.
+    fill the buffers live in ``_collectives.py``.
     """
 
     def __init__(

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..planner import StructAwarePlanner, split_by_bytes
+from ..planner import StructAwarePlanner, unit_buckets
 from ._collectives import Pending, all_gather, all_reduce, reduce_scatter
 from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
 from ._mesh import MeshInfo
@@ -60,7 +60,8 @@ class FSDPParamGroup:
         self.config = config
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.device = device
-        self.label = label  # the module's path below the root once known (profiler labels)
+        self.path = ""  # the module's path below the root (set_path); names buckets and params
+        self.label = label  # for errors and profiler ranges: the path once known
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
@@ -97,11 +98,6 @@ class FSDPParamGroup:
 
     # -- construction --------------------------------------------------------------------------
 
-    def comm_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        if self.mp_policy.param_dtype is not None and dtype.is_floating_point:
-            return self.mp_policy.param_dtype
-        return dtype
-
     def reduce_dtype(self, bucket: DBuffer) -> torch.dtype:
         if self.mp_policy.reduce_dtype is not None and bucket.dtype.is_floating_point:
             return self.mp_policy.reduce_dtype
@@ -110,38 +106,39 @@ class FSDPParamGroup:
     def _build_buckets(
         self, registrations: list[Registration], planner: StructAwarePlanner
     ) -> list[DBuffer]:
-        """Group by (dtype, requires_grad) in model order, split at ``buffer_size`` bytes of the
-        communication dtype, plan each bucket, and build its DBuffer."""
-        groups: dict[tuple[torch.dtype, bool], list[Registration]] = {}
-        for reg in registrations:
-            groups.setdefault((reg.param.dtype, reg.param.requires_grad), []).append(reg)
-        buckets = []
-        for (dtype, requires_grad), regs in groups.items():
-            comm = self.comm_dtype(dtype)
-            # Plan in the narrower dtype so the alignment (in elements) suits both buffers.
-            plan_dtype = comm if comm.itemsize < dtype.itemsize else dtype
-            for i, chunk in enumerate(
-                split_by_bytes(
-                    regs, lambda r, c=comm: r.param.numel() * c.itemsize, self.config.buffer_size
-                )
-            ):
-                name = f"{self.label}/{str(dtype).removeprefix('torch.')}"
-                name += "" if requires_grad else "/frozen"
-                params = {r.fqn: r.param for r in chunk}
-                plan = planner.plan(
-                    params, self.mesh_info.shard_size, plan_dtype, name=f"{name}/{i}"
-                )
-                buckets.append(
-                    DBuffer(
-                        plan,
-                        chunk,
-                        rank=self.mesh_info.shard_rank,
-                        group=self.mesh_info.shard_group,
-                        comm_dtype=comm,
-                        device=self.device,
-                    )
-                )
-        return buckets
+        """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
+        same function ``plan_model`` uses), each planned and made a DBuffer."""
+        by_name = {r.fqn: r for r in registrations}
+        buckets = unit_buckets(
+            self.path,
+            [(r.fqn, r.param) for r in registrations],
+            param_dtype=self.mp_policy.param_dtype,
+            buffer_size=self.config.buffer_size,
+        )
+        return [
+            DBuffer(
+                planner.plan_bucket(bucket, self.mesh_info.shard_size),
+                [by_name[name] for name in bucket.params],
+                rank=self.mesh_info.shard_rank,
+                group=self.mesh_info.shard_group,
+                comm_dtype=bucket.comm_dtype,
+                device=self.device,
+            )
+            for bucket in buckets
+        ]
+
+    def set_path(self, path: str) -> None:
+        """This unit's module is ``path`` below the module ``fully_shard`` was last applied to
+        (the root): its buckets and parameters take names from there, as ``plan_model`` gives
+        them."""
+        old = self.path
+        for bucket in self.buckets:
+            names = [_repath(n, old, path) for n in bucket.plan.model_order]
+            bucket.plan = bucket.plan.renamed(names, _repath_bucket(bucket.plan.name, path))
+        for param in self.params:
+            param.fqn = _repath(param.fqn, old, path)
+        self.path = path
+        self.label = path or "<root>"
 
     def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
         """One storage for all ``buckets`` (``group_level``), or one each."""
@@ -425,3 +422,14 @@ class FSDPParamGroup:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
+
+
+def _repath(name: str, old: str, new: str) -> str:
+    """A parameter's name under unit path ``old``, renamed under ``new``."""
+    relative = name[len(old) + 1 :] if old else name
+    return f"{new}.{relative}" if new else relative
+
+
+def _repath_bucket(name: str, new: str) -> str:
+    """``<path>/<dtype>.../<i>`` with the path replaced."""
+    return f"{new or '<root>'}/{name.split('/', 1)[1]}"

@@ -8,7 +8,7 @@ hands the memory back to the OS and faults it in again page by page (on CPU a 12
 
 Only memory that nothing outside the runtime keeps a reference to is pooled: the unsharded
 *parameters* cannot be, because autograd saves views of them whose storage must stay the same
-object from forward to backward (see [Note: freeing unsharded storage] in ``dbuffer.py``). The
+object from forward to backward (see [Note: freeing unsharded storage] in ``_dbuffer.py``). The
 pool is emptied at the end of every backward, so it holds nothing through forward, where the
 memory peak (the start of backward) is reached.
 """

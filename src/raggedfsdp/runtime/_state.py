@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
+from ..planner import ShardPlan, post_order
 from ._collectives import all_gather
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup, SharedResources
@@ -50,8 +51,10 @@ def state_of(module: nn.Module) -> FSDPState | None:
 
 
 def states_under(module: nn.Module) -> list[FSDPState]:
-    """The states of ``module`` and of every sharded module below it, in module order."""
-    return [s for s in map(state_of, module.modules()) if s is not None]
+    """The states of ``module`` and of every sharded module below it, inner units first and
+    the root last: the order of ``plan_model``'s buckets."""
+    units = post_order(module, lambda m: state_of(m) is not None)
+    return [state for _, m in units if (state := state_of(m)) is not None]
 
 
 class RootContext:
@@ -140,17 +143,13 @@ class FSDPState:
         all-gather, that every rank planned the same buckets. Idempotent."""
         if self.ctx is not None:
             return self.ctx
-        states = []
-        for name, module in self.module.named_modules():
-            state = state_of(module)
-            if state is not None:
-                if state.ctx is not None:
-                    raise RuntimeError(
-                        f"raggedfsdp: {name or '<root>'} already ran under another root; run "
-                        f"forward through the outermost fully_shard-ed module"
-                    )
-                state.group.label = name or "<root>"  # profiler labels by module path
-                states.append(state)
+        states = states_under(self.module)
+        for state in states:
+            if state.ctx is not None:
+                raise RuntimeError(
+                    f"raggedfsdp: {state.group.label} already ran under another root; run "
+                    f"forward through the outermost fully_shard-ed module"
+                )
         ctx = RootContext(self, states)
         for state in states:
             state.ctx = ctx
@@ -258,19 +257,64 @@ def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
 
 def _check_plans_agree(states: list[FSDPState]) -> None:
     """Before the first all-gather, check every rank planned the same buckets; a rank that
-    disagrees would otherwise hang or corrupt the collectives."""
+    disagrees would otherwise hang or corrupt the collectives. One all-gather of a digest; only
+    when they differ are the plans themselves gathered, to name the first difference."""
+    plans = [bucket.plan for state in states for bucket in state.group.buckets]
     h = hashlib.sha256()
-    for state in states:
-        for bucket in state.group.buckets:
-            h.update(bucket.plan.digest().encode())
+    for plan in plans:
+        h.update(plan.digest().encode())
     local = int.from_bytes(h.digest()[:7], "little")
     group = states[0].group
     mesh = group.mesh_info
     gathered = torch.zeros(mesh.shard_size, dtype=torch.int64, device=group.device)
     mine = torch.tensor([local], dtype=torch.int64, device=group.device)
     all_gather(gathered, mine, mesh.shard_group, RuntimeStats(), async_op=False)
-    if len(set(gathered.tolist())) != 1:
-        raise RuntimeError(
-            f"raggedfsdp: ranks planned different buckets (plan digests per rank: "
-            f"{gathered.tolist()}); every rank must wrap the same model with the same policy"
-        )
+    if len(set(gathered.tolist())) == 1:
+        return
+    described: list[Any] = [None] * mesh.shard_size
+    dist.all_gather_object(described, [_describe(p) for p in plans], group=mesh.shard_group)
+    raise RuntimeError(
+        f"raggedfsdp: ranks planned different buckets: {_first_difference(described)}; every "
+        f"rank must wrap the same model with the same policy"
+    )
+
+
+def _describe(plan: ShardPlan) -> dict[str, Any]:
+    """What the runtime reads of a plan, as plain values (to send to other ranks)."""
+    return {
+        "name": plan.name,
+        "world_size": plan.world_size,
+        "shard_numel": plan.shard_numel,
+        "alignment": plan.alignment,
+        "dtype": str(plan.dtype),
+        "entries": [(e.name, e.shape, e.offset, e.unit_numel) for e in plan.entries.values()],
+    }
+
+
+def _first_difference(per_rank: list[list[dict[str, Any]]]) -> str:
+    """The first bucket and field in which some rank's plans differ from rank 0's."""
+    reference = per_rank[0]
+    for rank, plans in enumerate(per_rank[1:], start=1):
+        if len(plans) != len(reference):
+            return f"rank 0 has {len(reference)} buckets, rank {rank} has {len(plans)}"
+        for ours, theirs in zip(reference, plans, strict=True):
+            for key in ours:
+                if ours[key] == theirs[key]:
+                    continue
+                if key == "entries":
+                    for a, b in zip(ours[key], theirs[key], strict=False):
+                        if a != b:
+                            return (
+                                f"bucket {ours['name']!r}: parameter (name, shape, offset, "
+                                f"unit) is {a} on rank 0 and {b} on rank {rank}"
+                            )
+                    counts = len(ours[key]), len(theirs[key])
+                    return (
+                        f"bucket {ours['name']!r}: {counts[0]} parameters on rank 0, "
+                        f"{counts[1]} on rank {rank}"
+                    )
+                return (
+                    f"bucket {ours['name']!r}: {key} is {ours[key]!r} on rank 0 and "
+                    f"{theirs[key]!r} on rank {rank}"
+                )
+    return "the plans' digests differ"

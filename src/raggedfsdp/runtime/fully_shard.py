@@ -7,7 +7,7 @@ class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unch
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, cast
 
@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
-from ..planner import ShardPlan, StructAwarePlanner, default_wrap_units
+from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
 from ._mesh import device_for, mesh_info
 from ._metrics import RuntimeStats
 from ._param import Registration
@@ -100,8 +100,8 @@ class FSDPModule:
             state.ctx.resources.stats.reset()
 
     def shard_plans(self) -> list[ShardPlan]:
-        """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in unit
-        order."""
+        """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in the order
+        and with the names of ``StructAwarePlanner.plan_model``."""
         return [b.plan for s in self._all_states() for b in s.group.buckets]
 
 
@@ -189,6 +189,11 @@ def fully_shard(
         label=type(module).__name__,
     )
     FSDPState(module, group, reshard_after_forward)
+    # Units take their names from the outermost module sharded so far, as plan_model names them.
+    for path, sub in module.named_modules():
+        state = state_of(sub)
+        if state is not None:
+            state.group.set_path(path)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
@@ -204,22 +209,21 @@ def FSDPBackend(
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
-    wrap: Callable[[nn.Module], bool] | None = None,
+    wrap: WrapPolicy = None,
 ) -> FSDPModule:
     """Shard a whole model: every block (each element of an ``nn.ModuleList``, or each module
-    for which ``wrap(module)`` is true) bottom-up, then the root. Returns the same object."""
+    for which ``wrap(module)`` is true) bottom-up, then the root. Returns the same object; its
+    buckets are exactly ``planner.plan_model(module, W, buffer_size=..., param_dtype=...,
+    wrap=wrap)``."""
     planner = _resolve_planner(shard_policy, planner)
-    if wrap is None:
-        blocks = [unit for _, unit in default_wrap_units(module) if unit is not module]
-    else:
-        blocks = [m for m in module.modules() if m is not module and wrap(m)]
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,
         "planner": planner,
         "dbuffer_config": dbuffer_config,
     }
-    for block in reversed(blocks):  # bottom-up: inner blocks before the modules containing them
+    # Bottom-up, in the one order plan_model uses: inner blocks before the modules containing them.
+    for _, block in wrap_units(module, wrap)[:-1]:
         if state_of(block) is None:
             fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     return fully_shard(module, reshard_after_forward=reshard_after_forward, **kwargs)

@@ -21,7 +21,7 @@ import random
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +29,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..checkpoint import (
+    expected_entries,
     init_optimizer_state,
-    is_tensor_list,
     load_optim_state_dict,
     optim_state_dict,
 )
@@ -101,23 +100,6 @@ def _cause(err: BaseException) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Checking a checkpoint against what a run expects.
-
-
-def _expected_shapes(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(DCP key, shape or None)`` of a nested state dict, keys flattened as DCP does."""
-    for key, value in state.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            yield from _expected_shapes(value, f"{name}.")
-        elif isinstance(value, ShardedTensor):
-            yield name, tuple(value.size())
-        elif isinstance(value, torch.Tensor):
-            yield name, tuple(value.shape)
-        elif is_tensor_list(value):
-            for i, item in enumerate(value):
-                yield f"{name}.{i}", tuple(item.shape)
-        else:
-            yield name, None
 
 
 def check_entries(
@@ -238,7 +220,7 @@ def load_checkpoint(
     meta = read_meta(path)
     init_optimizer_state(model, optimizer)
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
-    check_entries(path, dict(_expected_shapes(state)), meta)
+    check_entries(path, dict(expected_entries(state)), meta)
     try:
         dcp.load(state, checkpoint_id=str(path))
     # DCP gathers every rank's failure into a CheckpointException, a BaseException.

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS
+from ..planner import OptimizerType
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -87,7 +88,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
 
-    optimizer: Literal["adamw", "muon", "shampoo", "adamw8bit"] = "adamw"
+    optimizer: OptimizerType = "adamw"
     """Optimizer; the shard planner keeps its blocks whole (optimizer_type)."""
 
     max_preconditioner_dim: int = 128

@@ -5,11 +5,13 @@ or with torchrun directly::
 
     torchrun --standalone --nproc-per-node 2 -m raggedfsdp.train --model gpt-tiny --steps 50
 
-Every option is a :class:`~raggedfsdp.train_config.TrainConfig` field (``--help`` lists them).
-The script below reads top to bottom: distributed set-up, output folder and resume point, data,
-model, optimizer, resume, monitoring, the training loop, the end. Helpers live in
-``train_config`` (options), ``train_checkpoint`` (checkpoints), ``monitor`` (metrics and reports)
-and ``health`` (timeouts, watchdog, NaN handling).
+Every option is a :class:`~raggedfsdp.train.config.TrainConfig` field (``--help`` lists them).
+:func:`train` reads top to bottom: set-up, output folder and resume point, data, model, optimizer,
+resume, monitoring, the training loop, the end - one or two helpers per section, defined above
+it; :func:`train_step` is one optimizer step. Helpers from elsewhere live in ``config``
+(options), ``build`` (model, optimizer, schedule), ``checkpoints`` and ``run_dir``
+(checkpoints), ``monitor`` (metrics and reports) and ``health`` (timeouts, watchdog, NaN
+handling).
 
 Reproducibility: every rank builds the same model from ``--seed``, and the global batch of step
 ``k`` depends only on ``(seed, k)``, so a run resumed from a checkpoint - at the same or another
@@ -24,14 +26,16 @@ shows the traceback); another rank reports only an error rank 0 did not have.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,7 +46,7 @@ from torch import nn
 from .._console import USAGE_ERROR
 from .._host import local_device, synchronize
 from ..clip import clip_grad_norm_
-from ..data import BatchSampler, eval_batches, load_corpus
+from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..layout import global_shape
 from . import health
 from .build import build_model, build_optimizer, lr_factor, optimizer_bytes
@@ -52,7 +56,7 @@ from .monitor import Monitor, StepTimes
 from .preflight import dry_run_report
 from .run_dir import latest_checkpoint, prepare_out_dir, remove_partial
 
-__all__ = ["build_parser", "evaluate", "main", "train"]
+__all__ = ["StepResult", "build_parser", "evaluate", "main", "train", "train_step"]
 
 #: Seconds a rank other than 0 waits before reporting a user error (see main()).
 ERROR_GRACE_S = 3.0
@@ -93,6 +97,358 @@ def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
+# One optimizer step.
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :func:`train_step` did: what the loop logs and the timestamps it splits the
+    step time with (the communication wait comes from the model's stats, read afterwards)."""
+
+    loss: float
+    """The mean loss over all ranks and micro-batches (``nan`` when some rank's is not finite)."""
+    lr: float
+    """The learning rate of the first parameter group during the step."""
+    grad_norm: float | None
+    """The global gradient norm before clipping, or None without ``--grad-clip``."""
+    skipped: bool
+    """True when a non-finite loss or gradient made the step skip the optimizer update."""
+    started: float
+    """``time.perf_counter()`` at the start of the step (before the batch is drawn)."""
+    backward_done: float
+    """... once forward and backward of every micro-batch finished (device synchronised)."""
+    optimizer_started: float
+    """... once the loss was all-reduced, when clipping and the update began."""
+    ended: float
+    """... at the end of the step (gradients zeroed, device synchronised)."""
+
+    def times(self, comm: float) -> StepTimes:
+        """The step's time split, given the seconds it waited on communication (from the
+        model's stats): the wait is taken out of the forward/backward span, where the model's
+        collectives run, to leave the compute."""
+        return StepTimes(
+            total=self.ended - self.started,
+            compute=max(0.0, self.backward_done - self.started - comm),
+            comm=comm,
+            optimizer=self.ended - self.optimizer_started,
+        )
+
+
+def _forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, grad_accum: int, device: torch.device
+) -> torch.Tensor:
+    """Forward and backward over ``grad_accum`` micro-batches of ``(x, y)``; this rank's summed
+    loss, still on the device (no host sync, so backward is not stalled). Gradients are reduced
+    only in the last micro-batch's backward: the others accumulate locally under ``no_sync``."""
+    loss_sum = torch.zeros((), device=device)
+    micro = list(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True))
+    for i, (xb, yb) in enumerate(micro):
+        # Reduce gradients only after the last micro-batch; the others accumulate.
+        with nullcontext() if i == len(micro) - 1 else model.no_sync():
+            loss = model(xb.to(device), yb.to(device)) / len(micro)
+            loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> None:
+    """Scale every group's peak rate (``initial_lr``) by the schedule at ``step`` (0-based), so
+    a resumed run picks the schedule up where it left off without scheduler state."""
+    factor = lr_factor(step, cfg)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    step: int,
+    cfg: TrainConfig,
+    device: torch.device,
+    log: Callable[[str], None],
+) -> StepResult:
+    """One optimizer step, ``step`` (0-based), of a model sharded by raggedfsdp.
+
+    Sets the scheduled learning rate, draws the step's batch from ``batches`` (inside the timed
+    span, so the step time includes the data, as the metrics always have), runs forward and
+    backward over ``cfg.grad_accum`` micro-batches, all-reduces the loss, clips ``params`` to
+    ``cfg.grad_clip``, and updates - unless the loss or the gradient norm is not finite: then
+    ``cfg.on_nan == "stop"`` raises :class:`~.health.NonFiniteLossError` and ``"skip"`` leaves
+    the parameters as they are and says so through ``log``. The loss is all-reduced and the
+    norm global, so every rank takes the same branch. Resets the model's stats first, so that
+    ``model.stats()`` afterwards covers exactly this step.
+    """
+    started = time.perf_counter()
+    model.reset_stats()
+    _set_lr(optimizer, step, cfg)
+    x, y = next(batches)
+    loss_sum = _forward_backward(model, x, y, grad_accum=cfg.grad_accum, device=device)
+    synchronize(device)
+    backward_done = time.perf_counter()
+    loss_value = health.global_loss(loss_sum)
+    optimizer_started = time.perf_counter()
+    grad_norm = clip_grad_norm_(params, cfg.grad_clip).item() if cfg.grad_clip else None
+    finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
+    if finite:
+        optimizer.step()
+    elif cfg.on_nan == "stop":
+        raise health.NonFiniteLossError(
+            f"step {step + 1}: the loss is {loss_value} (gradient norm {grad_norm}) on some "
+            f"rank; stopping (--on-nan skip would skip such steps)"
+        )
+    else:
+        log(f"step {step + 1}: non-finite loss or gradient; step skipped")
+    optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
+    ended = time.perf_counter()
+    return StepResult(
+        loss=loss_value,
+        lr=optimizer.param_groups[0]["lr"],
+        grad_norm=grad_norm,
+        skipped=not finite,
+        started=started,
+        backward_done=backward_done,
+        optimizer_started=optimizer_started,
+        ended=ended,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: its place in the job, and the state the loop works on.
+
+
+@dataclass(frozen=True)
+class _World:
+    """This process's place in the job, as torchrun's environment gives it (one process of one
+    without torchrun)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    restarted: bool
+    """True in an elastic restart: the agent started this worker again after a failure."""
+
+    @classmethod
+    def from_env(cls) -> _World:
+        return cls(
+            rank=int(os.environ.get("RANK", "0")),
+            size=int(os.environ.get("WORLD_SIZE", "1")),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
+        )
+
+
+@dataclass
+class _Run:
+    """Everything the training loop needs, built once by :func:`train`, so that the loop's
+    helpers take one argument instead of a dozen."""
+
+    cfg: TrainConfig
+    world: _World
+    device: torch.device
+    out: Path
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    sampler: BatchSampler
+    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    monitor: Monitor
+    watchdog: health.StepWatchdog
+
+    @property
+    def faults(self) -> Path:
+        """Where the fault-injection options leave their once-only markers."""
+        return self.out / ".faults"
+
+    @property
+    def crash_rank(self) -> int:
+        """The rank ``--fail-at-step`` kills: not rank 0 when there is another, so the crash
+        is a worker's, not the one that writes the reports."""
+        return 1 if self.world.size > 1 else 0
+
+    def evaluate(self) -> float:
+        """The validation loss now (a collective: every rank calls it)."""
+        return evaluate(self.model, self.val_batches, self.device)
+
+    def _before_commit(self, step: int) -> None:
+        """``--fail-during-save``: kill the last rank once, after the shards are written and
+        before the checkpoint is marked complete (what resuming must survive)."""
+        if self.cfg.fail_during_save == step and self.world.rank == self.world.size - 1:
+            health.crash_once(self.faults / f"save_{step}")
+
+    def save(self, step: int) -> None:
+        """Save the checkpoint of ``step`` (a collective) and say where it went."""
+        path = save_checkpoint(
+            self.out,
+            step,
+            model=self.model,
+            optimizer=self.optimizer,
+            meta={"config": self.cfg.to_dict(), "data": self.sampler.state_dict()},
+            before_commit=functools.partial(self._before_commit, step),
+        )
+        self.monitor.print(f"checkpoint: {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The job's sections (train() calls them in order).
+
+
+def _init_distributed(cfg: TrainConfig, world: _World) -> tuple[torch.device, str]:
+    """This rank's device and the process group on it (NCCL on CUDA, Gloo otherwise), with the
+    job's communication timeout; the device and the backend's name."""
+    device = local_device(world.local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    health.init_process_group(backend, timeout_s=cfg.comm_timeout_s, device=device)
+    return device, backend
+
+
+def _claim_out_dir(out: Path, *, resume: bool, overwrite: bool) -> str | None:
+    """Rank 0's side of :func:`_open_out_dir`: prepare the folder and, when resuming, drop the
+    incomplete checkpoints and pick the latest complete one."""
+    prepare_out_dir(out, resume=resume, overwrite=overwrite)
+    if not resume:
+        return None
+    for path in remove_partial(out):
+        print(f"removed an incomplete checkpoint: {path}", flush=True)
+    ckpt = latest_checkpoint(out)
+    return None if ckpt is None else str(ckpt)
+
+
+def _open_out_dir(cfg: TrainConfig, out: Path, world: _World) -> str | None:
+    """Claim the output folder and find the checkpoint to resume from (None: start at step 0).
+
+    Rank 0 decides for every rank, since the folder is shared. An elastic restart always
+    resumes, and never overwrites: the folder then holds this very run."""
+    resume = cfg.resume or world.restarted
+    claim = functools.partial(
+        _claim_out_dir, out, resume=resume, overwrite=cfg.overwrite and not world.restarted
+    )
+    ckpt = _rank0_decides(claim)
+    if world.rank == 0 and resume and ckpt is None:
+        print(f"no complete checkpoint in {out}: starting from step 0", flush=True)
+    if world.rank == 0:
+        (out / "config.json").write_text(
+            json.dumps({**cfg.to_dict(), "world_size": world.size}, indent=2) + "\n"
+        )
+    return ckpt
+
+
+def _build_data(
+    cfg: TrainConfig, corpus: Corpus, world: _World
+) -> tuple[BatchSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """This rank's training batches and its fixed validation batches. Both depend on the world
+    size only through the rank's slice, so a resumed run sees the same data at any world size."""
+    sampler = BatchSampler(
+        corpus.train,
+        seq_len=cfg.tokens_per_seq,
+        global_batch=cfg.batch_size,
+        seed=cfg.seed,
+        rank=world.rank,
+        world_size=world.size,
+    )
+    val_batches = eval_batches(
+        corpus.val,
+        cfg.eval_batches,
+        seq_len=cfg.tokens_per_seq,
+        global_batch=cfg.batch_size,
+        seed=cfg.seed,
+        rank=world.rank,
+        world_size=world.size,
+    )
+    return sampler, val_batches
+
+
+def _resume(
+    ckpt: str,
+    cfg: TrainConfig,
+    world: _World,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    sampler: BatchSampler,
+) -> int:
+    """Load ``ckpt`` into the model, the optimizer and the sampler; the step to continue from.
+    Says so on rank 0, and warns when an option that decides the data order has changed."""
+    meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
+    sampler.load_state_dict(meta["data"])
+    start_step: int = meta["step"]
+    saved = meta["config"]
+    changed = [k for k in ("seed", "batch_size", "seq_len") if saved.get(k) != getattr(cfg, k)]
+    if world.rank == 0:
+        print(
+            f"resumed from {ckpt} (step {start_step}, saved on {meta['world_size']} "
+            f"rank(s), now {world.size})"
+            + (f"; changed {', '.join(changed)}: the data order differs" if changed else ""),
+            flush=True,
+        )
+    return start_step
+
+
+def _banner(
+    cfg: TrainConfig,
+    params: list[torch.Tensor],
+    world: _World,
+    backend: str,
+    padding_ratio: float,
+    corpus: Corpus,
+) -> str:
+    """The run's first console line: what is trained, where, on what."""
+    return (
+        f"{cfg.model}: {sum(global_shape(p).numel() for p in params):,} parameters, "
+        f"{world.size} rank(s) "
+        f"({backend}), optimizer {cfg.optimizer}, block {cfg.block_size}, padding "
+        f"{100 * padding_ratio:.3f}%, corpus {corpus.source} "
+        f"({corpus.train.numel():,} train tokens)"
+    )
+
+
+def _run_step(run: _Run, step: int) -> None:
+    """Step ``step`` (0-based) of the loop: the injected crash, if any, the optimizer step
+    under the watchdog, its metrics, then the evaluation and checkpoint that fall due."""
+    cfg = run.cfg
+    done = step + 1  # steps completed after this one
+    if cfg.fail_at_step == done and run.world.rank == run.crash_rank:
+        health.crash_once(run.faults / f"step_{done}")
+    with run.watchdog.step(done):
+        result = train_step(
+            run.model,
+            run.optimizer,
+            run.params,
+            run.sampler,
+            step=step,
+            cfg=cfg,
+            device=run.device,
+            log=run.monitor.print,
+        )
+    stats = run.model.stats()
+    run.monitor.step(
+        done,
+        loss=result.loss,
+        lr=result.lr,
+        grad_norm=result.grad_norm,
+        times=result.times(stats["comm_wait_seconds"]),
+        stats=stats,
+        optimizer_bytes=optimizer_bytes(run.optimizer),
+        skipped=result.skipped,
+    )
+    if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+        run.monitor.eval(done, run.evaluate())
+    if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+        run.save(done)
+
+
+def _train_loop(run: _Run, start_step: int) -> None:
+    """Steps ``start_step..cfg.steps-1``; a fresh run first evaluates, to show where the loss
+    starts (a resumed one already logged that)."""
+    if start_step == 0:
+        run.monitor.eval(0, run.evaluate())
+    for step in range(start_step, run.cfg.steps):
+        _run_step(run, step)
+
+
+# ---------------------------------------------------------------------------------------------
 # The job.
 
 
@@ -108,64 +464,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train(cfg: TrainConfig) -> None:
     """Run the job described by ``cfg`` on the process group that torchrun set up (or on one
-    process without torchrun)."""
+    process without torchrun). Reads top to bottom in the job's order; each section is one or
+    two helpers, which the rest of the module defines."""
     started = time.perf_counter()
 
-    # -- distributed -----------------------------------------------------------------------------
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cfg.check_world(world)
+    # -- set-up ----------------------------------------------------------------------------------
+    world = _World.from_env()
+    cfg.check_world(world.size)
     if cfg.dry_run:
-        if rank == 0:
-            print(dry_run_report(cfg, world))
+        if world.rank == 0:
+            print(dry_run_report(cfg, world.size))
         return
-    device = local_device(local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    health.init_process_group(backend, timeout_s=cfg.comm_timeout_s, device=device)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    device, backend = _init_distributed(cfg, world)
 
     # -- output folder and resume point ----------------------------------------------------------
     out = Path(cfg.out)
-    resume = cfg.resume or restarted  # an elastic restart continues from the last checkpoint
-
-    def open_out_dir() -> str | None:
-        prepare_out_dir(out, resume=resume, overwrite=cfg.overwrite and not restarted)
-        if not resume:
-            return None
-        for path in remove_partial(out):
-            print(f"removed an incomplete checkpoint: {path}", flush=True)
-        ckpt = latest_checkpoint(out)
-        return None if ckpt is None else str(ckpt)
-
-    ckpt = _rank0_decides(open_out_dir)
-    if rank == 0 and resume and ckpt is None:
-        print(f"no complete checkpoint in {out}: starting from step 0", flush=True)
-    if rank == 0:
-        (out / "config.json").write_text(
-            json.dumps({**cfg.to_dict(), "world_size": world}, indent=2) + "\n"
-        )
+    ckpt = _open_out_dir(cfg, out, world)
 
     # -- data ------------------------------------------------------------------------------------
     corpus = load_corpus(cfg.data, seed=cfg.seed)
-    seq_len = cfg.tokens_per_seq
-    sampler = BatchSampler(
-        corpus.train,
-        seq_len=seq_len,
-        global_batch=cfg.batch_size,
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world,
-    )
-    val_batches = eval_batches(
-        corpus.val,
-        cfg.eval_batches,
-        seq_len=seq_len,
-        global_batch=cfg.batch_size,
-        seed=cfg.seed,
-        rank=rank,
-        world_size=world,
-    )
+    sampler, val_batches = _build_data(cfg, corpus, world)
 
     # -- model -----------------------------------------------------------------------------------
     model = build_model(cfg, device)
@@ -177,117 +495,25 @@ def train(cfg: TrainConfig) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
 
     # -- resume ----------------------------------------------------------------------------------
-    start_step = 0
-    if ckpt is not None:
-        meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
-        sampler.load_state_dict(meta["data"])
-        start_step = meta["step"]
-        saved = meta["config"]
-        changed = [k for k in ("seed", "batch_size", "seq_len") if saved.get(k) != getattr(cfg, k)]
-        if rank == 0:
-            print(
-                f"resumed from {ckpt} (step {start_step}, saved on {meta['world_size']} "
-                f"rank(s), now {world})"
-                + (f"; changed {', '.join(changed)}: the data order differs" if changed else ""),
-                flush=True,
-            )
+    start_step = 0 if ckpt is None else _resume(ckpt, cfg, world, model, optimizer, sampler)
 
     # -- monitoring and health -------------------------------------------------------------------
     monitor = Monitor(
         cfg,
-        rank=rank,
-        world_size=world,
+        rank=world.rank,
+        world_size=world.size,
         start_step=start_step,
         padding_ratio=padding_ratio,
         device=device,
     )
-    monitor.print(
-        f"{cfg.model}: {sum(global_shape(p).numel() for p in params):,} parameters, "
-        f"{world} rank(s) "
-        f"({backend}), optimizer {cfg.optimizer}, block {cfg.block_size}, padding "
-        f"{100 * padding_ratio:.3f}%, corpus {corpus.source} "
-        f"({corpus.train.numel():,} train tokens)"
+    monitor.print(_banner(cfg, params, world, backend, padding_ratio, corpus))
+    watchdog = health.StepWatchdog(cfg.step_timeout_s, rank=world.rank)
+    run = _Run(
+        cfg, world, device, out, model, optimizer, params, sampler, val_batches, monitor, watchdog
     )
-    watchdog = health.StepWatchdog(cfg.step_timeout_s, rank=rank)
-    faults = out / ".faults"
-    crash_rank = 1 if world > 1 else 0
-
-    def save(step: int) -> None:
-        def before_commit() -> None:
-            if cfg.fail_during_save == step and rank == world - 1:
-                health.crash_once(faults / f"save_{step}")
-
-        path = save_checkpoint(
-            out,
-            step,
-            model=model,
-            optimizer=optimizer,
-            meta={"config": cfg.to_dict(), "data": sampler.state_dict()},
-            before_commit=before_commit,
-        )
-        monitor.print(f"checkpoint: {path}")
 
     # -- training loop ---------------------------------------------------------------------------
-    if start_step == 0:
-        monitor.eval(0, evaluate(model, val_batches, device))  # where the loss starts
-    for step in range(start_step, cfg.steps):
-        done = step + 1  # steps completed after this one
-        if cfg.fail_at_step == done and rank == crash_rank:
-            health.crash_once(faults / f"step_{done}")
-        with watchdog.step(done):
-            t0 = time.perf_counter()
-            model.reset_stats()
-            factor = lr_factor(step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * factor
-            x, y = sampler.next()
-            loss_sum = torch.zeros((), device=device)
-            micro = list(zip(x.chunk(cfg.grad_accum), y.chunk(cfg.grad_accum), strict=True))
-            for i, (xb, yb) in enumerate(micro):
-                # Reduce gradients only after the last micro-batch; the others accumulate.
-                with nullcontext() if i == len(micro) - 1 else model.no_sync():
-                    loss = model(xb.to(device), yb.to(device)) / len(micro)
-                    loss.backward()
-                loss_sum += loss.detach()
-            synchronize(device)
-            t_backward = time.perf_counter()
-            loss_value = health.global_loss(loss_sum)
-            t_optimizer = time.perf_counter()
-            grad_norm = clip_grad_norm_(params, cfg.grad_clip).item() if cfg.grad_clip else None
-            finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
-            if finite:
-                optimizer.step()
-            elif cfg.on_nan == "stop":
-                raise health.NonFiniteLossError(
-                    f"step {done}: the loss is {loss_value} (gradient norm {grad_norm}) on some "
-                    f"rank; stopping (--on-nan skip would skip such steps)"
-                )
-            else:
-                monitor.print(f"step {done}: non-finite loss or gradient; step skipped")
-            optimizer.zero_grad(set_to_none=True)
-            synchronize(device)
-            t_end = time.perf_counter()
-        stats = model.stats()
-        comm = stats["comm_wait_seconds"]
-        monitor.step(
-            done,
-            loss=loss_value,
-            lr=optimizer.param_groups[0]["lr"],
-            grad_norm=grad_norm,
-            times=StepTimes(
-                total=t_end - t0,
-                compute=max(0.0, t_backward - t0 - comm),
-                comm=comm,
-                optimizer=t_end - t_optimizer,
-            ),
-            stats=stats,
-            optimizer_bytes=optimizer_bytes(optimizer),
-            skipped=not finite,
-        )
-        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            monitor.eval(done, evaluate(model, val_batches, device))
-        if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
-            save(done)
+    _train_loop(run, start_step)
 
     # -- the end ---------------------------------------------------------------------------------
     watchdog.close()

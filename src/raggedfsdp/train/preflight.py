@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from ..models import GPT, GPT_CONFIGS
-from .build import build_planner
+from .build import build_planner, mp_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
 from .run_dir import check_out_dir, latest_checkpoint
@@ -59,8 +59,10 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The shard plan of the model on the meta device and an estimate of memory per rank."""
     gpt = GPT_CONFIGS[cfg.model]
     model = GPT(gpt, device="meta")
-    comm_dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
-    plans = build_planner(cfg).plan_model(model, world_size, dtype=comm_dtype)
+    policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
+    param_dtype = policy.param_dtype if policy is not None else None
+    comm_dtype = param_dtype or torch.float32
+    plans = build_planner(cfg).plan_model(model, world_size, param_dtype=param_dtype)
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
     numel = sum(p.param_numel for p in plans)
