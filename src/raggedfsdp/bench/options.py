@@ -20,6 +20,7 @@ SYSTEMS: dict[str, str] = {
 """Every system the bench knows, in report order."""
 
 BENCH_MODELS = ("gpt-ref", "gpt-small", "gpt-tiny", "gpt-medium")
+"""The GPT shapes ``--model`` accepts (names of :data:`raggedfsdp.models.GPT_CONFIGS`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,6 +84,7 @@ class BenchOptions:
 
 
 def _parse_systems(text: str) -> tuple[str, ...]:
+    """``--systems``: comma-separated names of :data:`SYSTEMS`, returned in report order."""
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in SYSTEMS]
     if unknown or not names:
@@ -94,7 +96,10 @@ def _parse_systems(text: str) -> tuple[str, ...]:
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` arguments to ``parser``."""
+    """Add the ``bench`` arguments to ``parser``.
+
+    One add_argument per flag; long by nature.
+    """
     parser.add_argument(
         "--model",
         default="gpt-ref",
@@ -162,6 +167,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    """The :class:`BenchOptions` of arguments parsed by a :func:`configure_parser` parser."""
     return BenchOptions(
         model=args.model,
         world=args.world,

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _stderr_log(message: str) -> None:
+    """The progress log of the command: one ``[bench]`` line on stderr."""
     sys.stderr.write(f"[bench] {message}\n")
     sys.stderr.flush()
 
@@ -97,13 +98,13 @@ def _stderr_log(message: str) -> None:
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run the benchmark and return its results as a JSON-ready dict."""
+    """Run the benchmark and return its results as a JSON-ready dict.
+
+    The timing phase (every system, interleaved), then, unless ``options.memory`` is off, one
+    memory phase per system; ``log`` gets a line per phase.
+    """
     started = time.perf_counter()
-
-    def note(message: str) -> None:
-        if log is not None:
-            log(f"{time.perf_counter() - started:6.1f}s  {message}")
-
+    note = _elapsed_log(log, started)
     note(
         f"timing: {', '.join(options.systems)} on {options.model}, W={options.world}, "
         f"{options.warmup} warm-up + {options.steps} measured steps each, interleaved"
@@ -112,40 +113,13 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     ranks = run_on_ranks(_timing_phase, options.world, options, timeout=options.timeout)
     load_after = _loadavg()
     systems = _merge_timing(options, ranks)
-    memory_note = None
-    if options.memory:
-        for name in options.systems:
-            note(f"memory: {name} in fresh processes")
-            mem = run_on_ranks(memory_phase, options.world, options, name, timeout=options.timeout)
-            systems[name]["memory"] = _merge_memory(mem)
-    else:
-        memory_note = "memory phase skipped (--no-memory)"
+    memory_note = _run_memory_phases(options, systems, note)
     _add_ratios(systems)
-    cfg = GPT_CONFIGS[options.model]
-    backend = ranks[0]["backend"]
     return {
         "options": asdict(options),
         "command": _command_line(options),
-        "environment": {
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "backend": backend,
-            "device": ranks[0]["device"],
-            "threads_per_rank": ranks[0]["threads"],
-            "loadavg_before_timing": load_before,
-            "loadavg_after_timing": load_after,
-        },
-        "model": {
-            "name": options.model,
-            "params": _num_params(options.model),
-            "d_model": cfg.d_model,
-            "n_layer": cfg.n_layer,
-            "n_head": cfg.n_head,
-            "vocab_size": cfg.vocab_size,
-            "seq_len": cfg.seq_len,
-        },
+        "environment": _environment(ranks[0], load_before, load_after),
+        "model": _model_summary(options.model),
         "systems": systems,
         "targets": _targets(systems),
         "notes": _notes(options, memory_note),
@@ -153,7 +127,63 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
     }
 
 
+def _elapsed_log(log: Callable[[str], None] | None, started: float) -> Callable[[str], None]:
+    """``log`` with the seconds since ``started`` before each message (a no-op without one)."""
+
+    def note(message: str) -> None:
+        if log is not None:
+            log(f"{time.perf_counter() - started:6.1f}s  {message}")
+
+    return note
+
+
+def _run_memory_phases(
+    options: BenchOptions, systems: dict[str, Any], note: Callable[[str], None]
+) -> str | None:
+    """Each system's memory phase in fresh processes, merged into its entry of ``systems``;
+    returns the note to report when the phase is skipped."""
+    if not options.memory:
+        return "memory phase skipped (--no-memory)"
+    for name in options.systems:
+        note(f"memory: {name} in fresh processes")
+        mem = run_on_ranks(memory_phase, options.world, options, name, timeout=options.timeout)
+        systems[name]["memory"] = _merge_memory(mem)
+    return None
+
+
+def _environment(
+    rank0: dict[str, Any], load_before: list[float] | None, load_after: list[float] | None
+) -> dict[str, Any]:
+    """The software and machine the benchmark ran on, with the load around the timing phase."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "backend": rank0["backend"],
+        "device": rank0["device"],
+        "threads_per_rank": rank0["threads"],
+        "loadavg_before_timing": load_before,
+        "loadavg_after_timing": load_after,
+    }
+
+
+def _model_summary(name: str) -> dict[str, Any]:
+    """The GPT shape ``name``: its parameter count and dimensions."""
+    cfg = GPT_CONFIGS[name]
+    return {
+        "name": name,
+        "params": _num_params(name),
+        "d_model": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "vocab_size": cfg.vocab_size,
+        "seq_len": cfg.seq_len,
+    }
+
+
 def _command_line(options: BenchOptions) -> str:
+    """The ``raggedfsdp bench`` command that reruns the timed part of ``options``."""
     parts = [
         "raggedfsdp bench",
         f"--model {options.model}",
@@ -170,6 +200,7 @@ def _command_line(options: BenchOptions) -> str:
 
 
 def _notes(options: BenchOptions, memory_note: str | None) -> list[str]:
+    """What the reported figures mean, one note each, then ``memory_note`` if any."""
     notes = [
         "step time: median over measured rounds of the slowest rank's step (zero_grad + forward "
         "+ backward + AdamW step), systems interleaved round by round",
@@ -205,55 +236,85 @@ def _loadavg() -> list[float] | None:
 
 
 def _num_params(name: str) -> int:
-
+    """Parameters of GPT shape ``name`` (built on the meta device: no memory)."""
     return GPT(GPT_CONFIGS[name], device="meta").num_params()
 
 
 def _merge_timing(options: BenchOptions, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """Per system: slowest-rank step times per round, medians, the profile of rank 0."""
-    out: dict[str, Any] = {}
-    for name in options.systems:
-        per_rank = [r["records"][name] for r in ranks]
-        rounds = len(per_rank[0])
-        steps = [
-            {key: max(rec[i][key] for rec in per_rank) for key in STEP_KEYS} for i in range(rounds)
-        ]
-        measured = steps[options.warmup :]
-        med = {key: statistics.median(s[key] for s in measured) for key in steps[0]}
-        entry: dict[str, Any] = {
-            "label": SYSTEMS[name],
-            "step_s": med["total"],
-            "phases_s": {k: med[k] for k in ("fwd", "bwd", "opt")},
-            "page_faults_per_step": med["page_faults"],
-            "runqueue_s": med["runqueue"],
-            "cpu_s": med["cpu"],
-            "main_cpu_s": med["main_cpu"],
-            "best_step_s": min(s["total"] for s in measured),
-            "step_times_s": [s["total"] for s in measured],
-            "warmup_times_s": [s["total"] for s in steps[: options.warmup]],
-            "spread": (max(s["total"] for s in measured) - min(s["total"] for s in measured))
-            / med["total"],
-            "losses_rank0": [rec["loss"] for rec in per_rank[0]],
-        }
-        stats = [rec[i].get("stats") for rec in per_rank for i in range(options.warmup, rounds)]
-        if stats and stats[0] is not None:
-            entry["runtime_stats"] = _median_stats([s for s in stats if s is not None])
-        profile = ranks[0]["profiles"].get(name)
-        if profile is not None:
-            entry["profile"] = profile
-            entry["copies"] = profile["copies"]
-            entry["collectives"] = profile["collectives"]
-        out[name] = entry
-    floor = out.get("floor", {}).get("profile")
-    for entry in out.values():
-        if floor is not None and "copies" in entry:
+    systems = {name: _system_entry(options, name, ranks) for name in options.systems}
+    _add_beyond_floor(systems)
+    return systems
+
+
+def _system_entry(options: BenchOptions, name: str, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures: its step times, its own counters and rank 0's profile."""
+    per_rank = [r["records"][name] for r in ranks]
+    entry: dict[str, Any] = {
+        "label": SYSTEMS[name],
+        **_step_figures(_slowest_rank_steps(per_rank), options.warmup),
+        "losses_rank0": [rec["loss"] for rec in per_rank[0]],
+    }
+    stats = _runtime_stats(per_rank, options.warmup)
+    if stats is not None:
+        entry["runtime_stats"] = stats
+    profile = ranks[0]["profiles"].get(name)
+    if profile is not None:  # the same dicts: what is added to "copies" shows in the profile too
+        entry["profile"] = profile
+        entry["copies"] = profile["copies"]
+        entry["collectives"] = profile["collectives"]
+    return entry
+
+
+def _slowest_rank_steps(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
+    """Per round, each step figure of :data:`STEP_KEYS` at its maximum over ranks."""
+    rounds = len(per_rank[0])
+    return [{key: max(rec[i][key] for rec in per_rank) for key in STEP_KEYS} for i in range(rounds)]
+
+
+def _step_figures(steps: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+    """Medians over the measured rounds (those after ``warmup``), the best step and the spread."""
+    measured = steps[warmup:]
+    totals = [s["total"] for s in measured]
+    med = {key: statistics.median(s[key] for s in measured) for key in steps[0]}
+    return {
+        "step_s": med["total"],
+        "phases_s": {k: med[k] for k in ("fwd", "bwd", "opt")},
+        "page_faults_per_step": med["page_faults"],
+        "runqueue_s": med["runqueue"],
+        "cpu_s": med["cpu"],
+        "main_cpu_s": med["main_cpu"],
+        "best_step_s": min(totals),
+        "step_times_s": totals,
+        "warmup_times_s": [s["total"] for s in steps[:warmup]],
+        "spread": (max(totals) - min(totals)) / med["total"],
+    }
+
+
+def _runtime_stats(per_rank: list[list[dict[str, Any]]], warmup: int) -> dict[str, float] | None:
+    """The system's own counters (raggedfsdp's), median over ranks and measured rounds; None
+    for a system without them."""
+    rounds = len(per_rank[0])
+    stats = [rec[i].get("stats") for rec in per_rank for i in range(warmup, rounds)]
+    if not stats or stats[0] is None:
+        return None
+    return _median_stats([s for s in stats if s is not None])
+
+
+def _add_beyond_floor(systems: dict[str, Any]) -> None:
+    """Add to each profiled system its framework copies beyond the floor's (if it was run)."""
+    floor = systems.get("floor", {}).get("profile")
+    if floor is None:
+        return
+    for entry in systems.values():
+        if "copies" in entry:
             entry["copies"]["beyond_floor"] = (
                 entry["copies"]["framework"] - floor["copies"]["framework"]
             )
-    return out
 
 
 def _median_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each counter over ``stats``."""
     return {key: statistics.median(s[key] for s in stats) for key in stats[0]}
 
 
@@ -294,6 +355,7 @@ def _targets(systems: dict[str, Any]) -> dict[str, Any]:
 
 
 def _add_ratios(systems: dict[str, Any]) -> None:
+    """Add each system's step-time ratios to FSDP2 and to the floor (None where not run)."""
     for ref in ("fsdp2", "floor"):
         median = systems.get(ref, {}).get("step_s")
         best = systems.get(ref, {}).get("best_step_s")
@@ -311,14 +373,11 @@ def _add_ratios(systems: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# One system on one rank.
-
-
-# ---------------------------------------------------------------------------------------------
 # Phase 1: interleaved timing, then one profiled step per system.
 
 
 def _timing_phase(rank: int, world: int, options: BenchOptions) -> dict[str, Any]:
+    """Rank ``rank``'s timed steps of every system, interleaved, then its profiled steps."""
     device = default_device()
     runners = {name: build(name, options, device) for name in options.systems}
     rounds = options.warmup + options.steps

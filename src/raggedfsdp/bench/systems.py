@@ -97,6 +97,7 @@ class Runner:
 
 
 STEP_KEYS = ("total", "fwd", "bwd", "opt", "page_faults", "runqueue", "cpu", "main_cpu")
+"""The figures of :meth:`Runner.step` that are merged over ranks (their maximum)."""
 
 
 def _process_cpu_seconds() -> float:

@@ -141,6 +141,12 @@ class TrainConfig:
     on_nan: Literal["skip", "stop"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: skip that step on every rank, or stop."""
 
+    max_consecutive_skips: int = 10
+    """With --on-nan skip: give up (exit status 1) after this many skipped steps in a row."""
+
+    max_skipped_steps: int = 100
+    """With --on-nan skip: give up (exit status 1) after this many skipped steps in one launch."""
+
     fail_at_step: int | None = field(default=None, metadata=_HIDDEN)
     """Test only: rank 1 (rank 0 when alone) kills itself with SIGKILL at the start of this step,
     once (a marker file in --out stops the restarted worker from dying again)."""
@@ -160,7 +166,15 @@ class TrainConfig:
                 f"seq_len: must be in [1, {model_seq}] (the seq_len of {self.model}), "
                 f"got {self.seq_len}"
             )
-        positive = ("steps", "batch_size", "grad_accum", "log_every", "eval_batches")
+        positive = (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "log_every",
+            "eval_batches",
+            "max_consecutive_skips",
+            "max_skipped_steps",
+        )
         non_negative = ("warmup_steps", "checkpoint_every", "eval_every")
         for name in positive:
             if getattr(self, name) < 1:

@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -34,6 +34,7 @@ __all__ = [
     "WATCHDOG_EXIT_CODE",
     "NonFiniteLossError",
     "StepWatchdog",
+    "all_finite",
     "crash_once",
     "global_loss",
     "init_process_group",
@@ -143,6 +144,17 @@ class StepWatchdog:
                 )
                 sys.stderr.flush()
                 os._exit(WATCHDOG_EXIT_CODE)
+
+
+def all_finite(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
+    """Whether every element of ``tensors`` is finite on every rank of ``group`` (a
+    collective: one all-reduce of a flag)."""
+    tensors = [t.detach() for t in tensors if t.numel()]
+    local = all(bool(t.isfinite().all()) for t in tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")  # NCCL needs the GPU's
+    flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def global_loss(local_loss: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:

@@ -257,6 +257,28 @@ class _Run:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     monitor: Monitor
     watchdog: health.StepWatchdog
+    consecutive_skips: int = 0  # steps skipped in a row for a non-finite loss or gradient
+    skipped_steps: int = 0  # ... in this launch
+
+    def count_skip(self, step: int, skipped: bool) -> None:
+        """Track skipped steps; past ``--max-consecutive-skips`` in a row or
+        ``--max-skipped-steps`` in all, give up (training is diverging, not hiccuping)."""
+        if not skipped:
+            self.consecutive_skips = 0
+            return
+        self.consecutive_skips += 1
+        self.skipped_steps += 1
+        cfg = self.cfg
+        if self.consecutive_skips >= cfg.max_consecutive_skips:
+            reason = f"{self.consecutive_skips} steps in a row (--max-consecutive-skips)"
+        elif self.skipped_steps >= cfg.max_skipped_steps:
+            reason = f"{self.skipped_steps} steps in this launch (--max-skipped-steps)"
+        else:
+            return
+        raise health.NonFiniteLossError(
+            f"step {step}: the loss or gradient was not finite in {reason}; giving up (lower "
+            f"--lr, or resume from an earlier checkpoint)"
+        )
 
     @property
     def faults(self) -> Path:
@@ -280,7 +302,13 @@ class _Run:
             health.crash_once(self.faults / f"save_{step}")
 
     def save(self, step: int) -> None:
-        """Save the checkpoint of ``step`` (a collective) and say where it went."""
+        """Save the checkpoint of ``step`` (a collective) and say where it went; never one of
+        non-finite weights (the previous checkpoint stays the newest)."""
+        if not health.all_finite(self.model.parameters()):
+            raise health.NonFiniteLossError(
+                f"step {step}: the weights hold NaN or Inf; not saving them (the newest "
+                f"checkpoint stays the last good one)"
+            )
         path = save_checkpoint(
             self.out,
             step,
@@ -433,6 +461,7 @@ def _run_step(run: _Run, step: int) -> None:
         optimizer_bytes=optimizer_bytes(run.optimizer),
         skipped=result.skipped,
     )
+    run.count_skip(done, result.skipped)
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
         run.monitor.eval(done, run.evaluate())
     if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:

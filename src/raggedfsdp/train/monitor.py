@@ -58,17 +58,40 @@ class StepTimes:
     optimizer: float
 
 
+#: How ``metrics.jsonl`` spells the floats JSON has no literal for (strict JSON, RFC 8259).
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _to_json(record: Mapping[str, Any]) -> str:
+    """One strict-JSON line: a non-finite float is written as the string ``"nan"``, ``"inf"``
+    or ``"-inf"`` (Python's json would write bare ``NaN``, which other readers reject)."""
+
+    def strict(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return value
+
+    return json.dumps({key: strict(value) for key, value in record.items()}, allow_nan=False)
+
+
 def read_metrics(out: str | Path) -> list[dict[str, Any]]:
-    """The records of ``OUT/metrics.jsonl`` (a torn last line, from a crash, is skipped)."""
+    """The records of ``OUT/metrics.jsonl`` (a torn last line, from a crash, is skipped), with
+    the strings ``"nan"``, ``"inf"`` and ``"-inf"`` read back as floats."""
     path = Path(out) / METRICS
     if not path.is_file():
         return []
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        records.append(
+            {
+                key: _NON_FINITE.get(value, value) if isinstance(value, str) else value
+                for key, value in record.items()
+            }
+        )
     return records
 
 
@@ -141,19 +164,23 @@ class Monitor:
         )
         self._progress.start()
         if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=start_step + 1)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # the optional [report] extra: one line, never the exit status
+                self.print("tensorboard skipped: pip install 'raggedfsdp[report]' (tensorboard)")
+            else:
+                out = str(self.out / "tensorboard")
+                self._writer = SummaryWriter(out, purge_step=start_step + 1)
 
     def print(self, message: str) -> None:
         """A line on rank 0's console (above the progress bar)."""
         if self.rank == 0:
-            self.console.print(message, highlight=False, soft_wrap=True)
+            self.console.print(message, highlight=False, markup=False, soft_wrap=True)
 
     def _write(self, record: dict[str, Any]) -> None:
         assert self._file is not None
         self.records.append(record)
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(_to_json(record) + "\n")
         self._file.flush()
         if self._writer is not None:
             for key, value in record.items():
@@ -281,7 +308,10 @@ class Monitor:
         evals = [r for r in self.records if r["kind"] == "eval"]
         if train:
             self.console.print(self._summary(train, evals, wall_s))
-            self.print(f"report: {write_report(self.records, self.out / REPORT, self.cfg)}")
+            try:
+                self.print(f"report: {write_report(self.records, self.out / REPORT, self.cfg)}")
+            except ImportError:  # the optional [report] extra: one line, never the exit status
+                self.print(f"{REPORT} skipped: pip install 'raggedfsdp[report]' (matplotlib)")
 
     def _summary(self, train: list[dict], evals: list[dict], wall_s: float) -> Any:
         from rich.table import Table
@@ -302,6 +332,7 @@ class Monitor:
                 f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f}",
             ),
         ]
+        rows.append(("skipped steps (non-finite)", f"{last['skipped_steps']:,}"))
         if evals:
             best = min(evals, key=lambda r: r["val_loss"])
             rows.append(("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})"))

@@ -1,0 +1,92 @@
+"""The job's guards: a NaN skip policy that gives up, strict-JSON metrics, and optional extras
+that cost one line when missing. Real ``raggedfsdp train`` launches (gpt-tiny, 2 ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from harness import run_distributed
+
+pytestmark = pytest.mark.slow
+
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+TINY = ["--model=gpt-tiny", "--batch-size=4", "--eval-batches=1", "--log-every=1"]
+
+
+def _train(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "raggedfsdp.cli", "train", *TINY, f"--out={out}", *args],
+        capture_output=True,
+        text=True,
+        env=env or _ENV,
+        timeout=180,
+    )
+
+
+def _strict_records(out: Path) -> list[dict]:
+    """metrics.jsonl parsed as strict JSON (a bare NaN or Infinity fails)."""
+
+    def reject(token: str) -> None:
+        raise ValueError(f"not strict JSON: {token}")
+
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=reject) for line in lines]
+
+
+def test_skip_policy_gives_up_and_metrics_stay_strict_json(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _train(
+        out, "--steps=30", "--lr=1e6", "--on-nan=skip", "--max-consecutive-skips=3",
+        "--checkpoint-every=0", "--eval-every=0",
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error")]
+    assert "3 steps in a row (--max-consecutive-skips); giving up" in errors[0]
+    records = [r for r in _strict_records(out) if r["kind"] == "train"]
+    assert records[-1]["skipped_steps"] == 3
+    assert records[-1]["step"] < 30  # it stopped early
+    assert "nan" in {r["grad_norm"] for r in records}  # non-finite values written as strings
+    # The total limit too: never 3 in a row, but 2 skips in all is the limit here.
+    proc = _train(
+        tmp_path / "run2", "--steps=30", "--lr=1e6", "--on-nan=skip",
+        "--max-skipped-steps=2", "--checkpoint-every=0", "--eval-every=0",
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "2 steps in this launch (--max-skipped-steps)" in proc.stderr
+
+
+def _finite_on_ranks(rank: int, world: int) -> list[bool]:
+    from raggedfsdp.train.health import all_finite
+
+    good = [torch.ones(3), torch.zeros(0)]
+    bad = [torch.ones(3), torch.tensor([float("inf") if rank == 1 else 0.0])]
+    return [all_finite(good), all_finite(bad)]
+
+
+def test_non_finite_weights_are_seen_by_every_rank() -> None:
+    """What refuses to checkpoint non-finite weights: one rank's Inf is every rank's verdict."""
+    assert run_distributed(_finite_on_ranks, 2) == [[True, False], [True, False]]
+
+
+def test_missing_report_extras_cost_one_line_each(tmp_path: Path) -> None:
+    """A plain install (no matplotlib, no tensorboard) trains, reports what it skipped and
+    exits 0: here both modules are made unimportable for the workers too."""
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name in ("matplotlib", "tensorboard"):
+        (stubs / f"{name}.py").write_text(f'raise ImportError("No module named {name}")\n')
+    env = {**_ENV, "PYTHONPATH": os.pathsep.join([str(stubs), _ENV.get("PYTHONPATH", "")])}
+    out = tmp_path / "run"
+    proc = _train(out, "--steps=2", "--tensorboard", "--checkpoint-every=0", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "report.png skipped: pip install 'raggedfsdp[report]' (matplotlib)" in proc.stdout
+    assert "tensorboard skipped: pip install 'raggedfsdp[report]' (tensorboard)" in proc.stdout
+    assert not (out / "report.png").exists()
+    assert _strict_records(out)[-1]["kind"] == "eval"  # the run itself completed
