@@ -554,7 +554,7 @@ def test_incompatible_and_corrupt_checkpoints(command, reference, tmp_path, corp
 
     (ckpt / ".metadata").write_bytes(b"garbage")
     status, _, err = command("train", data, f"--out={out}", "--resume", "--model=gpt-tiny")
-    _one_error_line(err, "is corrupt", "metadata")
+    _one_error_line(err, "could not be read", ".metadata: 7 bytes")
     (ckpt / COMPLETE).write_text("{not json")
     status, _, err = command("train", data, f"--out={out}", "--resume", "--model=gpt-tiny")
     _one_error_line(err, "COMPLETE.json is corrupt")
@@ -562,9 +562,10 @@ def test_incompatible_and_corrupt_checkpoints(command, reference, tmp_path, corp
     _one_error_line(err, "neither a complete checkpoint")
 
 
-def test_corrupt_checkpoint_data_fails_in_the_workers_without_traceback(
-    reference, tmp_path, corpus
-):
+def test_corrupt_checkpoint_data_is_refused_before_launch(reference, tmp_path, corpus):
+    """The only checkpoint fails its checksums: refused in one line before any worker starts
+    (it used to fail in the workers); with an older intact one, resume falls back to it
+    (tests/test_checkpoint_verify.py)."""
     out = tmp_path / "truncated"
     ckpt = _copy_step3(reference, out)
     payload = ckpt / "__0_0.distcp"
@@ -573,8 +574,8 @@ def test_corrupt_checkpoint_data_fails_in_the_workers_without_traceback(
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error:")]
-    assert any("could not be read" in line and "step_000003" in line for line in errors), errors
-    assert errors[-1].startswith("raggedfsdp: error: training failed")
+    assert len(errors) == 1, proc.stderr
+    assert "could not be read" in errors[0] and "__0_0.distcp: 100 bytes" in errors[0], errors
 
 
 def test_debug_shows_the_traceback(command, tmp_path):

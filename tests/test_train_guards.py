@@ -90,3 +90,33 @@ def test_missing_report_extras_cost_one_line_each(tmp_path: Path) -> None:
     assert "tensorboard skipped: pip install 'raggedfsdp[report]' (tensorboard)" in proc.stdout
     assert not (out / "report.png").exists()
     assert _strict_records(out)[-1]["kind"] == "eval"  # the run itself completed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--comm-timeout-s=inf"], "comm_timeout_s: must be a finite number of seconds, got inf"),
+        (["--seed=100000000000000000000000"], "seed: must be in [0, 2**63)"),
+        (["--block-size=7x3"], "block_size 7x3: parameter 'blocks.0.attn.qkv.weight'"),
+        (["--seq-len=64", "--data=DATA"], "the train split of DATA has 38 bytes, fewer than"),
+    ],
+    ids=["timeout", "seed", "block", "corpus"],
+)
+def test_refused_before_launch_leaving_out_untouched(tmp_path: Path, args, message) -> None:
+    data = tmp_path / "tiny.txt"
+    data.write_bytes(b"x" * 40)
+    args = [a.replace("DATA", str(data)) for a in args]
+    out = tmp_path / "run"
+    proc = _train(out, "--steps=2", *args)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line, no worker started
+    assert message.replace("DATA", str(data)) in proc.stderr
+    assert not out.exists()
+
+
+def test_resume_past_the_last_step_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert _train(out, "--steps=3", "--checkpoint-every=0", "--eval-every=0").returncode == 0
+    proc = _train(out, "--steps=2", "--resume")
+    assert proc.returncode == 2
+    assert "is at step 3, not before --steps 2: nothing to train" in proc.stderr

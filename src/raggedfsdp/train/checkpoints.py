@@ -5,10 +5,13 @@ any world size and shard policy, exportable to a plain ``state_dict``.
 ``save_checkpoint`` writes into ``OUT/checkpoints/step_000123.tmp/``: DCP's files (model and
 optimizer, one file per rank plus ``.metadata``) and one ``rng/rank_00000.pt`` per rank. After a
 barrier (every rank has written), rank 0 writes ``COMPLETE.json`` (step, world size, config, data
-position), then renames the folder to ``step_000123/`` and fsyncs the parent. A rename is atomic,
-so a crash at any point leaves either a complete checkpoint or a ``.tmp`` folder, which
-:func:`latest_checkpoint` ignores and :func:`remove_partial` deletes. ``--resume`` loads the
-newest complete one.
+position, and the size and sha256 of every other file of the folder: the files of all ranks are
+on a shared file system, so rank 0 reads them), then renames the folder to ``step_000123/`` and
+fsyncs the parent. A rename is atomic, so a crash at any point leaves either a complete
+checkpoint or a ``.tmp`` folder, which :func:`latest_checkpoint` ignores and
+:func:`remove_partial` deletes. ``--resume`` loads the newest complete one that verifies (its
+files are still what ``COMPLETE.json`` recorded: [Note: checkpoints verify themselves] in
+:mod:`.run_dir`), and names what it skipped; ``--strict-resume`` refuses instead of skipping.
 How optimizer state reshards is in :mod:`raggedfsdp.checkpoint` ([Note: optimizer state across
 world sizes]).
 """
@@ -19,6 +22,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -38,7 +42,14 @@ from ..checkpoint import (
     load_optim_state_dict,
     optim_state_dict,
 )
-from .run_dir import COMPLETE, checkpoint_path, resolve_checkpoint
+from .run_dir import (
+    COMPLETE,
+    COMPLETE_KEYS,
+    checkpoint_files,
+    checkpoint_path,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 
 __all__ = [
     "check_entries",
@@ -47,9 +58,11 @@ __all__ = [
     "load_full",
     "read_meta",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
 
-_FORMAT_VERSION = 1
+#: 1: no records of the files; 2: ``files``, their sizes and checksums.
+_FORMAT_VERSION = 2
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -61,7 +74,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {str(path)!r} is incomplete: it has no {COMPLETE}") from None
     except (OSError, json.JSONDecodeError) as err:
         raise ValueError(f"checkpoint {str(path)!r}: {COMPLETE} is corrupt ({err})") from None
-    required = {"step", "world_size", "config", "data"}
+    required = set(COMPLETE_KEYS)
     if not isinstance(meta, dict) or not required <= meta.keys():
         raise ValueError(
             f"checkpoint {str(path)!r}: {COMPLETE} lacks "
@@ -172,7 +185,8 @@ def save_checkpoint(
     before_commit: Callable[[], None] | None = None,
 ) -> Path:
     """Save a checkpoint of ``step`` atomically (module Note); a collective. ``meta`` goes into
-    ``COMPLETE.json`` (with ``step``, ``world_size`` and the time); ``before_commit`` runs on
+    ``COMPLETE.json`` (with ``step``, ``world_size``, the time and the size and checksum of every
+    file, which rank 0 reads back: the collective lasts as long as that); ``before_commit`` runs on
     every rank after its files are written and before the checkpoint is made complete (a place
     for fault injection in tests). Returns the final folder."""
     rank = _rank()
@@ -196,6 +210,7 @@ def save_checkpoint(
             "step": step,
             "world_size": world,
             "time": time.time(),
+            "files": checkpoint_files(tmp),
         }
         marker = tmp / COMPLETE
         with open(marker, "w") as f:
@@ -259,13 +274,23 @@ def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tenso
     return {key.removeprefix(prefix): value for key, value in state.items()}
 
 
-def export_checkpoint(checkpoint: str | Path, out_file: str | Path) -> list[Path]:
-    """Write the model of a checkpoint (or of a run folder's newest one) as a plain
-    ``torch.save`` state dict of the unwrapped model, plus ``.safetensors`` when the package is
-    installed. Checked by loading it into the model on the meta device. Returns the files."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def export_checkpoint(
+    checkpoint: str | Path,
+    out_file: str | Path,
+    *,
+    log: Callable[[str], None] = _to_stderr,
+) -> list[Path]:
+    """Write the model of a checkpoint (or of a run folder's newest one that verifies) as a
+    plain ``torch.save`` state dict of the unwrapped model, plus ``.safetensors`` when the
+    package is installed. Checked by loading it into the model on the meta device. ``log`` gets
+    one line when newer checkpoints of the run folder were skipped. Returns the files."""
     from ..models import GPT, GPT_CONFIGS
 
-    path = resolve_checkpoint(checkpoint)
+    path = resolve_checkpoint(checkpoint, log=lambda line: log(f"export: {line}"))
     meta = read_meta(path)
     name = meta["config"].get("model")
     if name not in GPT_CONFIGS:

@@ -15,6 +15,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import math
 import sys
 import textwrap
 import typing
@@ -112,7 +113,13 @@ class TrainConfig:
     memory per rank, and exit without training."""
 
     resume: bool = False
-    """Continue from the newest complete checkpoint in --out (starts fresh if there is none)."""
+    """Continue from the newest complete checkpoint in --out that verifies (its files have the
+    sizes and checksums its COMPLETE.json recorded), naming any newer one skipped and why;
+    starts fresh if there is none."""
+
+    strict_resume: bool = False
+    """When resuming, refuse (exit status 2, naming the checkpoint and the damaged file) if the
+    newest checkpoint does not verify, instead of falling back to an older one."""
 
     overwrite: bool = False
     """Delete the outputs of an earlier run in --out before starting."""
@@ -140,6 +147,12 @@ class TrainConfig:
 
     on_nan: Literal["skip", "stop"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: skip that step on every rank, or stop."""
+
+    preempt_grace_s: float = 25.0
+    """Seconds from SIGTERM to the end of the job: every rank finishes its step, the job saves
+    a checkpoint and exits with status 143; a save not done by then is abandoned (the previous
+    checkpoint stays). Keep it below the scheduler's grace period (Slurm KillWait, Kubernetes
+    terminationGracePeriodSeconds)."""
 
     max_consecutive_skips: int = 10
     """With --on-nan skip: give up (exit status 1) after this many skipped steps in a row."""
@@ -182,12 +195,20 @@ class TrainConfig:
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "muon_lr", "comm_timeout_s"):
+        for name in ("lr", "muon_lr", "comm_timeout_s", "preempt_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         for name in ("weight_decay", "grad_clip", "step_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        # Timeouts become timedeltas and sleeps in the workers: infinity overflows there.
+        for name in ("comm_timeout_s", "step_timeout_s", "preempt_grace_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(
+                    f"{name}: must be a finite number of seconds, got {getattr(self, name)}"
+                )
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed: must be in [0, 2**63), got {self.seed}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
         if self.max_preconditioner_dim < 1:

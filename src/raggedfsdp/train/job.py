@@ -30,6 +30,7 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
 import time
 import warnings
@@ -53,8 +54,9 @@ from .build import build_model, build_optimizer, lr_factor, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import TrainConfig, add_config_arguments, config_from_args
 from .monitor import Monitor, StepTimes
+from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
-from .run_dir import latest_checkpoint, prepare_out_dir, remove_partial
+from .run_dir import prepare_out_dir, remove_partial, resume_checkpoint
 
 __all__ = ["StepResult", "build_parser", "evaluate", "main", "train", "train_step"]
 
@@ -257,6 +259,7 @@ class _Run:
     val_batches: list[tuple[torch.Tensor, torch.Tensor]]
     monitor: Monitor
     watchdog: health.StepWatchdog
+    preemption: Preemption
     consecutive_skips: int = 0  # steps skipped in a row for a non-finite loss or gradient
     skipped_steps: int = 0  # ... in this launch
 
@@ -333,26 +336,35 @@ def _init_distributed(cfg: TrainConfig, world: _World) -> tuple[torch.device, st
     return device, backend
 
 
-def _claim_out_dir(out: Path, *, resume: bool, overwrite: bool) -> str | None:
+def _claim_out_dir(out: Path, *, resume: bool, overwrite: bool, strict: bool) -> str | None:
     """Rank 0's side of :func:`_open_out_dir`: prepare the folder and, when resuming, drop the
-    incomplete checkpoints and pick the latest complete one."""
+    incomplete checkpoints and pick the newest complete one that verifies (its files are what
+    its COMPLETE.json recorded), saying in one line which newer ones it skipped and why. A
+    ``ValueError`` when ``strict`` and the newest does not verify, or when none does."""
     prepare_out_dir(out, resume=resume, overwrite=overwrite)
     if not resume:
         return None
     for path in remove_partial(out):
         print(f"removed an incomplete checkpoint: {path}", flush=True)
-    ckpt = latest_checkpoint(out)
+    ckpt, line = resume_checkpoint(out, strict=strict)
+    if line:
+        print(line, flush=True)
     return None if ckpt is None else str(ckpt)
 
 
 def _open_out_dir(cfg: TrainConfig, out: Path, world: _World) -> str | None:
     """Claim the output folder and find the checkpoint to resume from (None: start at step 0).
 
-    Rank 0 decides for every rank, since the folder is shared. An elastic restart always
-    resumes, and never overwrites: the folder then holds this very run."""
+    Rank 0 decides for every rank, since the folder is shared (and verifies the checkpoint for
+    all: the others wait in the broadcast). An elastic restart always resumes, and never
+    overwrites: the folder then holds this very run."""
     resume = cfg.resume or world.restarted
     claim = functools.partial(
-        _claim_out_dir, out, resume=resume, overwrite=cfg.overwrite and not world.restarted
+        _claim_out_dir,
+        out,
+        resume=resume,
+        overwrite=cfg.overwrite and not world.restarted,
+        strict=cfg.strict_resume,
     )
     ckpt = _rank0_decides(claim)
     if world.rank == 0 and resume and ckpt is None:
@@ -464,8 +476,24 @@ def _run_step(run: _Run, step: int) -> None:
     run.count_skip(done, result.skipped)
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
         run.monitor.eval(done, run.evaluate())
-    if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps:
+    due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
+    if due:
         run.save(done)
+    if run.preemption.requested(run.device):
+        _stop_for_preemption(run, done, saved=bool(due))
+
+
+def _stop_for_preemption(run: _Run, done: int, *, saved: bool) -> None:
+    """Every rank got to the end of step ``done`` after a SIGTERM somewhere: save it (unless
+    that step's checkpoint was just saved), say so in one line, and stop."""
+    if not saved:
+        run.save(done)
+    run.monitor.print(
+        f"preempted (SIGTERM): checkpoint of step {done} saved "
+        f"{run.preemption.seconds_since_signal():.1f} s after the signal; rerun with --resume "
+        f"to continue (exit status {PREEMPTED_EXIT_CODE})"
+    )
+    raise Preempted(done)
 
 
 def _train_loop(run: _Run, start_step: int) -> None:
@@ -504,6 +532,8 @@ def train(cfg: TrainConfig) -> None:
         if world.rank == 0:
             print(dry_run_report(cfg, world.size))
         return
+    # From here a SIGTERM ends the job after a checkpoint (it used to end it at once).
+    preemption = Preemption(cfg.preempt_grace_s, rank=world.rank)
     device, backend = _init_distributed(cfg, world)
 
     # -- output folder and resume point ----------------------------------------------------------
@@ -538,7 +568,18 @@ def train(cfg: TrainConfig) -> None:
     monitor.print(_banner(cfg, params, world, backend, padding_ratio, corpus))
     watchdog = health.StepWatchdog(cfg.step_timeout_s, rank=world.rank)
     run = _Run(
-        cfg, world, device, out, model, optimizer, params, sampler, val_batches, monitor, watchdog
+        cfg,
+        world,
+        device,
+        out,
+        model,
+        optimizer,
+        params,
+        sampler,
+        val_batches,
+        monitor,
+        watchdog,
+        preemption,
     )
 
     # -- training loop ---------------------------------------------------------------------------
@@ -546,6 +587,7 @@ def train(cfg: TrainConfig) -> None:
 
     # -- the end ---------------------------------------------------------------------------------
     watchdog.close()
+    preemption.close()
     monitor.close(wall_s=time.perf_counter() - started)
     dist.destroy_process_group()
 
@@ -558,12 +600,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
     try:
         train(config_from_args(args))
+    except Preempted:
+        return PREEMPTED_EXIT_CODE  # rank 0 has said so; the checkpoint is complete
     except (ValueError, health.NonFiniteLossError) as err:
         if args.debug:
             raise
         message = " ".join(str(err).split())
         rank = int(os.environ.get("RANK", "0"))
         if rank != 0:
+            # torchrun's SIGTERM must end this rank during the wait, as it did before the job
+            # handled SIGTERM (Preemption): the default action again.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             # Ranks meet user errors alike: rank 0 reports it, and its exit makes torchrun stop
             # this worker during the wait. A rank still alive after the wait met an error of
             # its own, and reports it.

@@ -21,12 +21,16 @@ continue from the newest complete checkpoint (as with ``--resume``).
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 
 import torch
 
-from .config import add_config_arguments, config_from_args, train_argv
+from .config import TrainConfig, add_config_arguments, config_from_args, train_argv
+from .preemption import PREEMPTED_EXIT_CODE
+from .run_dir import latest_checkpoint
 
 __all__ = [
     "configure_export_parser",
@@ -109,7 +113,9 @@ def configure_train_parser(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser.add_argument_group("training"))  # type: ignore[arg-type]
 
 
-def torchrun_argv(args: argparse.Namespace, worker_argv: list[str]) -> list[str]:
+def torchrun_argv(
+    args: argparse.Namespace, worker_argv: list[str], *, preempt_grace_s: float
+) -> list[str]:
     """torchrun's command line for ``args``' launcher options and the workers' options."""
     nproc = args.nproc or default_nproc()
     argv = [
@@ -117,6 +123,10 @@ def torchrun_argv(args: argparse.Namespace, worker_argv: list[str]) -> list[str]
         f"--nnodes={args.nnodes}",
         f"--max-restarts={args.max_restarts}",
     ]
+    if _torchrun_has("--shutdown-timeout"):  # torch >= 2.9; older agents wait 30 s
+        # On SIGTERM the agent passes it on and waits this long before SIGKILL: the workers'
+        # grace period, and a little for their exit.
+        argv.append(f"--shutdown-timeout={math.ceil(preempt_grace_s) + 5}")
     if args.rdzv_endpoint is None:
         if args.nnodes > 1:
             raise ValueError(
@@ -135,6 +145,7 @@ def torchrun_argv(args: argparse.Namespace, worker_argv: list[str]) -> list[str]
 def run_train(args: argparse.Namespace) -> int:
     """Check, then launch the workers; 0 when they all succeed. A user error is a
     ``ValueError``; a failed worker is reported in one line (its own message came before)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -153,10 +164,15 @@ def run_train(args: argparse.Namespace) -> int:
     worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
     # torchrun would set 1 thread per worker (with a banner saying so); share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    argv = torchrun_argv(args, worker_argv, preempt_grace_s=cfg.preempt_grace_s)
     try:
-        run(get_args_parser().parse_args(torchrun_argv(args, worker_argv)))
+        run(get_args_parser().parse_args(argv))
+    except SignalException as err:  # the launcher itself was told to stop (SIGTERM, ...)
+        return _preempted(cfg, signal.Signals(err.sigval).name)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
+            return _preempted(cfg, "SIGTERM")
         how = (
             f"was killed by {failure.signal_name()}"
             if failure.exitcode < 0
@@ -169,6 +185,23 @@ def run_train(args: argparse.Namespace) -> int:
         # A user error in the workers keeps its status (2); anything else is 1.
         return 2 if failure.exitcode == 2 else 1
     return 0
+
+
+def _preempted(cfg: TrainConfig, signal_name: str) -> int:
+    """One line saying the job stopped for a signal, and where it can resume from."""
+    latest = latest_checkpoint(cfg.out)
+    where = f"newest checkpoint {latest}" if latest is not None else "no checkpoint was saved"
+    sys.stderr.write(
+        f"raggedfsdp: stopped by {signal_name} ({where}); rerun the same command with "
+        f"--resume to continue\n"
+    )
+    return PREEMPTED_EXIT_CODE
+
+
+def _torchrun_has(flag: str) -> bool:
+    from torch.distributed.run import get_args_parser
+
+    return any(flag in action.option_strings for action in get_args_parser()._actions)
 
 
 def configure_export_parser(parser: argparse.ArgumentParser) -> None:

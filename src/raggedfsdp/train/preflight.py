@@ -6,13 +6,14 @@ from pathlib import Path
 
 import torch
 
+from ..data import load_corpus
 from ..models import GPT, GPT_CONFIGS
 from .build import build_planner, mp_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
-from .run_dir import check_out_dir, latest_checkpoint
+from .run_dir import check_out_dir, resume_checkpoint
 
-__all__ = ["check_data_path", "dry_run_report", "preflight"]
+__all__ = ["check_corpus", "check_data_path", "check_plan", "dry_run_report", "preflight"]
 
 
 def check_data_path(path: str | None) -> None:
@@ -34,16 +35,50 @@ def _model_entries(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
     return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
 
 
+def check_corpus(cfg: TrainConfig) -> None:
+    """``--data`` holds enough text for one sequence in both the train and validation splits
+    (the embedded default corpus always does, and is not read here)."""
+    if cfg.data is None:
+        return
+    corpus = load_corpus(cfg.data, seed=cfg.seed)
+    need = cfg.tokens_per_seq + 1
+    for split, tokens in (("train", corpus.train), ("validation", corpus.val)):
+        if tokens.numel() < need:
+            raise ValueError(
+                f"data: the {split} split of {corpus.source} has {tokens.numel():,} bytes, "
+                f"fewer than one sequence needs ({need:,} for --seq-len "
+                f"{cfg.tokens_per_seq}); give more text or a shorter --seq-len"
+            )
+
+
+def check_plan(cfg: TrainConfig, world_size: int) -> None:
+    """The model can be sharded with ``--block-size`` and the optimizer's blocks (planned on
+    the meta device, exactly as the workers will)."""
+    policy = mp_policy(cfg)
+    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    try:
+        build_planner(cfg).plan_model(
+            model, world_size, param_dtype=policy.param_dtype if policy else None
+        )
+    except ValueError as err:
+        raise ValueError(f"block_size {cfg.block_size}: {err}") from None
+
+
 def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> None:
-    """What can be checked before any worker starts (``ValueError`` naming the problem): the
-    batch split, the data path, the output folder (``check_out``: only where the run starts, on
-    one node) and, when resuming, that the newest checkpoint fits the model and optimizer."""
+    """What can be checked before any worker starts (``ValueError`` naming the problem), so a
+    refused start leaves ``--out`` untouched: the batch split, the data (its path, and that it
+    holds a sequence), the shard plan, the output folder (``check_out``: only where the run
+    starts, on one node) and, when resuming, that the newest checkpoint fits the model and
+    optimizer and leaves steps to train."""
     cfg.check_world(world_size)
     check_data_path(cfg.data)
+    check_plan(cfg, world_size)
+    check_corpus(cfg)
     if not check_out:
         return
     check_out_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
-    ckpt = latest_checkpoint(cfg.out) if cfg.resume else None
+    # The checkpoint the workers will resume from: the newest that verifies (run_dir).
+    ckpt = resume_checkpoint(cfg.out, strict=cfg.strict_resume)[0] if cfg.resume else None
     if ckpt is not None:
         meta = read_meta(ckpt)
         saved = meta["config"].get("optimizer")
@@ -53,6 +88,11 @@ def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> N
                 f"{cfg.optimizer}, whose state it does not have"
             )
         check_entries(ckpt, _model_entries(cfg), meta)
+        if meta["step"] >= cfg.steps:
+            raise ValueError(
+                f"checkpoint {str(ckpt)!r} is at step {meta['step']}, not before --steps "
+                f"{cfg.steps}: nothing to train; raise --steps to continue the run"
+            )
 
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:

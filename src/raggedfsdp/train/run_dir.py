@@ -1,28 +1,58 @@
-"""The run's output folder (``--out``): what a run writes there, which checkpoints are complete,
-and whether a new run may use the folder."""
+"""The run's output folder (``--out``): what a run writes there, which checkpoints are complete
+and intact, and whether a new run may use the folder.
+
+[Note: checkpoints verify themselves]
+``COMPLETE.json`` records every other file of its checkpoint (DCP's ``.distcp`` files and
+``.metadata``, the ``rng/rank_*.pt`` files): its size in bytes and its sha256
+(:func:`checkpoint_files`). :func:`verify_checkpoint` checks them, sizes first (cheap: a torn
+copy or a truncated file shows there), then the checksums (a flipped bit of a file of the right
+size). Measured on a 50 MB file (a shared 2-core machine, so a range): sha256 39-77 ms, i.e.
+0.65-1.3 GB/s on one core; zlib's crc32 29-47 ms; reading it from the page cache 17-39 ms. A
+faster checksum would gain too little to give up one that ``sha256sum`` checks by hand. Files
+are hashed in up to 8 threads (hashlib releases the GIL): for many ranks' files on a network
+file system; on 2 busy cores it gained nothing.
+:func:`verified_checkpoint` is the newest checkpoint that verifies, and which newer ones did
+not and why: what ``--resume`` and ``raggedfsdp export`` of a run folder use.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 __all__ = [
     "CHECKPOINTS",
+    "CHECKSUM",
     "COMPLETE",
+    "COMPLETE_KEYS",
     "OUTPUTS",
     "check_out_dir",
+    "checkpoint_files",
     "checkpoint_path",
+    "describe_fallback",
     "latest_checkpoint",
     "prepare_out_dir",
     "remove_partial",
     "resolve_checkpoint",
+    "resume_checkpoint",
+    "verified_checkpoint",
+    "verify_checkpoint",
 ]
 
 #: Folder of the checkpoints inside ``--out``.
 CHECKPOINTS = "checkpoints"
 #: The marker (and metadata) that makes a checkpoint folder complete.
 COMPLETE = "COMPLETE.json"
+#: What every ``COMPLETE.json`` holds (the records of its files only since format version 2).
+COMPLETE_KEYS = ("step", "world_size", "config", "data")
+#: The checksum ``COMPLETE.json`` records for each file (module Note).
+CHECKSUM = "sha256"
 #: Everything a training run writes into ``--out``; ``--overwrite`` deletes only these.
 OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "report.png", "config.json", "tensorboard", ".faults")
 
@@ -47,7 +77,9 @@ def _complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``OUT/checkpoints`` (``.tmp`` folders ignored)."""
+    """The newest complete checkpoint under ``OUT/checkpoints`` (``.tmp`` folders ignored), by
+    its ``COMPLETE.json`` alone: cheap, nothing read; :func:`verified_checkpoint` also checks its
+    files."""
     found = _complete_checkpoints(Path(out))
     return found[-1][1] if found else None
 
@@ -62,15 +94,188 @@ def remove_partial(out: str | Path) -> list[Path]:
     return removed
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder itself, or the newest complete one of a run folder (``--out``)."""
+# ---------------------------------------------------------------------------------------------
+# Verification (module Note).
+
+_CHUNK = 1 << 20
+_HASH_THREADS = 8
+
+
+def _checksum(file: Path) -> str:
+    digest = hashlib.new(CHECKSUM)
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksums(files: Sequence[Path]) -> list[str]:
+    """The checksums of ``files``, in order; several files are hashed at once (the GIL is
+    released while hashing, and a shared file system serves parallel reads faster)."""
+    if len(files) <= 1:
+        return [_checksum(f) for f in files]
+    with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(files))) as pool:
+        return list(pool.map(_checksum, files))
+
+
+def checkpoint_files(path: str | Path) -> dict[str, dict[str, Any]]:
+    """``{name: {"bytes": size, "sha256": hex}}`` for every file of the checkpoint folder
+    ``path`` but its ``COMPLETE.json``; names are POSIX paths relative to ``path``
+    (``__0_0.distcp``, ``.metadata``, ``rng/rank_00000.pt``)."""
+    root = Path(path)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p != root / COMPLETE)
+    sizes = [f.stat().st_size for f in files]
+    return {
+        f.relative_to(root).as_posix(): {"bytes": size, CHECKSUM: digest}
+        for f, size, digest in zip(files, sizes, _checksums(files), strict=True)
+    }
+
+
+def _file_records(records: Any) -> dict[str, tuple[int, str]] | str:
+    """The ``files`` of a ``COMPLETE.json`` as ``{name: (bytes, checksum)}``, or why not."""
+    if not isinstance(records, dict):
+        return f"{COMPLETE} is corrupt (its files are not a mapping)"
+    out: dict[str, tuple[int, str]] = {}
+    for name, record in records.items():
+        parts = PurePosixPath(name).parts
+        if not parts or PurePosixPath(name).is_absolute() or ".." in parts:
+            return f"{COMPLETE} is corrupt (file name {name!r})"
+        size = record.get("bytes") if isinstance(record, dict) else None
+        digest = record.get(CHECKSUM) if isinstance(record, dict) else None
+        if not isinstance(size, int) or not isinstance(digest, str):
+            return f"{COMPLETE} is corrupt (the record of {name} has no bytes and {CHECKSUM})"
+        out[name] = (size, digest)
+    return out
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None when the checkpoint folder ``path`` is intact, else why not, in a few words that
+    name the file (``__0_0.distcp: 12,288 bytes, expected 24,576``).
+
+    Checks that ``COMPLETE.json`` is readable and has its keys, then that every file it
+    records exists with the recorded size, then the recorded checksums. A checkpoint written
+    before the files were recorded (format version 1) has no such records: it is treated as
+    verified by its ``COMPLETE.json`` alone. Files not recorded are ignored. Reads the whole
+    checkpoint (module Note: ~650 MB/s per core)."""
+    root = Path(path)
+    try:
+        meta = json.loads((root / COMPLETE).read_text())
+    except FileNotFoundError:
+        return f"it has no {COMPLETE}"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{COMPLETE} is corrupt ({err})"
+    if not isinstance(meta, dict):
+        return f"{COMPLETE} is corrupt (not a JSON object)"
+    missing = [key for key in COMPLETE_KEYS if key not in meta]
+    if missing:
+        return f"{COMPLETE} lacks {', '.join(missing)}"
+    if "files" not in meta:
+        return None  # written before the files were recorded
+    records = _file_records(meta["files"])
+    if isinstance(records, str):
+        return records
+    for name, (size, _) in records.items():
+        try:
+            actual = (root / name).stat().st_size
+        except FileNotFoundError:
+            return f"{name}: missing"
+        except OSError as err:
+            return f"{name}: {err.strerror or err}"
+        if actual != size:
+            return f"{name}: {actual:,} bytes, expected {size:,}"
+    try:
+        digests = _checksums([root / name for name in records])
+    except OSError as err:
+        name = _relative(Path(err.filename), root) if err.filename else "a file"
+        return f"{name}: unreadable ({err.strerror or err})"
+    for (name, (_, expected)), digest in zip(records.items(), digests, strict=True):
+        if digest != expected:
+            return (
+                f"{name}: {CHECKSUM} {digest[:12]}..., expected {expected[:12]}... (same size, "
+                f"other content)"
+            )
+    return None
+
+
+def verified_checkpoint(
+    out: str | Path, *, fallback: bool = True
+) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint under ``OUT/checkpoints`` that verifies (None when none
+    does), and the newer ones that did not, each with why (:func:`verify_checkpoint`), newest
+    first. Without ``fallback`` only the newest is tried: the result is it or ``(None, [(it,
+    why)])``."""
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(_complete_checkpoints(Path(out))):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+        if not fallback:
+            break
+    return None, skipped
+
+
+def _relative(path: Path, out: Path) -> str:
+    try:
+        return path.relative_to(out).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def describe_fallback(
+    out: str | Path, skipped: Sequence[tuple[Path, str]], chosen: Path, doing: str
+) -> str:
+    """One line on what :func:`verified_checkpoint` skipped and what it chose, paths relative to
+    ``out``: ``skipped checkpoints/step_000030 (why); {doing} checkpoints/step_000020``."""
+    out = Path(out)
+    passed = ", ".join(f"{_relative(path, out)} ({reason})" for path, reason in skipped)
+    return f"skipped {passed}; {doing} {_relative(chosen, out)}"
+
+
+def resume_checkpoint(out: str | Path, *, strict: bool) -> tuple[Path | None, str | None]:
+    """The checkpoint a ``--resume`` of ``out`` starts from (None: there is none, start at step
+    0) and the one line to print when newer ones were skipped. ``ValueError`` when ``strict``
+    and the newest does not verify, or when none does."""
+    if latest_checkpoint(out) is None:
+        return None, None
+    ckpt, skipped = verified_checkpoint(out, fallback=not strict)
+    if ckpt is None:
+        if strict:
+            (path, reason), *_ = skipped
+            raise ValueError(
+                f"--strict-resume: checkpoint {str(path)!r} does not verify ({reason}); "
+                f"without --strict-resume the run falls back to the newest one that does"
+            )
+        raise ValueError(
+            f"cannot resume: no checkpoint in {str(out)!r} verifies: "
+            + "; ".join(f"{str(path)!r} could not be read ({why})" for path, why in skipped)
+        )
+    line = f"resume: {describe_fallback(out, skipped, ckpt, 'resuming from')}" if skipped else None
+    return ckpt, line
+
+
+def resolve_checkpoint(path: str | Path, *, log: Callable[[str], None] | None = None) -> Path:
+    """A checkpoint folder itself, or the newest complete one of a run folder (``--out``) that
+    verifies (:func:`verified_checkpoint`; ``log`` gets the line on what was skipped, if any).
+    ``ValueError`` when the checkpoint, or every checkpoint of the run folder, fails to
+    verify."""
     path = Path(path)
     if (path / COMPLETE).is_file():
+        reason = verify_checkpoint(path)
+        if reason is not None:
+            raise ValueError(f"checkpoint {str(path)!r} does not verify ({reason})")
         return path
     if path.is_dir():
-        latest = latest_checkpoint(path)
-        if latest is not None:
-            return latest
+        chosen, skipped = verified_checkpoint(path)
+        if chosen is not None:
+            if skipped and log is not None:
+                log(describe_fallback(path, skipped, chosen, "using"))
+            return chosen
+        if skipped:
+            raise ValueError(
+                f"no checkpoint of {str(path)!r} verifies: "
+                + "; ".join(f"{_relative(p, path)} ({reason})" for p, reason in skipped)
+            )
     raise ValueError(
         f"{str(path)!r} is neither a complete checkpoint (a folder with {COMPLETE}) nor a run "
         f"folder that has one under {CHECKPOINTS}/"

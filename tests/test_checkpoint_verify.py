@@ -1,0 +1,275 @@
+"""Checkpoints verify themselves: ``COMPLETE.json`` records the size and sha256 of every file,
+``--resume`` falls back past a damaged checkpoint to the newest one that verifies (and says so in
+one line), ``--strict-resume`` refuses, and ``raggedfsdp export`` of a run folder skips it too.
+
+The launches are real ``raggedfsdp train`` runs (torchrun's agent, Gloo, 2 workers on CPU) of
+gpt-tiny for 6 steps with a checkpoint every 2: one uninterrupted run is the yardstick; the others
+resume a copy of its checkpoints of steps 2 and 4 (a run stopped after step 4) whose step 4 is
+damaged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from raggedfsdp import cli
+from raggedfsdp.train.checkpoints import load_full
+from raggedfsdp.train.run_dir import (
+    COMPLETE,
+    checkpoint_files,
+    describe_fallback,
+    resolve_checkpoint,
+    verified_checkpoint,
+    verify_checkpoint,
+)
+
+_CLI = "import sys\nfrom raggedfsdp import cli\nsys.exit(cli.main(sys.argv[1:]))\n"
+# One thread per worker makes runs bit-for-bit comparable whatever the launcher's process count.
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+COMMON = [
+    "--model=gpt-tiny",
+    "--steps=6",
+    "--batch-size=4",
+    "--warmup-steps=1",
+    "--log-every=1",
+    "--eval-every=0",
+    "--eval-batches=1",
+    "--checkpoint-every=2",
+]
+STEP2, STEP4, STEP6 = (f"checkpoints/step_{step:06d}" for step in (2, 4, 6))
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", _CLI, *args],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=timeout,
+    )
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _losses(out: Path) -> dict[int, float]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def _flip_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+def _truncate(file: Path) -> tuple[int, int]:
+    """Cut ``file`` to half its size; (new size, old size)."""
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    return len(data) // 2, len(data)
+
+
+def _one_error_naming(stderr: str, fragment: str) -> str:
+    """Rank 0's one error line naming ``fragment`` (the message). Another rank may repeat it,
+    as ``rank N: message``, when it outlives its grace wait; no other line may name it."""
+    prefix = "raggedfsdp: error: "
+    naming = [line for line in stderr.splitlines() if fragment in line]
+    first = [line for line in naming if line.startswith(prefix) and " rank " not in line[:25]]
+    assert len(first) == 1, stderr
+    message = first[0].removeprefix(prefix)
+    copies = [line for line in naming if line != first[0]]
+    assert all(re.fullmatch(rf"{prefix}rank \d+: {re.escape(message)}", c) for c in copies), stderr
+    return message
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """200 KB of the standard library's sources (fast to load, plenty for 6 steps)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:20])
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(data[:200_000])
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> dict[str, Any]:
+    """The uninterrupted run: its folder, its losses and its final parameters."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}"))
+    return {"out": out, "losses": _losses(out), "final": load_full(out / STEP6)}
+
+
+@pytest.fixture
+def damaged(reference, tmp_path) -> Path:
+    """A run folder holding copies of the reference's checkpoints of steps 2 and 4, to damage."""
+    out = tmp_path / "run"
+    for step in (STEP2, STEP4):
+        shutil.copytree(reference["out"] / step, out / step)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# verify_checkpoint on a hand-made folder.
+
+
+def _hand_made(root: Path, step: int, **extra: Any) -> Path:
+    path = root / "checkpoints" / f"step_{step:06d}"
+    (path / "rng").mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(bytes(range(256)) * 96)  # 24,576 bytes
+    (path / ".metadata").write_bytes(b"metadata")
+    (path / "rng" / "rank_00000.pt").write_bytes(b"rng state")
+    meta = {"step": step, "world_size": 1, "config": {}, "data": {"step": step}, **extra}
+    if "files" not in meta:
+        meta["files"] = checkpoint_files(path)
+    (path / COMPLETE).write_text(json.dumps(meta))
+    return path
+
+
+def test_verify_checkpoint_on_a_hand_made_folder(tmp_path):
+    path = _hand_made(tmp_path, 30)
+    records = json.loads((path / COMPLETE).read_text())["files"]
+    assert sorted(records) == [".metadata", "__0_0.distcp", "rng/rank_00000.pt"]
+    assert records["__0_0.distcp"]["bytes"] == 24_576
+    assert len(records["__0_0.distcp"]["sha256"]) == 64
+    assert verify_checkpoint(path) is None
+
+    payload = path / "__0_0.distcp"
+    original = payload.read_bytes()
+    payload.write_bytes(original[:12_288])
+    assert verify_checkpoint(path) == "__0_0.distcp: 12,288 bytes, expected 24,576"
+    payload.write_bytes(original)
+    _flip_byte(path / "rng" / "rank_00000.pt")
+    reason = verify_checkpoint(path)
+    assert reason is not None and reason.startswith("rng/rank_00000.pt: sha256 "), reason
+    (path / "rng" / "rank_00000.pt").unlink()
+    assert verify_checkpoint(path) == "rng/rank_00000.pt: missing"
+
+    # Before this change COMPLETE.json recorded no files: verified by COMPLETE.json alone.
+    old = _hand_made(tmp_path / "old", 10)
+    meta = json.loads((old / COMPLETE).read_text())
+    del meta["files"]
+    (old / COMPLETE).write_text(json.dumps(meta))
+    (old / "__0_0.distcp").write_bytes(b"anything")
+    assert verify_checkpoint(old) is None
+
+    assert verify_checkpoint(tmp_path / "nowhere") == f"it has no {COMPLETE}"
+    (old / COMPLETE).write_text("{not json")
+    assert verify_checkpoint(old).startswith(f"{COMPLETE} is corrupt")
+    (old / COMPLETE).write_text(json.dumps({"step": 1, "config": {}}))
+    assert verify_checkpoint(old) == f"{COMPLETE} lacks world_size, data"
+    escape = _hand_made(tmp_path / "escape", 1, files={"../x": {"bytes": 1, "sha256": "0"}})
+    assert "file name '../x'" in verify_checkpoint(escape)
+
+
+def test_newest_verifying_checkpoint_is_chosen(tmp_path):
+    good = _hand_made(tmp_path, 20)
+    bad = _hand_made(tmp_path, 30)
+    (bad / "__0_0.distcp").write_bytes(b"x" * 12_288)
+    assert verified_checkpoint(tmp_path) == (
+        good,
+        [(bad, "__0_0.distcp: 12,288 bytes, expected 24,576")],
+    )
+    assert verified_checkpoint(tmp_path, fallback=False) == (None, [(bad, verify_checkpoint(bad))])
+    chosen, skipped = verified_checkpoint(tmp_path)
+    assert describe_fallback(tmp_path, skipped, chosen, "resuming from") == (
+        "skipped checkpoints/step_000030 (__0_0.distcp: 12,288 bytes, expected 24,576); "
+        "resuming from checkpoints/step_000020"
+    )
+    logged: list[str] = []
+    assert resolve_checkpoint(tmp_path, log=logged.append) == good
+    assert logged == [describe_fallback(tmp_path, skipped, chosen, "using")]
+    with pytest.raises(ValueError, match=r"step_000030' does not verify \(__0_0\.distcp: 12,288"):
+        resolve_checkpoint(bad)
+    (good / ".metadata").unlink()
+    with pytest.raises(ValueError, match=r"no checkpoint of .* verifies: .*\.metadata: missing"):
+        resolve_checkpoint(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real launches.
+
+
+@pytest.mark.slow
+def test_saved_checkpoints_record_every_file(reference):
+    path = reference["out"] / STEP6
+    records = json.loads((path / COMPLETE).read_text())["files"]
+    on_disk = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    assert sorted([*records, COMPLETE]) == on_disk
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rng/rank_00001.pt"} <= records.keys()
+    assert verify_checkpoint(path) is None
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
+    size, expected = _truncate(damaged / STEP4 / "__0_0.distcp")
+    proc = _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume"))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("resume:")]
+    assert lines == [
+        f"resume: skipped {STEP4} (__0_0.distcp: {size:,} bytes, expected {expected:,}); "
+        f"resuming from {STEP2}"
+    ], proc.stdout
+    assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
+    losses = _losses(damaged)
+    assert losses == {step: reference["losses"][step] for step in (3, 4, 5, 6)}  # bit for bit
+    _assert_equal(load_full(damaged / STEP6), reference["final"])
+    assert verify_checkpoint(damaged / STEP4) is None  # saved again, whole
+
+
+@pytest.mark.slow
+def test_strict_resume_refuses_a_truncated_checkpoint(damaged, corpus):
+    size, expected = _truncate(damaged / STEP4 / "__0_0.distcp")
+    proc = _run(
+        "train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume", "--strict-resume"
+    )
+    assert proc.returncode == 2, f"{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    line = _one_error_naming(proc.stderr, "__0_0.distcp")
+    assert line.startswith(f"--strict-resume: checkpoint '{damaged / STEP4}' does not verify (")
+    assert f"__0_0.distcp: {size:,} bytes, expected {expected:,}" in line
+    assert not (damaged / "metrics.jsonl").exists()  # nothing trained
+    assert verify_checkpoint(damaged / STEP4) is not None  # nothing overwritten
+
+
+@pytest.mark.slow
+def test_flipped_byte_is_caught_by_the_checksum(reference, damaged, corpus, tmp_path, capsys):
+    payload = damaged / STEP4 / "__1_0.distcp"
+    size = payload.stat().st_size
+    _flip_byte(payload)
+    assert payload.stat().st_size == size
+    reason = verify_checkpoint(damaged / STEP4)
+    assert reason is not None and reason.startswith("__1_0.distcp: sha256 "), reason
+
+    # export of the run folder takes the newest checkpoint that verifies, and says so.
+    status = cli.main(["export", "--checkpoint", str(damaged), "--out", str(tmp_path / "m.pt")])
+    _, err = capsys.readouterr()
+    assert status == 0
+    assert f"export: skipped {STEP4} ({reason}); using {STEP2}" in err.splitlines()
+    _assert_equal(torch.load(tmp_path / "m.pt"), load_full(reference["out"] / STEP2))
+
+    proc = _run(
+        "train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume", "--strict-resume"
+    )
+    assert proc.returncode == 2, f"{proc.stdout}\n{proc.stderr}"
+    assert f"does not verify ({reason})" in _one_error_naming(proc.stderr, "__1_0.distcp")
