@@ -120,3 +120,58 @@ def test_resume_past_the_last_step_is_refused(tmp_path: Path) -> None:
     proc = _train(out, "--steps=2", "--resume")
     assert proc.returncode == 2
     assert "is at step 3, not before --steps 2: nothing to train" in proc.stderr
+
+
+def _on_small_disk(size: str, command: list[str], mount: Path) -> subprocess.CompletedProcess:
+    """``command`` with a tmpfs of ``size`` mounted at ``mount`` in a private mount namespace
+    (a real full disk: root and ``unshare`` needed, as on this project's machines)."""
+    script = f'mount -t tmpfs -o size={size} tmpfs {mount} && exec "$@"'
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", *command],
+        capture_output=True,
+        text=True,
+        env=_ENV,
+        timeout=180,
+    )
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"]).returncode != 0:
+        pytest.skip("needs root and unshare to mount a small tmpfs")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    return mount
+
+
+def _train_command(out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "raggedfsdp.cli", "train", *TINY, f"--out={out}", *args]
+
+
+def test_too_small_a_disk_is_refused_before_launch(small_disk: Path) -> None:
+    proc = _on_small_disk("600k", _train_command(small_disk / "run", "--steps=2"), small_disk)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "has 600.0 KiB free, but one checkpoint of this run needs about" in proc.stderr
+
+
+def test_disk_full_mid_run_is_one_line_and_keeps_the_last_checkpoint(small_disk: Path) -> None:
+    """Room for one checkpoint of gpt-tiny (1.7 MiB) but not two: the second save fails."""
+    check = (
+        "import sys; from raggedfsdp.train.run_dir import verify_checkpoint;"
+        "print(verify_checkpoint(sys.argv[1]))"
+    )
+    out = small_disk / "run"
+    command = _train_command(out, "--steps=4", "--checkpoint-every=2", "--eval-every=0")
+    script = [
+        "sh",
+        "-c",
+        f"{' '.join(command)}; echo status=$?; {sys.executable} -c '{check}' "
+        f"{out}/checkpoints/step_000002",
+    ]
+    proc = _on_small_disk("2600k", script, small_disk)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error")]
+    assert "status=1" in proc.stdout, proc.stderr
+    assert errors and all("No space left on device" in e or "training failed" in e for e in errors)
+    assert proc.stdout.strip().splitlines()[-1] == "None"  # step 2 verifies: intact
+    assert "Traceback" not in proc.stderr

@@ -53,6 +53,7 @@ from .run_dir import (
 
 __all__ = [
     "check_entries",
+    "describe_failure",
     "export_checkpoint",
     "load_checkpoint",
     "load_full",
@@ -88,7 +89,8 @@ def _read_metadata(path: Path) -> Metadata:
         return FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # DCP raises whatever its reader hit (OSError, pickle errors, ...)
         raise ValueError(
-            f"checkpoint {str(path)!r} is corrupt: its DCP metadata cannot be read ({_cause(err)})"
+            f"checkpoint {str(path)!r} is corrupt: its DCP metadata cannot be read "
+            f"({describe_failure(err)})"
         ) from None
 
 
@@ -97,7 +99,7 @@ def _first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def _cause(err: BaseException) -> str:
+def describe_failure(err: BaseException) -> str:
     """``Type: first line`` of what went wrong; for DCP's CheckpointException (which carries
     every failing rank's exception and traceback), that of the first failing rank."""
     if isinstance(err, dcp.CheckpointException) and err.failures:
@@ -105,10 +107,6 @@ def _cause(err: BaseException) -> str:
         inner = err.failures[rank][0]
         return f"rank {rank}: {type(inner).__name__}: {_first_line(inner)}"
     return f"{type(err).__name__}: {_first_line(err)}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Optimizer state.
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +238,9 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(path))
     # DCP gathers every rank's failure into a CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as err:
-        raise ValueError(f"checkpoint {str(path)!r} could not be read ({_cause(err)})") from None
+        raise ValueError(
+            f"checkpoint {str(path)!r} could not be read ({describe_failure(err)})"
+        ) from None
     model.load_state_dict(state["model"])
     load_optim_state_dict(model, optimizer, state["optim"])
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -269,7 +269,7 @@ def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tenso
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
         except (Exception, dcp.CheckpointException) as err:
             raise ValueError(
-                f"checkpoint {str(path)!r} could not be read ({_cause(err)})"
+                f"checkpoint {str(path)!r} could not be read ({describe_failure(err)})"
             ) from None
     return {key.removeprefix(prefix): value for key, value in state.items()}
 

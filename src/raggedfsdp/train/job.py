@@ -33,6 +33,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -42,6 +43,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .._console import USAGE_ERROR
@@ -51,7 +53,7 @@ from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..layout import global_shape
 from . import health
 from .build import build_model, build_optimizer, lr_factor, optimizer_bytes
-from .checkpoints import load_checkpoint, save_checkpoint
+from .checkpoints import describe_failure, load_checkpoint, save_checkpoint
 from .config import TrainConfig, add_config_arguments, config_from_args
 from .monitor import Monitor, StepTimes
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
@@ -598,8 +600,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # raggedfsdp's DCP values are ShardedTensors (the only DCP container for ragged shards; see
     # checkpoint.py), which torch warns about on every save and load.
     warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
+    out: str | None = None
     try:
-        train(config_from_args(args))
+        cfg = config_from_args(args)
+        out = cfg.out
+        train(cfg)
+    except (OSError, dcp.CheckpointException) as err:  # the machine's fault: disk, files
+        if args.debug:
+            raise
+        return _report_environment_error(err, out)
     except Preempted:
         return PREEMPTED_EXIT_CODE  # rank 0 has said so; the checkpoint is complete
     except (ValueError, health.NonFiniteLossError) as err:
@@ -619,6 +628,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"raggedfsdp: error: {message}\n")
         return USAGE_ERROR if isinstance(err, ValueError) else 1
     return 0
+
+
+def _report_environment_error(err: BaseException, out: str | None) -> int:
+    """One line naming the cause (e.g. ``OSError: [Errno 28] No space left on device``) and
+    this rank; the traceback goes to ``OUT/logs/rank_N.log`` rather than the terminal."""
+    rank = int(os.environ.get("RANK", "0"))
+    where = ""
+    if out is not None:
+        try:
+            log = Path(out) / "logs" / f"rank_{rank:05d}.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text("".join(traceback.format_exception(err)))
+            where = f" (traceback in {log})"
+        except OSError:  # the disk that is full may be this one: the line alone, then
+            pass
+    # DCP's failures name the rank that failed first already.
+    cause = describe_failure(err)
+    who = "" if isinstance(err, dcp.CheckpointException) else f"rank {rank}: "
+    sys.stderr.write(f"raggedfsdp: error: {who}{cause}{where}\n")
+    return 1
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 
+from .._console import format_bytes
 from ..data import load_corpus
 from ..models import GPT, GPT_CONFIGS
 from .build import build_planner, mp_policy
@@ -13,7 +15,15 @@ from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
 from .run_dir import check_out_dir, resume_checkpoint
 
-__all__ = ["check_corpus", "check_data_path", "check_plan", "dry_run_report", "preflight"]
+__all__ = [
+    "STATE_BYTES_PER_PARAM",
+    "check_corpus",
+    "check_data_path",
+    "check_disk",
+    "check_plan",
+    "dry_run_report",
+    "preflight",
+]
 
 
 def check_data_path(path: str | None) -> None:
@@ -51,6 +61,30 @@ def check_corpus(cfg: TrainConfig) -> None:
             )
 
 
+#: Optimizer-state bytes per fp32 parameter (AdamW: two moments; Muon: momentum, with Adam on
+#: the rest; Shampoo: grafting moments and factors; AdamW8bit: two 8-bit moments and scales).
+STATE_BYTES_PER_PARAM = {"adamw": 8, "muon": 6, "shampoo": 12, "adamw8bit": 3}
+
+
+def check_disk(cfg: TrainConfig) -> None:
+    """The file system of ``--out`` has room for one more checkpoint of this run (fp32
+    parameters plus optimizer state, with 25% for metadata, the RNG files and file-system
+    blocks)."""
+    if not (cfg.checkpoint_every or cfg.steps):
+        return
+    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    need = int(model.num_params() * (4 + STATE_BYTES_PER_PARAM[cfg.optimizer]) * 1.25)
+    where = Path(cfg.out).resolve()
+    while not where.exists():  # the nearest folder that exists: the run creates the rest
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise ValueError(
+            f"out: {str(where)!r} has {format_bytes(free)} free, but one checkpoint of this run "
+            f"needs about {format_bytes(need)}; free space or choose another --out"
+        )
+
+
 def check_plan(cfg: TrainConfig, world_size: int) -> None:
     """The model can be sharded with ``--block-size`` and the optimizer's blocks (planned on
     the meta device, exactly as the workers will)."""
@@ -76,6 +110,7 @@ def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> N
     check_corpus(cfg)
     if not check_out:
         return
+    check_disk(cfg)
     check_out_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite)
     # The checkpoint the workers will resume from: the newest that verifies (run_dir).
     ckpt = resume_checkpoint(cfg.out, strict=cfg.strict_resume)[0] if cfg.resume else None
@@ -123,7 +158,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     # working set (the two largest units gathered - one computing, one prefetched - and one
     # unit's full gradient); activations by Megatron's estimate of s*b*h*(34 + 5*a*s/h) bytes
     # per layer at 16 bits (doubled for fp32; only the block inputs kept under checkpointing).
-    state_bytes = {"adamw": 8, "muon": 6, "shampoo": 12, "adamw8bit": 3}[cfg.optimizer]
+    state_bytes = STATE_BYTES_PER_PARAM[cfg.optimizer]
     units = sorted((p.total_numel for p in plans), reverse=True)
     working = (sum(units[:2]) * comm_dtype.itemsize) + units[0] * 4
     b, s, h, a = (

@@ -54,7 +54,15 @@ COMPLETE_KEYS = ("step", "world_size", "config", "data")
 #: The checksum ``COMPLETE.json`` records for each file (module Note).
 CHECKSUM = "sha256"
 #: Everything a training run writes into ``--out``; ``--overwrite`` deletes only these.
-OUTPUTS = (CHECKPOINTS, "metrics.jsonl", "report.png", "config.json", "tensorboard", ".faults")
+OUTPUTS = (
+    CHECKPOINTS,
+    "metrics.jsonl",
+    "report.png",
+    "config.json",
+    "tensorboard",
+    "logs",
+    ".faults",
+)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
