@@ -24,6 +24,8 @@ WORKER_MODULES = (
     "raggedfsdp.train.run_dir",
     "raggedfsdp.train.monitor",
     "raggedfsdp.train.health",
+    "raggedfsdp.train.step",
+    "raggedfsdp.train.preemption",
 )
 #: Launcher-side code a worker must never pay for (the bench, the plan report, the command),
 #: as packages or modules.

@@ -18,6 +18,7 @@ world sizes]).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -166,6 +167,14 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def _write_rng_state(path: Path) -> None:
+    """This rank's RNG states to ``path``. Serialised in memory first (a few KB): torch.save
+    straight to a full disk fails with an opaque RuntimeError; Python's write says ENOSPC."""
+    buffer = io.BytesIO()
+    torch.save(_rng_state(), buffer)
+    path.write_bytes(buffer.getvalue())
+
+
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -197,7 +206,7 @@ def save_checkpoint(
     _barrier()
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+    _write_rng_state(tmp / "rng" / f"rank_{rank:05d}.pt")
     if before_commit is not None:
         before_commit()
     _barrier()  # every rank's files are on disk
