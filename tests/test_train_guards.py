@@ -116,7 +116,9 @@ def test_refused_before_launch_leaving_out_untouched(tmp_path: Path, args, messa
 
 def test_resume_past_the_last_step_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    assert _train(out, "--steps=3", "--checkpoint-every=0", "--eval-every=0").returncode == 0
+    # Judged by what the run left, not its exit status: Gloo may abort at exit (DESIGN.md).
+    _train(out, "--steps=3", "--checkpoint-every=0", "--eval-every=0")
+    assert (out / "checkpoints" / "step_000003" / "COMPLETE.json").is_file()
     proc = _train(out, "--steps=2", "--resume")
     assert proc.returncode == 2
     assert "is at step 3, not before --steps 2: nothing to train" in proc.stderr
