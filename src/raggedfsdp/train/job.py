@@ -526,12 +526,3 @@ def _full_disk(out: str | None) -> str | None:
         where = where.parent
     free = shutil.disk_usage(where).free
     return f"{format_bytes(free)} free on {where}" if free < 1 << 20 else None
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: Gloo sometimes aborts there after all work is done, and a
-    # non-zero exit would make torchrun's agent restart a finished job.
-    os._exit(code)
