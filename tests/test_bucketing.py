@@ -52,7 +52,7 @@ def _grid_on_rank(rank: int, world: int) -> list[dict]:
     ):
         torch.manual_seed(0)
         planned = _planner(policy, optimizer).plan_model(
-            Model(), world, buffer_size=buffer_size, param_dtype=param_dtype
+            Model(), world, buffer_size=buffer_size, dtype=param_dtype
         )
         # The earlier bucketing measured buffer_size in the master dtype: a negative control.
         by_master_bytes = _planner(policy, optimizer).plan_model(
@@ -115,3 +115,12 @@ def test_ranks_that_planned_differently_are_told_where() -> None:
     assert messages[0] == messages[1]
     assert "ranks planned different buckets: bucket 'blocks.0/float32/0'" in messages[0]
     assert "on rank 0 and" in messages[0] and "on rank 1" in messages[0]
+
+
+def test_wrap_must_be_a_predicate() -> None:
+    """A function returning the units (the earlier ``plan_model(wrap=...)``) is refused, not
+    taken as "every module is a unit"."""
+    planner = rf.StructAwarePlanner()
+    assert len(planner.plan_model(Model(), 2, wrap=lambda m: isinstance(m, Block))) == 5
+    with pytest.raises(TypeError, match="wrap must return True or False for each module"):
+        planner.plan_model(Model(), 2, wrap=lambda m: [("", m)])

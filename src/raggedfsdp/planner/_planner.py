@@ -155,14 +155,15 @@ class StructAwarePlanner:
         world_size: int,
         *,
         buffer_size: int | None = None,
-        param_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
         wrap: WrapPolicy = None,
     ) -> list[ShardPlan]:
         """Plan every bucket of a model exactly as the runtime will (:mod:`.bucketing`): one
         per FSDP unit, dtype and ``requires_grad``, split in model order at ``buffer_size``
-        bytes of the communication dtype (``param_dtype`` under mixed precision). ``wrap`` is
-        ``FSDPBackend``'s. Identical buckets (repeated layers) are planned once."""
-        buckets = model_buckets(module, param_dtype=param_dtype, buffer_size=buffer_size, wrap=wrap)
+        bytes of the communication dtype ``dtype`` (mixed precision's ``param_dtype`` for
+        floating parameters; ``None``: their own). ``wrap`` is ``FSDPBackend``'s predicate.
+        Identical buckets (repeated layers) are planned once."""
+        buckets = model_buckets(module, param_dtype=dtype, buffer_size=buffer_size, wrap=wrap)
         return [self.plan_bucket(bucket, world_size) for bucket in buckets]
 
     def plan_bucket(self, bucket: Bucket, world_size: int) -> ShardPlan:

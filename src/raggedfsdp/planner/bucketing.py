@@ -96,8 +96,20 @@ def wrap_units(module: nn.Module, wrap: WrapPolicy = None) -> list[tuple[str, nn
             id(child) for sub in module.modules() if isinstance(sub, nn.ModuleList) for child in sub
         }
     else:
-        chosen = {id(m) for m in module.modules() if m is not module and wrap(m)}
+        chosen = {id(m) for m in module.modules() if m is not module and _is_unit(wrap, m)}
     return post_order(module, lambda m: id(m) in chosen)
+
+
+def _is_unit(wrap: Callable[[nn.Module], bool], module: nn.Module) -> bool:
+    """``wrap(module)``, which must be a bool: a function returning the units themselves (the
+    earlier ``plan_model(wrap=...)``) would otherwise make every module a unit, silently."""
+    answer = wrap(module)
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"wrap must return True or False for each module (is it an FSDP unit?), got "
+            f"{type(answer).__name__} for {type(module).__name__}"
+        )
+    return answer
 
 
 def post_order(

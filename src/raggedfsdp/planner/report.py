@@ -232,7 +232,7 @@ def _plan_once(
     planner = _planner(options)
     start = time.perf_counter()
     plans = planner.plan_model(
-        module, world_size, buffer_size=options.buffer_size, param_dtype=options.dtype
+        module, world_size, buffer_size=options.buffer_size, dtype=options.dtype
     )
     return plans, time.perf_counter() - start
 

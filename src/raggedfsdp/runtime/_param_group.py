@@ -426,6 +426,8 @@ def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
 
 def _repath(name: str, old: str, new: str) -> str:
     """A parameter's name under unit path ``old``, renamed under ``new``."""
+    if old and not name.startswith(f"{old}."):
+        raise RuntimeError(f"raggedfsdp: parameter {name!r} is not under unit path {old!r}")
     relative = name[len(old) + 1 :] if old else name
     return f"{new}.{relative}" if new else relative
 

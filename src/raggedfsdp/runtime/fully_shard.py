@@ -213,7 +213,7 @@ def FSDPBackend(
 ) -> FSDPModule:
     """Shard a whole model: every block (each element of an ``nn.ModuleList``, or each module
     for which ``wrap(module)`` is true) bottom-up, then the root. Returns the same object; its
-    buckets are exactly ``planner.plan_model(module, W, buffer_size=..., param_dtype=...,
+    buckets are exactly ``planner.plan_model(module, W, buffer_size=..., dtype=param_dtype,
     wrap=wrap)``."""
     planner = _resolve_planner(shard_policy, planner)
     kwargs = {

@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -56,7 +55,7 @@ from .config import TrainConfig, add_config_arguments, config_from_args
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
-from .run_dir import prepare_out_dir, remove_partial, resume_checkpoint
+from .run_dir import free_space, prepare_out_dir, remove_partial, resume_checkpoint
 from .step import train_step
 
 __all__ = ["build_parser", "evaluate", "main", "train"]
@@ -521,8 +520,5 @@ def _full_disk(out: str | None) -> str | None:
     """``"N bytes free on PATH"`` when the file system of ``out`` is (nearly) full, else None."""
     if out is None:
         return None
-    where = Path(out).resolve()
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
+    where, free = free_space(out)
     return f"{format_bytes(free)} free on {where}" if free < 1 << 20 else None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -13,7 +12,7 @@ from ..models import GPT, GPT_CONFIGS
 from .build import build_planner, mp_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
-from .run_dir import check_out_dir, resume_checkpoint
+from .run_dir import check_out_dir, free_space, resume_checkpoint
 
 __all__ = [
     "STATE_BYTES_PER_PARAM",
@@ -70,14 +69,9 @@ def check_disk(cfg: TrainConfig) -> None:
     """The file system of ``--out`` has room for one more checkpoint of this run (fp32
     parameters plus optimizer state, with 25% for metadata, the RNG files and file-system
     blocks)."""
-    if not (cfg.checkpoint_every or cfg.steps):
-        return
     model = GPT(GPT_CONFIGS[cfg.model], device="meta")
     need = int(model.num_params() * (4 + STATE_BYTES_PER_PARAM[cfg.optimizer]) * 1.25)
-    where = Path(cfg.out).resolve()
-    while not where.exists():  # the nearest folder that exists: the run creates the rest
-        where = where.parent
-    free = shutil.disk_usage(where).free
+    where, free = free_space(cfg.out)
     if free < need:
         raise ValueError(
             f"out: {str(where)!r} has {format_bytes(free)} free, but one checkpoint of this run "
@@ -92,7 +86,7 @@ def check_plan(cfg: TrainConfig, world_size: int) -> None:
     model = GPT(GPT_CONFIGS[cfg.model], device="meta")
     try:
         build_planner(cfg).plan_model(
-            model, world_size, param_dtype=policy.param_dtype if policy else None
+            model, world_size, dtype=policy.param_dtype if policy else None
         )
     except ValueError as err:
         raise ValueError(f"block_size {cfg.block_size}: {err}") from None
@@ -137,7 +131,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
     param_dtype = policy.param_dtype if policy is not None else None
     comm_dtype = param_dtype or torch.float32
-    plans = build_planner(cfg).plan_model(model, world_size, param_dtype=param_dtype)
+    plans = build_planner(cfg).plan_model(model, world_size, dtype=param_dtype)
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
     numel = sum(p.param_numel for p in plans)

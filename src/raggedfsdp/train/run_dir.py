@@ -36,6 +36,7 @@ __all__ = [
     "checkpoint_files",
     "checkpoint_path",
     "describe_fallback",
+    "free_space",
     "latest_checkpoint",
     "prepare_out_dir",
     "remove_partial",
@@ -288,6 +289,15 @@ def resolve_checkpoint(path: str | Path, *, log: Callable[[str], None] | None = 
         f"{str(path)!r} is neither a complete checkpoint (a folder with {COMPLETE}) nor a run "
         f"folder that has one under {CHECKPOINTS}/"
     )
+
+
+def free_space(out: str | Path) -> tuple[Path, int]:
+    """The nearest existing folder of ``out`` (a run creates the rest) and the bytes free on
+    its file system."""
+    where = Path(out).resolve()
+    while not where.exists():
+        where = where.parent
+    return where, shutil.disk_usage(where).free
 
 
 def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Path]:
