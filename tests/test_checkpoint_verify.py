@@ -10,18 +10,17 @@ damaged.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from launches import assert_same_tensors, ok, run_cli, stdlib_corpus
 from raggedfsdp import cli
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import (
@@ -33,9 +32,6 @@ from raggedfsdp.train.run_dir import (
     verify_checkpoint,
 )
 
-_CLI = "import sys\nfrom raggedfsdp import cli\nsys.exit(cli.main(sys.argv[1:]))\n"
-# One thread per worker makes runs bit-for-bit comparable whatever the launcher's process count.
-_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 COMMON = [
     "--model=gpt-tiny",
     "--steps=6",
@@ -46,33 +42,13 @@ COMMON = [
     "--eval-batches=1",
     "--checkpoint-every=2",
 ]
+_run = functools.partial(run_cli, timeout=120)
 STEP2, STEP4, STEP6 = (f"checkpoints/step_{step:06d}" for step in (2, 4, 6))
-
-
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _CLI, *args],
-        capture_output=True,
-        text=True,
-        env=_ENV,
-        timeout=timeout,
-    )
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 def _losses(out: Path) -> dict[int, float]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), key
 
 
 def _flip_byte(file: Path) -> None:
@@ -104,20 +80,15 @@ def _one_error_naming(stderr: str, fragment: str) -> str:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """200 KB of the standard library's sources (fast to load, plenty for 6 steps)."""
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    data = b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:20])
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(data[:200_000])
-    return path
+    return stdlib_corpus(path, num_files=20, num_bytes=200_000)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus) -> dict[str, Any]:
     """The uninterrupted run: its folder, its losses and its final parameters."""
     out = tmp_path_factory.mktemp("reference") / "run"
-    _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}"))
+    ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}"))
     return {"out": out, "losses": _losses(out), "final": load_full(out / STEP6)}
 
 
@@ -224,7 +195,7 @@ def test_saved_checkpoints_record_every_file(reference):
 @pytest.mark.slow
 def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
     size, expected = _truncate(damaged / STEP4 / "__0_0.distcp")
-    proc = _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume"))
+    proc = ok(_run("train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("resume:")]
     assert lines == [
         f"resume: skipped {STEP4} (__0_0.distcp: {size:,} bytes, expected {expected:,}); "
@@ -233,7 +204,7 @@ def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
     losses = _losses(damaged)
     assert losses == {step: reference["losses"][step] for step in (3, 4, 5, 6)}  # bit for bit
-    _assert_equal(load_full(damaged / STEP6), reference["final"])
+    assert_same_tensors(load_full(damaged / STEP6), reference["final"])
     assert verify_checkpoint(damaged / STEP4) is None  # saved again, whole
 
 
@@ -266,7 +237,7 @@ def test_flipped_byte_is_caught_by_the_checksum(reference, damaged, corpus, tmp_
     _, err = capsys.readouterr()
     assert status == 0
     assert f"export: skipped {STEP4} ({reason}); using {STEP2}" in err.splitlines()
-    _assert_equal(torch.load(tmp_path / "m.pt"), load_full(reference["out"] / STEP2))
+    assert_same_tensors(torch.load(tmp_path / "m.pt"), load_full(reference["out"] / STEP2))
 
     proc = _run(
         "train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume", "--strict-resume"

@@ -8,20 +8,19 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from launches import ENV, cli_command
 from raggedfsdp.train.checkpoints import export_checkpoint
 from raggedfsdp.train.preemption import PREEMPTED_EXIT_CODE
 from raggedfsdp.train.run_dir import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 
-_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 STEPS = 24
 ARGS = [
     "--model=gpt-tiny",
@@ -36,7 +35,7 @@ ARGS = [
 
 
 def _command(out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "raggedfsdp.cli", "train", *ARGS, f"--out={out}", *extra]
+    return cli_command("train", *ARGS, f"--out={out}", *extra)
 
 
 def _final(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -50,7 +49,7 @@ def _final(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
 def uninterrupted(tmp_path_factory) -> dict[str, torch.Tensor]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     # Judged by the checkpoint it leaves (_final), not the exit status: Gloo may abort at exit.
-    subprocess.run(_command(tmp / "run"), capture_output=True, text=True, env=_ENV)
+    subprocess.run(_command(tmp / "run"), capture_output=True, text=True, env=ENV)
     return _final(tmp / "run", tmp)
 
 
@@ -62,7 +61,7 @@ def _preempt(out: Path, at_step: int, *, whole_group: bool) -> tuple[int, str, f
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_ENV,
+        env=ENV,
         start_new_session=True,
     )
     assert proc.stdout is not None
@@ -93,7 +92,7 @@ def test_sigterm_saves_and_resume_is_exact(tmp_path, uninterrupted, whole_group)
     assert f"preempted (SIGTERM): checkpoint of step {step} saved" in output
     assert "raggedfsdp: stopped by SIGTERM" in output
     assert seconds < 25  # within the default grace period
-    proc = subprocess.run(_command(out, "--resume"), capture_output=True, text=True, env=_ENV)
+    proc = subprocess.run(_command(out, "--resume"), capture_output=True, text=True, env=ENV)
     assert f"resumed from {saved}" in proc.stdout, proc.stderr
     final = _final(out, tmp_path)
     assert final.keys() == uninterrupted.keys()

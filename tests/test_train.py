@@ -12,7 +12,6 @@ dict. Launching costs seconds, so each launch serves several checks.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -27,10 +26,11 @@ import torch.distributed.checkpoint as dcp
 
 import raggedfsdp as rf
 from harness import run_distributed
+from launches import ENV, assert_same_tensors, cli_command, ok, run_cli, stdlib_corpus
 from raggedfsdp import cli
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.train import build_model, build_optimizer, build_parser, health, launch
+from raggedfsdp.train import build_model, build_optimizer, build_parser, health
 from raggedfsdp.train.checkpoints import (
     check_entries,
     export_checkpoint,
@@ -43,19 +43,6 @@ from raggedfsdp.train.run_dir import COMPLETE
 
 pytestmark = pytest.mark.slow
 
-# `raggedfsdp train|export` before cli.py registers them (a no-op once it does).
-_SHIM = """
-import sys
-from raggedfsdp import cli
-from raggedfsdp.train import launch
-cli.SUBCOMMANDS.setdefault("train", cli.Subcommand(
-    "train", launch.configure_train_parser, launch.run_train))
-cli.SUBCOMMANDS.setdefault("export", cli.Subcommand(
-    "export", launch.configure_export_parser, launch.run_export))
-sys.exit(cli.main(sys.argv[1:]))
-"""
-# One thread per worker makes runs bit-for-bit comparable whatever the launcher's process count.
-_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 # gpt-tiny, 6 steps, 2 micro-batches per step (no_sync), activation checkpointing; a short
 # warm-up so that the cosine part of the schedule matters for resume exactness.
 COMMON = [
@@ -73,32 +60,10 @@ COMMON = [
 ]
 
 
-def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", _SHIM, *args],
-        capture_output=True,
-        text=True,
-        env=_ENV,
-        timeout=timeout,
-    )
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
 def _export(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     """The final parameters of a run (in this process: a launch costs seconds)."""
     export_checkpoint(checkpoint, out)
     return torch.load(out)
-
-
-def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        assert got[key].dtype == want[key].dtype, key
-        assert torch.equal(got[key], want[key]), key
 
 
 def _free_port() -> int:
@@ -110,13 +75,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     """400 KB of the standard library's sources (fast to load, plenty for 6 steps)."""
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    data = b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:40])
     path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    path.write_bytes(data[:400_000])
-    return path
+    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +84,7 @@ def reference(tmp_path_factory, corpus) -> dict[str, Any]:
     """The uninterrupted 6-step run: its folder and its exported final parameters."""
     root = tmp_path_factory.mktemp("reference")
     out = root / "run"
-    proc = _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}"))
+    proc = ok(run_cli("train", *COMMON, f"--data={corpus}", f"--out={out}"))
     return {"out": out, "final": _export(out, root / "final.pt"), "proc": proc}
 
 
@@ -158,7 +118,7 @@ def test_export_loads_into_a_plain_model(command, reference, corpus, tmp_path):
     )
     assert status == 0 and "m.pt" in out
     exported = torch.load(tmp_path / "m.pt")
-    _assert_equal(exported, reference["final"])
+    assert_same_tensors(exported, reference["final"])
     model = GPT(GPT_CONFIGS["gpt-tiny"])
     model.load_state_dict(exported, strict=True)
     tokens = torch.frombuffer(bytearray(corpus.read_bytes()[:4097]), dtype=torch.uint8).long()
@@ -169,8 +129,8 @@ def test_export_loads_into_a_plain_model(command, reference, corpus, tmp_path):
 
 def test_bf16_run_with_tensorboard(tmp_path, corpus):
     out = tmp_path / "bf16"
-    _ok(
-        _run(
+    ok(
+        run_cli(
             "train",
             "--model=gpt-tiny",
             "--steps=12",
@@ -202,15 +162,15 @@ def test_resume_is_bit_exact(reference, tmp_path, corpus):
     shutil.copytree(
         reference["out"] / "checkpoints" / "step_000003", out / "checkpoints" / "step_000003"
     )
-    proc = _ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}", "--resume"))
+    proc = ok(run_cli("train", *COMMON, f"--data={corpus}", f"--out={out}", "--resume"))
     assert "resumed from" in proc.stdout
-    _assert_equal(_export(out, tmp_path / "final.pt"), reference["final"])
+    assert_same_tensors(_export(out, tmp_path / "final.pt"), reference["final"])
 
 
 def test_killed_worker_is_restarted_and_resumes_exactly(reference, tmp_path, corpus):
     out = tmp_path / "fault"
-    proc = _ok(
-        _run(
+    proc = ok(
+        run_cli(
             "train",
             *COMMON,
             f"--data={corpus}",
@@ -222,21 +182,21 @@ def test_killed_worker_is_restarted_and_resumes_exactly(reference, tmp_path, cor
     )
     assert (out / ".faults" / "step_5").exists()  # rank 1 did die once
     assert "resumed from" in proc.stdout and "step_000004" in proc.stdout
-    _assert_equal(_export(out, tmp_path / "final.pt"), reference["final"])
+    assert_same_tensors(_export(out, tmp_path / "final.pt"), reference["final"])
 
 
 def test_crash_during_save_keeps_previous_checkpoint(reference, tmp_path, corpus):
     out = tmp_path / "crash"
     args = ["train", *COMMON, f"--data={corpus}", f"--out={out}", "--checkpoint-every=2"]
-    proc = _run(*args, "--fail-during-save=4")
+    proc = run_cli(*args, "--fail-during-save=4")
     assert proc.returncode != 0
     assert "raggedfsdp: error: training failed" in proc.stderr
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["step_000002", "step_000004.tmp"]
-    resumed = _ok(_run(*args, "--resume"))
+    resumed = ok(run_cli(*args, "--resume"))
     assert "removed an incomplete checkpoint" in resumed.stdout
     assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
-    _assert_equal(_export(out, tmp_path / "final.pt"), reference["final"])
+    assert_same_tensors(_export(out, tmp_path / "final.pt"), reference["final"])
 
 
 def test_two_nodes_train_together(reference, tmp_path, corpus):
@@ -245,11 +205,11 @@ def test_two_nodes_train_together(reference, tmp_path, corpus):
     args = [*COMMON, f"--data={corpus}", f"--out={out}", "--nnodes=2", "--nproc=1"]
     agents = [
         subprocess.Popen(
-            [sys.executable, "-c", _SHIM, "train", *args, f"--node-rank={node}", rdzv],
+            cli_command("train", *args, f"--node-rank={node}", rdzv),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_ENV,
+            env=ENV,
         )
         for node in (0, 1)
     ]
@@ -258,7 +218,7 @@ def test_two_nodes_train_together(reference, tmp_path, corpus):
         assert agent.returncode == 0, f"{stdout}\n{stderr}"
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["world_size"] for r in records if r["kind"] == "train"] == [2] * 6
-    _assert_equal(_export(out, tmp_path / "final.pt"), reference["final"])
+    assert_same_tensors(_export(out, tmp_path / "final.pt"), reference["final"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,15 +362,15 @@ def test_resume_at_other_world_sizes_and_policies_is_exact(reloaded):
     model = {k.removeprefix("model."): v for k, v in saved.items() if k.startswith("model.")}
     for world, result in ((3, reloaded["three"]), (1, reloaded["one"])):
         resaved = load_full(reloaded["root"] / f"adamw{world}" / "checkpoints" / "step_000003", "")
-        _assert_equal(resaved, saved)  # parameters and every optimizer state, bit for bit
+        assert_same_tensors(resaved, saved)  # parameters and every optimizer state, bit for bit
         for rank_result in result:
-            _assert_equal(rank_result["full"], model)
+            assert_same_tensors(rank_result["full"], model)
 
 
 def test_block_structured_optimizer_state_reshards(reloaded):
     saved = load_full(reloaded["toy"], prefix="optim.")
     resaved = load_full(reloaded["root"] / "toy3" / "checkpoints" / "step_000002", "optim.")
-    _assert_equal(resaved, saved)
+    assert_same_tensors(resaved, saved)
     rows = saved["blocks.0.mlp.fc.weight.row_sq"]
     assert rows.shape == (256,) and bool((rows > 0).all())  # every block of 4 rows, placed once
     assert float(saved["blocks.0.mlp.fc.weight.step"]) == 2.0
@@ -418,7 +378,7 @@ def test_block_structured_optimizer_state_reshards(reloaded):
 
 def test_checkpoint_loads_into_fsdp2(reloaded, reference):
     for rank_result in reloaded["two"]:
-        _assert_equal(rank_result["interop"], reference["final"])
+        assert_same_tensors(rank_result["interop"], reference["final"])
 
 
 def test_nonfinite_loss_is_judged_globally(reloaded):
@@ -441,7 +401,7 @@ def test_watchdog_aborts_a_stuck_step():
         "    time.sleep(30)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=_ENV, timeout=60
+        [sys.executable, "-c", code], capture_output=True, text=True, env=ENV, timeout=60
     )
     assert proc.returncode == health.WATCHDOG_EXIT_CODE
     assert "rank 5: step 7" in proc.stderr and "--step-timeout-s" in proc.stderr
@@ -454,16 +414,6 @@ def test_watchdog_aborts_a_stuck_step():
 @pytest.fixture
 def command(monkeypatch, capsys):
     """``raggedfsdp ARGS`` in this process -> (status, stdout, stderr)."""
-    monkeypatch.setitem(
-        cli.SUBCOMMANDS,
-        "train",
-        cli.Subcommand("train", launch.configure_train_parser, launch.run_train),
-    )
-    monkeypatch.setitem(
-        cli.SUBCOMMANDS,
-        "export",
-        cli.Subcommand("export", launch.configure_export_parser, launch.run_export),
-    )
 
     def run(*args: str) -> tuple[int, str, str]:
         status = cli.main(list(args))
@@ -570,7 +520,7 @@ def test_corrupt_checkpoint_data_is_refused_before_launch(reference, tmp_path, c
     ckpt = _copy_step3(reference, out)
     payload = ckpt / "__0_0.distcp"
     payload.write_bytes(payload.read_bytes()[:100])
-    proc = _run("train", *COMMON, f"--data={corpus}", f"--out={out}", "--resume")
+    proc = run_cli("train", *COMMON, f"--data={corpus}", f"--out={out}", "--resume")
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error:")]

@@ -13,21 +13,15 @@ import pytest
 import torch
 
 from harness import run_distributed
+from launches import ENV, cli_command, run_cli
 
 pytestmark = pytest.mark.slow
 
-_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 TINY = ["--model=gpt-tiny", "--batch-size=4", "--eval-batches=1", "--log-every=1"]
 
 
 def _train(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "raggedfsdp.cli", "train", *TINY, f"--out={out}", *args],
-        capture_output=True,
-        text=True,
-        env=env or _ENV,
-        timeout=180,
-    )
+    return run_cli("train", *TINY, f"--out={out}", *args, env=env)
 
 
 def _strict_records(out: Path) -> list[dict]:
@@ -82,7 +76,7 @@ def test_missing_report_extras_cost_one_line_each(tmp_path: Path) -> None:
     stubs.mkdir()
     for name in ("matplotlib", "tensorboard"):
         (stubs / f"{name}.py").write_text(f'raise ImportError("No module named {name}")\n')
-    env = {**_ENV, "PYTHONPATH": os.pathsep.join([str(stubs), _ENV.get("PYTHONPATH", "")])}
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([str(stubs), ENV.get("PYTHONPATH", "")])}
     out = tmp_path / "run"
     proc = _train(out, "--steps=2", "--tensorboard", "--checkpoint-every=0", env=env)
     assert proc.returncode == 0, proc.stderr
@@ -132,7 +126,7 @@ def _on_small_disk(size: str, command: list[str], mount: Path) -> subprocess.Com
         ["unshare", "-m", "sh", "-c", script, "sh", *command],
         capture_output=True,
         text=True,
-        env=_ENV,
+        env=ENV,
         timeout=180,
     )
 
@@ -147,7 +141,7 @@ def small_disk(tmp_path: Path):
 
 
 def _train_command(out: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "raggedfsdp.cli", "train", *TINY, f"--out={out}", *args]
+    return cli_command("train", *TINY, f"--out={out}", *args)
 
 
 def test_too_small_a_disk_is_refused_before_launch(small_disk: Path) -> None:

@@ -1,0 +1,53 @@
+"""What the tests that launch real ``raggedfsdp train`` jobs share: the environment, the command
+in a fresh interpreter, a corpus file, and the comparisons they make of the results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+#: One thread per worker makes runs bit-for-bit comparable whatever the launcher's process count.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def cli_command(*args: str) -> list[str]:
+    """``raggedfsdp ARGS`` in a fresh interpreter (the launcher then starts the workers)."""
+    return [sys.executable, "-m", "raggedfsdp.cli", *args]
+
+
+def run_cli(
+    *args: str, timeout: float = 180, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``raggedfsdp ARGS`` to the end; its exit status and output."""
+    return subprocess.run(
+        cli_command(*args), capture_output=True, text=True, env=env or ENV, timeout=timeout
+    )
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """``proc``, after asserting it exited 0 (the output in the message when not)."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def stdlib_corpus(path: Path, *, num_files: int, num_bytes: int) -> Path:
+    """A corpus file of the first ``num_bytes`` of the standard library's first ``num_files``
+    modules (fast to load, plenty for a few steps)."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data = b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:num_files])
+    path.write_bytes(data[:num_bytes])
+    return path
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The same keys, and every tensor equal bit for bit, in the same dtype."""
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        assert torch.equal(got[key], want[key]), key
