@@ -85,8 +85,9 @@ class FSDPModule:
         stats = state.ctx.resources.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
         out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
-        out["padding_numel"] = sum(p.padding_numel for p in self.shard_plans())
-        out["param_numel"] = sum(p.param_numel for p in self.shard_plans())
+        plans = self.shard_plans()
+        out["padding_numel"] = sum(p.padding_numel for p in plans)
+        out["param_numel"] = sum(p.param_numel for p in plans)
         out["process_peak_rss_bytes"] = peak_rss_bytes()
         if torch.cuda.is_available() and state.group.device.type == "cuda":
             out["cuda_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
