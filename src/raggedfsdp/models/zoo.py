@@ -19,6 +19,21 @@ llama3-405b         405,853,388,800     405.9B (reported as 405B)
 deepseek-v3-671b    671,026,404,352     671B (main model, without the 14B MTP module)
 gpt-oss-120b        116,829,156,672     116.8B
 ==================  ==================  ==========================================
+
+The ``-experts`` entries and ``deepseek-v2-lite`` keep every expert's projections as separate
+``nn.Linear`` modules, named as the Hugging Face checkpoints name them
+(``model.layers.N.mlp.experts.E.gate_proj.weight``): a layer bucket then holds hundreds of
+same-shaped matrices, the case the planner's grouping of identical tensors exists for. Their
+expert containers are plain modules with numbered children, not ``nn.ModuleList`` (the default
+wrap policy makes every ``ModuleList`` element an FSDP unit; a decoder layer is the unit here).
+
+==========================  ==================  ==========================================
+name                        parameters          public figure
+==========================  ==================  ==========================================
+deepseek-v3-671b-experts    671,026,404,352     671B (as ``deepseek-v3-671b``)
+gpt-oss-120b-experts        116,829,156,672     116.8B (as ``gpt-oss-120b``)
+deepseek-v2-lite            15,706,484,224      15.7B
+==========================  ==================  ==========================================
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
 
 __all__ = [
     "GPTOSS",
+    "GPTOSSHF",
     "MODEL_NAMES",
+    "DeepSeekHF",
     "DeepSeekV3",
     "Llama3",
     "build_model",
@@ -299,6 +316,222 @@ class GPTOSS(_PlanningOnly):
 
 
 # --------------------------------------------------------------------------------------------
+# Hugging Face layouts with one nn.Linear per expert and projection
+# --------------------------------------------------------------------------------------------
+
+
+class _NumberedModules(nn.Module):
+    """Modules named ``0``, ``1``, ... (parameter names as an ``nn.ModuleList`` gives them), but
+    not a ``ModuleList``: the default wrap policy would make every expert its own FSDP unit."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        for i, module in enumerate(modules):
+            self.add_module(str(i), module)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+
+class _Linear(nn.Linear):
+    """``nn.Linear`` that skips its initialisation on the meta device (there is nothing to
+    initialise there, and tens of thousands of experts would spend seconds doing it)."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class _HFMLP(nn.Module):
+    """Hugging Face SwiGLU projections: ``down_proj(silu(gate_proj x) * up_proj x)``."""
+
+    def __init__(self, hidden: int, inner: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = _Linear(hidden, inner, bias=bias)
+        self.up_proj = _Linear(hidden, inner, bias=bias)
+        self.down_proj = _Linear(inner, hidden, bias=bias)
+
+
+class _HFMLA(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention, Hugging Face names (``q_proj`` when there is
+    no query low-rank path, as in DeepSeek-V2-Lite)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_dim: int,
+        qk_rope_dim: int,
+        v_dim: int,
+    ) -> None:
+        super().__init__()
+        q_out = n_heads * (qk_nope_dim + qk_rope_dim)
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(q_lora_rank)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope_dim, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_dim), bias=False)
+        self.o_proj = nn.Linear(n_heads * v_dim, hidden, bias=False)
+
+
+class _HFMoEGate(nn.Module):
+    """The router: ``weight [n_routed, hidden]``; DeepSeek-V3's auxiliary-loss-free balancing
+    bias ``e_score_correction_bias`` is a buffer (set by a rule, not trained by gradients)."""
+
+    def __init__(self, hidden: int, n_routed: int, correction_bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_routed, hidden))
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_routed))
+
+
+class _HFDeepSeekMoE(nn.Module):
+    def __init__(
+        self, hidden: int, n_routed: int, moe_inner: int, n_shared: int, correction_bias: bool
+    ) -> None:
+        super().__init__()
+        self.experts = _NumberedModules([_HFMLP(hidden, moe_inner) for _ in range(n_routed)])
+        self.gate = _HFMoEGate(hidden, n_routed, correction_bias)
+        self.shared_experts = _HFMLP(hidden, n_shared * moe_inner)
+
+
+class _HFDeepSeekLayer(nn.Module):
+    def __init__(self, hidden: int, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = nn.RMSNorm(hidden)
+        self.post_attention_layernorm = nn.RMSNorm(hidden)
+
+
+class _HFDecoder(nn.Module):
+    """The ``model.`` part of a Hugging Face causal LM: embeddings, layers, final norm."""
+
+    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = nn.RMSNorm(hidden)
+
+
+class DeepSeekHF(_PlanningOnly):
+    """DeepSeek-V2/V3 in the Hugging Face checkpoint layout, one ``nn.Linear`` per expert.
+
+    Parameter names as in the public checkpoints (``model.layers.N.self_attn.q_a_proj.weight``,
+    ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.shared_experts.*``,
+    ``mlp.gate.weight``, ``lm_head.weight``). The defaults are deepseek-ai/DeepSeek-V3's
+    ``config.json`` (see :class:`DeepSeekV3`; the same shapes, so the same 671B). DeepSeek-V2-Lite
+    (``config.json`` of deepseek-ai/DeepSeek-V2-Lite): ``hidden_size`` 2048,
+    ``num_hidden_layers`` 27, ``first_k_dense_replace`` 1, ``intermediate_size`` 10944,
+    ``moe_intermediate_size`` 1408, ``n_routed_experts`` 64, ``n_shared_experts`` 2,
+    ``num_attention_heads`` 16, ``q_lora_rank`` null (a plain ``q_proj``), ``kv_lora_rank`` 512,
+    head dims 128/64/128, ``vocab_size`` 102400, ``topk_method`` greedy (no correction bias),
+    ``tie_word_embeddings`` false: 15.7B parameters (model card).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int = 7168,
+        n_layers: int = 61,
+        n_dense_layers: int = 3,
+        dense_inner: int = 18432,
+        moe_inner: int = 2048,
+        n_routed: int = 256,
+        n_shared: int = 1,
+        n_heads: int = 128,
+        q_lora_rank: int | None = 1536,
+        kv_lora_rank: int = 512,
+        qk_nope_dim: int = 128,
+        qk_rope_dim: int = 64,
+        v_dim: int = 128,
+        vocab: int = 129280,
+        correction_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        layers = []
+        for i in range(n_layers):
+            attn = _HFMLA(
+                hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_dim
+            )
+            mlp: nn.Module = (
+                _HFMLP(hidden, dense_inner)
+                if i < n_dense_layers
+                else _HFDeepSeekMoE(hidden, n_routed, moe_inner, n_shared, correction_bias)
+            )
+            layers.append(_HFDeepSeekLayer(hidden, attn, mlp))
+        self.model = _HFDecoder(vocab, hidden, layers)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+class _HFGPTOSSRouter(nn.Module):
+    def __init__(self, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(n_experts))
+
+
+class _HFGPTOSSMoE(nn.Module):
+    def __init__(self, hidden: int, n_experts: int, inner: int) -> None:
+        super().__init__()
+        self.router = _HFGPTOSSRouter(hidden, n_experts)
+        self.experts = _NumberedModules(
+            [_HFMLP(hidden, inner, bias=True) for _ in range(n_experts)]
+        )
+
+
+class _HFGPTOSSLayer(nn.Module):
+    def __init__(
+        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, n_experts: int, inner: int
+    ) -> None:
+        super().__init__()
+        self.self_attn = _GPTOSSAttention(hidden, n_heads, n_kv_heads, head_dim)
+        self.mlp = _HFGPTOSSMoE(hidden, n_experts, inner)
+        self.input_layernorm = nn.RMSNorm(hidden)
+        self.post_attention_layernorm = nn.RMSNorm(hidden)
+
+
+class GPTOSSHF(_PlanningOnly):
+    """GPT-OSS-120B with its experts unfused: one ``nn.Linear`` (with bias) per expert and
+    projection, in the Hugging Face module tree (``model.layers.N.self_attn.q_proj.weight``,
+    ``model.layers.N.mlp.router.weight``, ``lm_head.weight``).
+
+    The public checkpoint fuses the experts (``mlp.experts.gate_up_proj [128, 2880, 5760]`` with
+    gate and up interleaved, ``down_proj [128, 2880, 2880]``, as :class:`GPTOSS` has them); no
+    public checkpoint stores them apart, so the unfused names follow the Hugging Face MoE
+    convention (Mixtral, Qwen-MoE, DeepSeek): ``mlp.experts.E.gate_proj`` / ``up_proj``
+    ``[2880, 2880]`` and ``down_proj [2880, 2880]``, each with its ``bias [2880]``. Same shapes
+    as :class:`GPTOSS` otherwise, so the same 116.8B parameters.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden: int = 2880,
+        n_layers: int = 36,
+        n_heads: int = 64,
+        n_kv_heads: int = 8,
+        head_dim: int = 64,
+        n_experts: int = 128,
+        inner: int = 2880,
+        vocab: int = 201088,
+    ) -> None:
+        super().__init__()
+        layers = [
+            _HFGPTOSSLayer(hidden, n_heads, n_kv_heads, head_dim, n_experts, inner)
+            for _ in range(n_layers)
+        ]
+        self.model = _HFDecoder(vocab, hidden, layers)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+# --------------------------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------------------------
 
@@ -308,6 +541,21 @@ _PUBLIC_BUILDERS = {
     "llama3-405b": lambda: Llama3(hidden=16384, n_layers=126, n_heads=128, ffn=53248),
     "deepseek-v3-671b": DeepSeekV3,
     "gpt-oss-120b": GPTOSS,
+    "deepseek-v3-671b-experts": DeepSeekHF,
+    "gpt-oss-120b-experts": GPTOSSHF,
+    "deepseek-v2-lite": lambda: DeepSeekHF(
+        hidden=2048,
+        n_layers=27,
+        n_dense_layers=1,
+        dense_inner=10944,
+        moe_inner=1408,
+        n_routed=64,
+        n_shared=2,
+        n_heads=16,
+        q_lora_rank=None,
+        vocab=102400,
+        correction_bias=False,
+    ),
 }
 
 MODEL_NAMES: tuple[str, ...] = (*GPT_CONFIGS, *_PUBLIC_BUILDERS)

@@ -7,9 +7,9 @@ the frozen :class:`ShardPlan` it returns, the provable lower bound
 :mod:`raggedfsdp.planner.report` (the ``plan`` command's figures) is imported on demand.
 """
 
+from ._placement import shard_size_lower_bound
 from ._plan import PlanEntry, ShardPlan
 from ._planner import OPTIMIZER_TYPES, OptimizerType, StructAwarePlanner
-from ._search import shard_size_lower_bound
 from .bucketing import (
     Bucket,
     WrapPolicy,

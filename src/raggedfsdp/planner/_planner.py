@@ -1,5 +1,6 @@
 """StructAwarePlanner: each parameter's unit (policy and optimizer), and the plan of one bucket
-or of a whole model. The search itself is in ``_search.py``."""
+or of a whole model. The search itself is in ``_search.py``, its arithmetic in
+``_placement.py``."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from torch import nn
 
 from ..layout import BlockSize, RaggedShard, row_numel
+from ._placement import Item, lower_bound, place
 from ._plan import PlanEntry, ShardPlan
-from ._search import Item, lower_bound, place, search
+from ._search import search
 from .bucketing import Bucket, WrapPolicy, model_buckets
 
 __all__ = ["OPTIMIZER_TYPES", "OptimizerType", "StructAwarePlanner"]
@@ -68,6 +70,9 @@ class StructAwarePlanner:
         self.max_preconditioner_dim = optimizer_options.get("max_preconditioner_dim", 1024)
         self.block_numel = optimizer_options.get("block_numel", 256)
         self._cache: dict[tuple, ShardPlan] = {}
+        # shape -> unit, while the policy has no per-name overrides (the unit then depends on
+        # the shape alone): a layer of hundreds of experts repeats a few shapes.
+        self._units: dict[tuple[int, ...], int] = {}
 
     def __repr__(self) -> str:
         return (
@@ -120,16 +125,23 @@ class StructAwarePlanner:
             raise ValueError("cannot plan an empty bucket: params has no entries")
         dtype = dtype or _bucket_dtype(params)
         alignment = max(1, self.alignment_bytes // dtype.itemsize)
-        items = []
+        rows = []  # (name, shape, numel, unit); Items are built only when the cache misses
+        units = None if self.shard_policy.overrides else self._units
         for pname, value in params.items():
             shape = tuple(int(d) for d in (value.shape if torch.is_tensor(value) else value))
-            if any(d < 0 for d in shape):
-                raise ValueError(f"parameter {pname!r} has a negative dimension: {list(shape)}")
-            items.append(Item(pname, shape, math.prod(shape), self.unit_numel(pname, shape)))
-        key = (tuple((it.numel, it.unit, it.shape) for it in items), world_size, alignment, dtype)
+            unit = units.get(shape) if units is not None else None
+            if unit is None:
+                if any(d < 0 for d in shape):
+                    raise ValueError(f"parameter {pname!r} has a negative dimension: {list(shape)}")
+                unit = self.unit_numel(pname, shape)
+                if units is not None:
+                    units[shape] = unit
+            rows.append((pname, shape, math.prod(shape), unit))
+        key = (tuple((n, u, shape) for _, shape, n, u in rows), world_size, alignment, dtype)
         cached = self._cache.get(key)
         if cached is not None:
-            return cached.renamed([it.name for it in items], name)
+            return cached.renamed([row[0] for row in rows], name)
+        items = [Item(*row) for row in rows]
         shard, order = search(items, world_size, alignment)
         offsets = place(order, shard, alignment, world_size * shard) if shard else None
         entries = {

@@ -12,222 +12,287 @@ Given a bucket's parameters (each with a numel and a unit), a world size ``W`` a
 
 - *Fixed order is easy.* For a fixed order of parameters, placing each at its earliest valid
   offset is optimal: the earliest start gives the earliest end, and the set of valid offsets for
-  the next parameter only shrinks as the cursor grows (see :func:`_earliest_offset`).
+  the next parameter only shrinks as the cursor grows (see :func:`earliest_offset`).
 - *Per-parameter necessary conditions.* A parameter of ``n`` elements and unit ``u`` that crosses
   two boundaries forces ``S % u == 0``; one that crosses one boundary needs a cut point ``t``
   (a multiple of ``lcm(u, a)``) with ``n - S <= t <= S``. Together these say: the parameter is
   placeable iff ``S % u == 0`` or ``S >= c`` where ``c`` is its *crossing size* (see
-  :func:`_crossing_size`). With ``W*S >= total`` this gives a provable lower bound on ``S``
+  :func:`crossing_size`). With ``W*S >= total`` this gives a provable lower bound on ``S``
   (:func:`shard_size_lower_bound`) and the only candidate sizes worth trying.
 - *Feasibility is not monotone in S*, so sizes are tried in increasing order, not bisected.
-- *Order matters*: for each candidate size, try the model order first (ties go to model order),
-  then an exact dynamic program over the multiset of parameter *types* ``(numel, unit)`` — repeated
-  shapes collapse, so a Llama layer has 162 states — which becomes a beam search when the state
-  space is large.
+- *Parameters of one shape are one type with a count.* Everything below works on the types
+  ``(numel, unit)`` of a bucket, not on its tensors: a layer of 256 separate experts has a
+  dozen types, and within a type parameters keep model order.
+- *Waste.* A placement's cursor is the aligned sizes placed so far plus the padding it left
+  (its *waste*). A plan fits iff its final waste is at most the *slack* ``W*S - min total``, so
+  a partial placement whose waste already exceeds the slack is dead; every search prunes on it.
+- *Residues prove sizes infeasible, cheaply.* Each rank boundary ``k*S`` falls between
+  parameters or inside one at a cut point, so the parameter there starts at ``k*S`` minus a
+  multiple of its ``lcm(unit, a)``, and its start is a sum of aligned sizes plus the waste so
+  far. Modulo each type's lcm those sums form a small set, so the waste each boundary forces
+  can be accumulated boundary by boundary with no order at all (:class:`Residues`). Near the
+  bound, where the slack is a few elements and the units are thousands, that rules out most
+  candidate sizes before any placement is tried. Parameters no boundary may cut (whole units)
+  get a bin-packing bound instead: a rank holds at most ``k`` of those larger than
+  ``S / (k + 1)`` (:meth:`_Bucket._overpacked`). A size either proof rules out has no valid
+  plan in any order, so skipping it changes no result.
+- *Order matters.* Each size first gets the cheap orders: model order (ties go to model order),
+  large units first, large tensors first. For a small bucket (a dense layer) the exact dynamic
+  program over type counts follows -- how many of each type are placed, the smallest cursor per
+  state -- which becomes a beam search when the state space is large, as it always was.
+- *Large buckets are searched rank by rank.* Placing tensors one at a time costs the DP a layer
+  per tensor, which is what made a layer of hundreds of experts take seconds. Inside one rank
+  the order of the tensors that fit does not matter, only which ones and which tensor crosses
+  the rank's end; so :func:`window_beam` extends a beam of partial placements one rank at a
+  time: a few rare tensors (norms, a router, attention) chosen depth-first, the common ones
+  (the experts) topped up in closed form, then every type that could cross the boundary, the
+  states of least waste kept. All beams of one search share a deterministic work budget, spent
+  by iterative deepening on the undecided sizes below the first size that fits (see
+  :func:`search`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 
-__all__ = ["Item", "lower_bound", "place", "search", "shard_size_lower_bound"]
+from ._placement import (
+    Item,
+    ItemType,
+    crossing_offset,
+    fits,
+    item_types,
+    lower_bound_of,
+    min_total,
+    next_valid_size,
+)
+from ._residues import Residues
+from ._window import NEVER, Work, window_beam
+
+__all__ = ["search"]
 
 # Exact DP while the number of type-count states is at most this; beam search beyond.
 _EXACT_STATES = 4096
 _BEAM_WIDTH = 128
 # Candidate sizes tried one by one before the search steps geometrically (see search).
 _CONSECUTIVE_CANDIDATES = 32
-
-# ---------------------------------------------------------------------------------------------
-# Pure arithmetic of placement.
-
-
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
-def _crossing_size(numel: int, unit: int, alignment: int) -> int:
-    """Smallest ``S`` at which a parameter can be placed *without* ``S`` being a multiple of its
-    unit: it must then cross at most one boundary, at a cut ``t`` (a multiple of
-    ``L = lcm(unit, alignment)`` so the offset stays aligned) with ``numel - S <= t <= S``.
-    The best ``t`` is the multiple of ``L`` nearest ``numel / 2``."""
-    lcm = math.lcm(unit, alignment)
-    above = -(-numel // (2 * lcm)) * lcm  # smallest multiple of L >= numel/2 (needs S >= it)
-    below = (numel // (2 * lcm)) * lcm  # largest multiple of L <= numel/2 (needs S >= n - it)
-    return min(above, numel - below)
-
-
-@dataclass(frozen=True)
-class Item:
-    """One parameter as the search sees it: its numel and unit (the name and shape ride along)."""
-
-    name: str
-    shape: tuple[int, ...]
-    numel: int
-    unit: int
-
-
-def _min_total(items: Sequence[Item], alignment: int) -> int:
-    """Fewest buffer elements any plan needs: every parameter but the last is followed by
-    padding up to the alignment."""
-    sizes = [it.numel for it in items if it.numel]
-    if not sizes:
-        return 0
-    aligned = [_align_up(n, alignment) for n in sizes]
-    return sum(aligned) - max(a - n for a, n in zip(aligned, sizes, strict=True))
-
-
-def _next_valid_size(size: int, items: Sequence[Item], alignment: int) -> int:
-    """Smallest ``S >= size`` (a multiple of the alignment) meeting every parameter's necessary
-    condition ``S % unit == 0 or S >= crossing_size``. Walks the thresholds where the set of
-    parameters that force divisibility shrinks; within one such interval the answer is the first
-    multiple of the lcm of their units."""
-    needs = [(_crossing_size(it.numel, it.unit, alignment), it.unit) for it in items if it.numel]
-    s = _align_up(max(size, alignment), alignment)
-    while True:
-        forcing = [(c, u) for c, u in needs if c > s]
-        if not forcing:
-            return s
-        modulus = alignment
-        for _, u in forcing:
-            modulus = math.lcm(modulus, u)
-        candidate = _align_up(s, modulus)
-        threshold = min(c for c, _ in forcing)  # the set changes here
-        if candidate < threshold:
-            return candidate
-        s = _align_up(threshold, alignment)
-
-
-def shard_size_lower_bound(
-    numels: Sequence[int], units: Sequence[int], world_size: int, alignment: int = 1
-) -> int:
-    """A provable lower bound on the shard size ``S`` of any valid plan.
-
-    ``S`` must hold all parameters with their alignment padding (``W*S >= min total``), and each
-    parameter needs ``S % unit == 0`` or ``S >= crossing size`` (a parameter that spans two rank
-    boundaries forces ``S`` to a multiple of its unit). So some shapes cannot reach low padding at
-    large ``W`` whatever the planner does; this bound says so.
-    """
-    items = [Item(str(i), (n,), n, u) for i, (n, u) in enumerate(zip(numels, units, strict=True))]
-    return lower_bound(items, world_size, alignment)
-
-
-def lower_bound(items: Sequence[Item], world_size: int, alignment: int) -> int:
-    total = _min_total(items, alignment)
-    if total == 0:
-        return 0
-    return _next_valid_size(-(-total // world_size), items, alignment)
-
-
-def _earliest_offset(cursor: int, numel: int, unit: int, s: int, a: int, cap: int) -> int | None:
-    """Earliest valid offset ``>= cursor`` (aligned) for a parameter, or ``None``.
-
-    Inside the current rank window it starts at the cursor if it fits. Otherwise it must cross
-    the next boundary ``b`` at a cut: offset ``b - t`` with ``t`` a multiple of ``lcm(unit, a)``
-    as large as the cursor allows. Crossing a second boundary is legal only when ``S % unit == 0``.
-    If the next window fails too, all later ones do (each offers at least as much room), so two
-    windows are all there is to check.
-    """
-    if numel == 0:
-        return cursor if cursor <= cap else None
-    window = cursor // s
-    if cursor + numel <= (window + 1) * s:
-        return cursor if cursor + numel <= cap else None
-    lcm = math.lcm(unit, a)
-    for boundary_rank in (window + 1, window + 2):
-        boundary = boundary_rank * s
-        lowest = cursor if boundary_rank == window + 1 else boundary - s
-        offset = boundary - ((boundary - lowest) // lcm) * lcm
-        if offset + numel > boundary + s and s % unit:
-            continue
-        return offset if offset + numel <= cap else None
-    return None
-
-
-def place(order: Iterable[Item], s: int, a: int, cap: int) -> list[int] | None:
-    """Offsets of the earliest placement of ``order``, or ``None`` when it does not fit."""
-    offsets: list[int] = []
-    cursor = 0
-    for it in order:
-        offset = _earliest_offset(cursor, it.numel, it.unit, s, a, cap)
-        if offset is None:
-            return None
-        offsets.append(offset)
-        cursor = _align_up(offset + it.numel, a)
-    return offsets
+# Buckets whose DP costs at most this (states times types) get it at every size, as always;
+# those up to _MEDIUM_DP get it at a few sizes, within the work budget.
+_DP_BUDGET = 50_000
+_MEDIUM_DP = 400_000
+# The residue test stops being tried after this many consecutive sizes it did not rule out.
+_RESIDUE_MISSES = 8
+# Window beams (see window_beam): widths, deepened in turn; both top-up orders.
+_WINDOW_WIDTHS = (1, 4, 16, 64)
+_BALANCED = (False, True)
+# The work budget of one search's beams, in type checks (about 0.4 us each).
+_WORK_BUDGET = 300_000
 
 
 def _best_type_order(
-    types: Sequence[tuple[int, int]], counts: Sequence[int], s: int, a: int, cap: int
+    types: Sequence[ItemType], s: int, a: int, cap: int, slack: int, work: Work | None = None
 ) -> list[int] | None:
     """Order of types (indices, with repeats) whose earliest placement fits, or ``None``.
 
     Dynamic program over how many of each type are placed; a state keeps the smallest cursor
-    reachable (smaller dominates: see the module note). Exact while the state space is small;
-    otherwise each layer keeps the ``_BEAM_WIDTH`` states with the smallest cursor.
+    reachable (smaller dominates: see the module note), and states whose waste exceeds the
+    slack are dropped. Exact while the state space is small; otherwise each layer keeps the
+    ``_BEAM_WIDTH`` states with the smallest cursor (ties: fewer of the first types placed).
+    A state is an integer, the counts in mixed radix, the first type most significant (so
+    integer order is the order of the count tuples). ``work``: charged one step per transition.
     """
+    counts = [t.count for t in types]
     exact = math.prod(c + 1 for c in counts) <= _EXACT_STATES
-    start = tuple(0 for _ in counts)
-    layer: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]] = {start: (0, None, -1)}
+    strides = [0] * len(types)
+    stride = 1
+    for j in range(len(types) - 1, -1, -1):
+        strides[j] = stride
+        stride *= counts[j] + 1
+    spec = [(j, t.numel, t.unit, t.lcm, t.size, strides[j], counts[j]) for j, t in enumerate(types)]
+    # state -> (cursor, aligned sizes placed, parent state, type placed last)
+    layer: dict[int, tuple[int, int, int, int]] = {0: (0, 0, -1, -1)}
     history = [layer]
     for _ in range(sum(counts)):
-        nxt: dict[tuple[int, ...], tuple[int, tuple[int, ...] | None, int]] = {}
-        for state, (cursor, _, _) in layer.items():
-            for j, (numel, unit) in enumerate(types):
-                if state[j] == counts[j]:
+        nxt: dict[int, tuple[int, int, int, int]] = {}
+        for state, (cursor, placed, _, _) in layer.items():
+            window_end = (cursor // s + 1) * s
+            for j, numel, unit, lcm, size, step, count in spec:
+                if (state // step) % (count + 1) == count:
                     continue
-                offset = _earliest_offset(cursor, numel, unit, s, a, cap)
-                if offset is None:
-                    continue
-                new_cursor = _align_up(offset + numel, a)
-                child = (*state[:j], state[j] + 1, *state[j + 1 :])
+                if cursor + numel <= window_end:
+                    if cursor + numel > cap:
+                        continue
+                    offset = cursor
+                else:
+                    offset = crossing_offset(cursor, numel, unit, lcm, s, cap)
+                    if offset is None:
+                        continue
+                new_cursor = -(-(offset + numel) // a) * a
+                if new_cursor - placed - size > slack:
+                    continue  # its waste already exceeds the slack
+                child = state + step
                 # Strict '<' keeps the first path found, which explores types in model order.
-                if child not in nxt or new_cursor < nxt[child][0]:
-                    nxt[child] = (new_cursor, state, j)
+                old = nxt.get(child)
+                if old is None or new_cursor < old[0]:
+                    nxt[child] = (new_cursor, placed + size, state, j)
+        if work is not None:
+            work.left -= len(layer) * len(spec)
         if not nxt:
             return None
         if not exact and len(nxt) > _BEAM_WIDTH:
-            kept = sorted(nxt.items(), key=lambda kv: (kv[1][0], kv[0]))[:_BEAM_WIDTH]
+            kept = heapq.nsmallest(_BEAM_WIDTH, nxt.items(), key=lambda kv: (kv[1][0], kv[0]))
             nxt = dict(kept)
         layer = nxt
         history.append(layer)
+    return _trace_back(history, stride - 1)  # the state with every count at its maximum
+
+
+def _trace_back(history: Sequence[dict[int, tuple[int, int, int, int]]], state: int) -> list[int]:
+    """The type order that reaches ``state`` in the DP's last layer, from its parent links."""
     order: list[int] = []
-    state: tuple[int, ...] | None = tuple(counts)
     for layer in reversed(history[1:]):
-        _, parent, j = layer[state]
+        _, _, parent, j = layer[state]
         order.append(j)
         state = parent
     return order[::-1]
 
 
-def _order_at(items: Sequence[Item], s: int, a: int, world_size: int) -> list[Item] | None:
-    """A parameter order that fits at shard size ``s``: model order if it does (ties go to model
-    order), else the type-count DP's, with parameters of one type kept in model order."""
-    cap = world_size * s
-    if place(items, s, a, cap) is not None:
-        return list(items)
-    # Cheap orders before the dynamic program: large units first (they constrain S most),
-    # then large tensors first. Sorting is stable, so ties keep model order.
-    for key in (lambda it: (-it.unit, -it.numel), lambda it: -it.numel):
-        order = sorted(items, key=key)
-        if place(order, s, a, cap) is not None:
-            return order
-    types: list[tuple[int, int]] = []
-    members: dict[tuple[int, int], list[Item]] = {}
-    for it in items:
-        key = (it.numel, it.unit)
-        if key not in members:
-            types.append(key)
-            members[key] = []
-        members[key].append(it)
-    counts = [len(members[t]) for t in types]
-    type_order = _best_type_order(types, counts, s, a, cap)
-    if type_order is None:
+class _Bucket:
+    """A bucket's parameters as the search sees them: nonempty items, their types, residues."""
+
+    def __init__(self, items: Sequence[Item], a: int) -> None:
+        self.items = list(items)
+        self.a = a
+        self.types, self.type_of = item_types(self.items, a)
+        self.min_total = min_total(self.types)
+        # Every aligned size and lcm is a multiple of this (see Residues.gcd_waste).
+        self.gcd = 0
+        for t in self.types:
+            self.gcd = math.gcd(self.gcd, math.gcd(t.size, t.lcm))
+        self._residues: Residues | None = None  # built when first needed
+        # Parameters that no boundary may cut (no cut point inside: a whole unit, a vector
+        # shorter than its block), largest first, as (numel, count).
+        self.uncut = sorted(
+            ((t.numel, t.count) for t in self.types if t.lcm >= t.numel), reverse=True
+        )
+        # Large units first (they constrain S most), then large tensors first; sorting is
+        # stable, so ties keep model order.
+        by_unit = sorted(self.items, key=lambda it: (-it.unit, -it.numel))
+        self.orders = [self.items, by_unit, sorted(self.items, key=lambda it: -it.numel)]
+        index = {id(it): j for it, j in zip(self.items, self.type_of, strict=True)}
+        # Type preferences of the window beams: first appearance in model order and in the
+        # large-units-first order; each with both top-up orders. A variant is
+        # ``(number, preferences, balanced)``; the one that last fitted goes first.
+        prefs_list: list[list[int]] = []
+        for base in (self.type_of, [index[id(it)] for it in by_unit]):
+            prefs = list(dict.fromkeys(base))
+            if prefs not in prefs_list:
+                prefs_list.append(prefs)
+        self.variants: list[tuple[int, list[int], bool]] = []
+        for balanced in _BALANCED:
+            for prefs in prefs_list:
+                self.variants.append((len(self.variants), prefs, balanced))
+        self.work = Work(_WORK_BUDGET)
+        # Consecutive sizes the residue test did not rule out (it stops being tried after
+        # _RESIDUE_MISSES of them: the bucket's residues prove nothing near its bound).
+        self.residue_misses = 0
+        states = math.prod(t.count + 1 for t in self.types)
+        width = states if states <= _EXACT_STATES else _BEAM_WIDTH * len(self.items)
+        dp_cost = width * len(self.types)
+        #: Small enough for the type-count DP at every candidate size (as it always was).
+        self.small = dp_cost <= _DP_BUDGET
+        #: Small enough for the DP (its beam) at a few sizes, within the work budget.
+        self.medium = dp_cost <= _MEDIUM_DP
+
+    def _overpacked(self, s: int, world_size: int) -> bool:
+        """Whether the uncut parameters cannot fit in ``W`` ranks of ``s``: a rank holds at most
+        ``k`` parameters larger than ``s / (k + 1)``, for k = 1, 2, 3 (a bin-packing bound)."""
+        for k in (1, 2, 3):
+            larger = 0
+            for numel, count in self.uncut:
+                if numel * (k + 1) <= s:
+                    break
+                larger += count
+            if larger > k * world_size:
+                return True
+        return False
+
+    @property
+    def residues(self) -> Residues:
+        if self._residues is None:
+            self._residues = Residues(self.types)
+        return self._residues
+
+    def members(self) -> list[list[Item]]:
+        out: list[list[Item]] = [[] for _ in self.types]
+        for it, j in zip(self.items, self.type_of, strict=True):
+            out[j].append(it)
+        return out
+
+    def expand(self, type_order: Sequence[int]) -> list[Item]:
+        """Items for a type order, parameters of one type in model order."""
+        queues = [iter(m) for m in self.members()]
+        return [next(queues[j]) for j in type_order]
+
+    def cheap_order_at(self, s: int, world_size: int) -> list[Item] | bool | None:
+        """The cheap part of trying size ``s``: ``False`` when the residues prove it
+        infeasible, an order when model order, large units first or large tensors first fits
+        (in that order: ties go to model order), else ``None`` (unknown)."""
+        a = self.a
+        cap = world_size * s
+        slack = cap - self.min_total
+        if self.gcd and (world_size - 1) * (s % self.gcd) > slack:
+            return False  # see Residues.gcd_waste
+        if self._overpacked(s, world_size):
+            return False
+        for order in self.orders:
+            if fits(order, s, a, cap, slack):
+                return list(order)
+        if self.residue_misses < _RESIDUE_MISSES:
+            if self.residues.forced_waste(s, world_size, slack) > slack:
+                self.residue_misses = 0
+                return False
+            self.residue_misses += 1
         return None
-    queues = {t: iter(members[t]) for t in types}
-    return [next(queues[types[j]]) for j in type_order]
+
+    def searched_order_at(
+        self, s: int, world_size: int, work: Work | None = None
+    ) -> list[Item] | None:
+        """The type-count DP (charging ``work``, if given, for its transitions)."""
+        cap = world_size * s
+        type_order = _best_type_order(self.types, s, self.a, cap, cap - self.min_total, work)
+        return None if type_order is None else self.expand(type_order)
+
+    def beam_order_at(
+        self, s: int, world_size: int, width: int, done: set[tuple[int, int]], first: bool = False
+    ) -> list[Item] | None:
+        """Window beams of ``width`` at size ``s``, one per variant (preference order and
+        top-up), skipping the variants in ``done`` (``(variant, width)`` pairs already tried,
+        or the variant's ``-1`` once a beam of it dropped nothing: wider ones would search the
+        same states). The variant that fits is tried first from then on. ``first``: the first
+        variant only."""
+        cap = world_size * s
+        slack = cap - self.min_total
+        for variant in list(self.variants[:1] if first else self.variants):
+            key, prefs, balanced = variant
+            if (key, width) in done or (key, -1) in done:
+                continue
+            done.add((key, width))
+            type_order, dropped = window_beam(
+                self.types, prefs, s, self.a, cap, slack, width, self.work, balanced
+            )
+            if type_order is not None:
+                order = self.expand(type_order)
+                if fits(order, s, self.a, cap, slack):  # the beam's arithmetic, rechecked
+                    self.variants.remove(variant)
+                    self.variants.insert(0, variant)
+                    return order
+            if not dropped:
+                done.add((key, -1))
+            if self.work.left < 0:
+                return None
+        return None
 
 
 def search(items: Sequence[Item], world_size: int, a: int) -> tuple[int, list[Item]]:
@@ -238,23 +303,103 @@ def search(items: Sequence[Item], world_size: int, a: int) -> tuple[int, list[It
     from 2^-14 of ``S`` and doubling every 4 failures: feasibility is not monotone, so this can
     skip a feasible size, but only large awkward buckets get that far, it stays close to the
     smallest feasible region, and it bounds planning time.
+
+    Each size first gets the cheap tries (:meth:`_Bucket.cheap_order_at`: the residue proofs
+    and the cheap orders). Small buckets then get the type-count DP, and the first size that
+    fits is the answer, exactly as before. Large buckets share one work budget among their
+    window beams: on the way up each size gets one narrow beam (while half the budget lasts)
+    until one fits or a cheap order does; the sizes below that which nothing proved infeasible
+    (*undecided*) then get iterative deepening -- every variant at each beam width in turn (and
+    for medium buckets the DP after width 4), sizes from the bottom up, so the first that fits
+    is the best at that width -- while the budget lasts. The budget counts steps, not time, so
+    the plan is deterministic.
     """
-    nonempty = [it for it in items if it.numel]
-    lower = lower_bound(nonempty, world_size, a)
+    bucket = _Bucket([it for it in items if it.numel], a)
+    lower = lower_bound_of(bucket.types, world_size, a)
     if lower == 0:
         return 0, list(items)
+    best, unknown = _first_fit(bucket, world_size, lower)
+    shard, order = _deepen(bucket, world_size, best, unknown)
+    return shard, _with_empty(items, order)
+
+
+_Undecided = list[tuple[int, set[tuple[int, int]]]]  # sizes, each with its beams already tried
+
+
+def _first_fit(
+    bucket: _Bucket, world_size: int, lower: int
+) -> tuple[tuple[int, list[Item]], _Undecided]:
+    """The way up from ``lower``: the first size the cheap tries, the DP (small buckets) or one
+    narrow beam (large ones, while half the budget lasts) find feasible, and the sizes below it
+    that nothing decided."""
+    a = bucket.a
     s = lower
     tried = 0
+    unknown: _Undecided = []
+    skip = _Skip(world_size, bucket.min_total)
     while True:
-        order = _order_at(nonempty, s, a, world_size)
-        if order is not None:
-            return s, _with_empty(items, order)
+        found = bucket.cheap_order_at(s, world_size)
+        if found is None and bucket.small:
+            found = bucket.searched_order_at(s, world_size)
+        elif found is None:
+            done: set[tuple[int, int]] = set()
+            if bucket.work.left > _WORK_BUDGET // 2 and not skip.skips(s):
+                found = skip.after(bucket, bucket.beam_order_at(s, world_size, 1, done, True))
+            if found is None:
+                unknown.append((s, done))
+        if isinstance(found, list):
+            return (s, found), unknown
         tried += 1
         step = a
         if tried >= _CONSECUTIVE_CANDIDATES:
             doublings = (tried - _CONSECUTIVE_CANDIDATES) // 4
             step = max(a, (s >> 14) << doublings)
-        s = _next_valid_size(s + step, nonempty, a)
+        s = next_valid_size(s + step, bucket.types, a)
+
+
+def _deepen(
+    bucket: _Bucket, world_size: int, best: tuple[int, list[Item]], unknown: _Undecided
+) -> tuple[int, list[Item]]:
+    """Iterative deepening over the undecided sizes below the best: every variant at each width
+    in turn, sizes from the bottom up (the first that fits is the best at that width). Medium
+    buckets get the type-count DP's beam after the narrow window beams."""
+    levels: list[int] = list(_WINDOW_WIDTHS)
+    if bucket.medium:
+        levels.insert(_WINDOW_WIDTHS.index(4) + 1, 0)
+    for width in levels:
+        skip = _Skip(world_size, bucket.min_total)
+        for size, done in unknown:
+            if size >= best[0] or bucket.work.left < 0:
+                break
+            if width == 0:
+                order = bucket.searched_order_at(size, world_size, bucket.work)
+            elif skip.skips(size):
+                continue
+            else:
+                order = skip.after(bucket, bucket.beam_order_at(size, world_size, width, done))
+            if order is not None:
+                best = (size, order)
+                break
+    return best
+
+
+class _Skip:
+    """Beams at sizes close together see nearly the same choices: after a beam failed because
+    it had to drop states wasting ``needed`` (over its slack), sizes whose slack is still below
+    that are skipped (they stay undecided)."""
+
+    def __init__(self, world_size: int, min_total: int) -> None:
+        self.world_size = world_size
+        self.min_total = min_total
+        self.needed = 0
+
+    def skips(self, s: int) -> bool:
+        return s * self.world_size - self.min_total < self.needed
+
+    def after(self, bucket: _Bucket, order: list[Item] | None) -> list[Item] | None:
+        self.needed = 0 if order is not None or bucket.work.needed == NEVER else bucket.work.needed
+        bucket.work.needed = NEVER
+        return order
 
 
 def _with_empty(items: Sequence[Item], order: list[Item]) -> list[Item]:
