@@ -392,11 +392,48 @@ def test_infeasibility_proofs_never_rule_out_a_feasible_size():
             if (
                 bucket.residues.gcd_waste(s, w) > slack
                 or bucket.residues.forced_waste(s, w, slack) > slack
-                or bucket._overpacked(s, w)
             ):
                 rejected += 1
                 assert not feasible_at(numels, units, w, a, s), (numels, units, w, a, s)
     assert rejected  # the sample does exercise the proofs
+
+
+def test_packing_bound_holds_and_binds_for_whole_tensors():
+    """The bin-packing part of the bound never exceeds the exact optimum (brute force) where
+    whole tensors dominate, and it is what makes the bound tight there: three equal whole
+    tensors on two ranks need S = 2n, while the averaging bound says 1.5n."""
+    import random
+
+    assert rf.shard_size_lower_bound([64, 64, 64], [64, 64, 64], 2) == 128
+    rng = random.Random(3)
+    binding = 0
+    for _ in range(120):
+        numels = [rng.choice([8, 12, 16, 24, 40]) for _ in range(rng.randint(2, 5))]
+        units = [n if rng.random() < 0.8 else rng.choice([1, 4]) for n in numels]
+        w, a = rng.randint(2, 4), rng.choice([1, 4])
+        bound = rf.shard_size_lower_bound(numels, units, w, a)
+        averaging = -(-(sum(-(-n // a) * a for n in numels)) // w)
+        binding += bound > averaging + a
+        assert bound <= reference_shard_size(numels, units, w, a), (numels, units, w, a)
+    assert binding  # the sample does exercise the packing bound
+
+
+def test_sizes_at_unit_multiples_are_not_stepped_over():
+    """Five 11-unit expert matrices on 8 ranks (DeepSeek-V2-Lite, 128-row units, 64 MiB
+    buckets) fit only where S is a multiple of a unit, 7 units here, 1.8% above the bound; a
+    search whose step has grown geometrically by then jumped to 16.7% above it."""
+    params = {
+        "e2.gate": (1408, 2048),
+        "e2.up": (1408, 2048),
+        "e2.down": (2048, 1408),
+        "e3.gate": (1408, 2048),
+        "e3.up": (1408, 2048),
+    }
+    planner = rf.StructAwarePlanner(shard_policy=rf.RaggedShard(block_size=128))
+    plan = planner.plan(params, 8)
+    check_invariants(plan)
+    assert plan.shard_numel == 7 * 128 * 2048  # the exact optimum (every size below fails)
+    assert plan.lower_bound == 10 * 128 * 1408
 
 
 def separate_experts_layer(n_experts: int = 256) -> dict[str, tuple[int, ...]]:

@@ -24,6 +24,7 @@ __all__ = [
     "lower_bound_of",
     "min_total",
     "next_valid_size",
+    "packing_bound",
     "place",
     "shard_size_lower_bound",
 ]
@@ -120,10 +121,12 @@ def shard_size_lower_bound(
 ) -> int:
     """A provable lower bound on the shard size ``S`` of any valid plan.
 
-    ``S`` must hold all parameters with their alignment padding (``W*S >= min total``), and each
+    ``S`` must hold all parameters with their alignment padding (``W*S >= min total``), each
     parameter needs ``S % unit == 0`` or ``S >= crossing size`` (a parameter that spans two rank
-    boundaries forces ``S`` to a multiple of its unit). So some shapes cannot reach low padding at
-    large ``W`` whatever the planner does; this bound says so.
+    boundaries forces ``S`` to a multiple of its unit), and the parameters no boundary may cut
+    must pack into ``W`` ranks (:func:`packing_bound`). So some shapes cannot reach low padding
+    at large ``W``, or with whole tensors at small ``W``, whatever the planner does; this bound
+    says so.
     """
     items = [Item(str(i), (n,), n, u) for i, (n, u) in enumerate(zip(numels, units, strict=True))]
     return lower_bound(items, world_size, alignment)
@@ -138,7 +141,27 @@ def lower_bound_of(types: Sequence[ItemType], world_size: int, alignment: int) -
     total = min_total(types)
     if total == 0:
         return 0
-    return next_valid_size(-(-total // world_size), types, alignment)
+    size = max(-(-total // world_size), packing_bound(types, world_size))
+    return next_valid_size(size, types, alignment)
+
+
+def packing_bound(types: Sequence[ItemType], world_size: int) -> int:
+    """Smallest ``S`` at which the parameters that no boundary may cut (no cut point inside: a
+    whole unit, a vector shorter than its block) can pack into ``W`` ranks by the bin-packing
+    argument: ``k + 1`` parameters larger than ``S / (k + 1)`` overfill a rank, so a rank holds
+    at most ``k`` of them, and the ``(k*W + 1)``-th largest, ``n``, needs ``S >= (k + 1) * n``.
+    Every ``k`` up to the number of such parameters per rank is tried (one walk down the sizes).
+    """
+    uncut = sorted(((t.numel, t.count) for t in types if t.lcm >= t.numel), reverse=True)
+    bound = 0
+    k = 1
+    seen = 0
+    for numel, count in uncut:
+        seen += count
+        while seen > k * world_size:  # this size holds the (k*W + 1)-th largest
+            bound = max(bound, (k + 1) * numel)
+            k += 1
+    return bound
 
 
 def earliest_offset(cursor: int, numel: int, unit: int, s: int, a: int, cap: int) -> int | None:

@@ -17,7 +17,9 @@ Given a bucket's parameters (each with a numel and a unit), a world size ``W`` a
   two boundaries forces ``S % u == 0``; one that crosses one boundary needs a cut point ``t``
   (a multiple of ``lcm(u, a)``) with ``n - S <= t <= S``. Together these say: the parameter is
   placeable iff ``S % u == 0`` or ``S >= c`` where ``c`` is its *crossing size* (see
-  :func:`crossing_size`). With ``W*S >= total`` this gives a provable lower bound on ``S``
+  :func:`crossing_size`). With ``W*S >= total`` and a bin-packing bound for the parameters no
+  boundary may cut (whole units: a rank holds at most ``k`` of those larger than ``S / (k + 1)``,
+  :func:`packing_bound`) this gives a provable lower bound on ``S``
   (:func:`shard_size_lower_bound`) and the only candidate sizes worth trying.
 - *Feasibility is not monotone in S*, so sizes are tried in increasing order, not bisected.
 - *Parameters of one shape are one type with a count.* Everything below works on the types
@@ -32,10 +34,8 @@ Given a bucket's parameters (each with a numel and a unit), a world size ``W`` a
   far. Modulo each type's lcm those sums form a small set, so the waste each boundary forces
   can be accumulated boundary by boundary with no order at all (:class:`Residues`). Near the
   bound, where the slack is a few elements and the units are thousands, that rules out most
-  candidate sizes before any placement is tried. Parameters no boundary may cut (whole units)
-  get a bin-packing bound instead: a rank holds at most ``k`` of those larger than
-  ``S / (k + 1)`` (:meth:`_Bucket._overpacked`). A size either proof rules out has no valid
-  plan in any order, so skipping it changes no result.
+  candidate sizes before any placement is tried. A size this proof rules out has no valid plan
+  in any order, so skipping it changes no result.
 - *Order matters.* Each size first gets the cheap orders: model order (ties go to model order),
   large units first, large tensors first. For a small bucket (a dense layer) the exact dynamic
   program over type counts follows -- how many of each type are placed, the smallest cursor per
@@ -171,11 +171,6 @@ class _Bucket:
         for t in self.types:
             self.gcd = math.gcd(self.gcd, math.gcd(t.size, t.lcm))
         self._residues: Residues | None = None  # built when first needed
-        # Parameters that no boundary may cut (no cut point inside: a whole unit, a vector
-        # shorter than its block), largest first, as (numel, count).
-        self.uncut = sorted(
-            ((t.numel, t.count) for t in self.types if t.lcm >= t.numel), reverse=True
-        )
         # Large units first (they constrain S most), then large tensors first; sorting is
         # stable, so ties keep model order.
         by_unit = sorted(self.items, key=lambda it: (-it.unit, -it.numel))
@@ -205,19 +200,6 @@ class _Bucket:
         #: Small enough for the DP (its beam) at a few sizes, within the work budget.
         self.medium = dp_cost <= _MEDIUM_DP
 
-    def _overpacked(self, s: int, world_size: int) -> bool:
-        """Whether the uncut parameters cannot fit in ``W`` ranks of ``s``: a rank holds at most
-        ``k`` parameters larger than ``s / (k + 1)``, for k = 1, 2, 3 (a bin-packing bound)."""
-        for k in (1, 2, 3):
-            larger = 0
-            for numel, count in self.uncut:
-                if numel * (k + 1) <= s:
-                    break
-                larger += count
-            if larger > k * world_size:
-                return True
-        return False
-
     @property
     def residues(self) -> Residues:
         if self._residues is None:
@@ -244,8 +226,6 @@ class _Bucket:
         slack = cap - self.min_total
         if self.gcd and (world_size - 1) * (s % self.gcd) > slack:
             return False  # see Residues.gcd_waste
-        if self._overpacked(s, world_size):
-            return False
         for order in self.orders:
             if fits(order, s, a, cap, slack):
                 return list(order)
@@ -354,7 +334,22 @@ def _first_fit(
         if tried >= _CONSECUTIVE_CANDIDATES:
             doublings = (tried - _CONSECUTIVE_CANDIDATES) // 4
             step = max(a, (s >> 14) << doublings)
-        s = next_valid_size(s + step, bucket.types, a)
+        s = _next_candidate(s, step, bucket)
+
+
+def _next_candidate(s: int, step: int, bucket: _Bucket) -> int:
+    """The next size after ``s``: ``s + step``, or a multiple of a type's cut lcm before that.
+    At a multiple of its lcm a parameter may span two boundaries, so feasible sizes cluster
+    there (five 11-unit matrices on 8 ranks fit at 7 units and nowhere near the bound); a step
+    that grew geometrically must not jump over them."""
+    types, a = bucket.types, bucket.a
+    nxt = next_valid_size(s + step, types, a)
+    for t in types:
+        if t.lcm > step:  # a denser lcm is no rarer than the step itself
+            multiple = (s // t.lcm + 1) * t.lcm
+            if multiple < nxt:
+                nxt = min(nxt, next_valid_size(multiple, types, a))
+    return nxt
 
 
 def _deepen(
