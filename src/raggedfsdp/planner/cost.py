@@ -55,18 +55,46 @@ _STEP_BYTES = 4  # the fp32 ``step`` scalar tensor each optimizer keeps per para
 _ADAMW8BIT_BLOCK = 256  # AdamW8bit's default block_numel
 _ADAMW8BIT_MIN_NUMEL = 4096  # AdamW8bit's default min_8bit_numel
 SHAMPOO_DIM = 1024  # Shampoo's default max_preconditioner_dim
+#: AdamW8bit's nearest-code lookup tables, made once per process and device for each of its two
+#: code maps: 2^16 int32 cell starts and 255 fp32 midpoints (``optim/adamw8bit.py``).
+_ADAMW8BIT_TABLES = 2 * ((1 << 16) * 4 + 255 * 4)
+
+
+#: The runtime starts each bucket's buffer in a unit's storage on this many bytes
+#: (``runtime/_dbuffer.py``: ``packed_nbytes``).
+STORAGE_ALIGN = 256
 
 
 @dataclass(frozen=True)
 class UnitBytes:
-    """One FSDP unit's buckets at one world size, in elements per rank."""
+    """One FSDP unit's buckets at one world size; element counts are per rank."""
 
     path: str  # "" for the root
-    buckets: int
-    shard_numel: int  # sum of the buckets' S
-    trainable_shard_numel: int  # the same over buckets that require grad
+    shards: tuple[int, ...]  # each bucket's S
+    trainable: tuple[bool, ...]  # whether each bucket requires grad
     fsdp2_shard_numel: int  # FSDP2: sum over parameters of the padded shard
     param_numel: int  # elements of the unit's parameters
+
+    @property
+    def buckets(self) -> int:
+        return len(self.shards)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.shards)
+
+    @property
+    def trainable_shard_numel(self) -> int:
+        return sum(s for s, t in zip(self.shards, self.trainable, strict=True) if t)
+
+    def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
+        """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
+        bucket's ``W S`` elements, each started on :data:`STORAGE_ALIGN` bytes."""
+        return sum(
+            -(-world_size * s * itemsize // STORAGE_ALIGN) * STORAGE_ALIGN
+            for s, t in zip(self.shards, self.trainable, strict=True)
+            if t or not trainable
+        )
 
 
 def _unit_path(bucket_name: str) -> str:
@@ -77,20 +105,22 @@ def _unit_path(bucket_name: str) -> str:
 
 def unit_bytes(plans: Sequence[ShardPlan], requires_grad: Sequence[bool]) -> list[UnitBytes]:
     """Group the plans by unit (plan order: nested units first, the root last)."""
-    units: dict[str, list[int]] = {}
+    units: dict[str, tuple[list[int], list[bool], list[int]]] = {}
     fsdp2_cache: dict[tuple[int, ...], int] = {}
     for plan, grad in zip(plans, requires_grad, strict=True):
-        acc = units.setdefault(_unit_path(plan.name), [0, 0, 0, 0, 0])
-        acc[0] += 1
-        acc[1] += plan.shard_numel
-        acc[2] += plan.shard_numel if grad else 0
-        acc[4] += plan.param_numel
+        shards, trainable, numels = units.setdefault(_unit_path(plan.name), ([], [], [0, 0]))
+        shards.append(plan.shard_numel)
+        trainable.append(grad)
+        numels[1] += plan.param_numel
         for entry in plan.entries.values():
             if entry.shape not in fsdp2_cache:
                 per_rank, _ = fsdp2_param_split(entry.shape or (1,), 1, plan.world_size)
                 fsdp2_cache[entry.shape] = per_rank
-            acc[3] += fsdp2_cache[entry.shape]
-    return [UnitBytes(path, *acc) for path, acc in units.items()]
+            numels[0] += fsdp2_cache[entry.shape]
+    return [
+        UnitBytes(path, tuple(shards), tuple(trainable), *numels)
+        for path, (shards, trainable, numels) in units.items()
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,14 +175,18 @@ def optimizer_state_bytes(
     rank: int | None = None,
     itemsize: int = 4,
     shampoo_dim: int = SHAMPOO_DIM,
+    tables: bool = True,
 ) -> int:
     """Optimizer state on one rank: exactly rank ``rank``'s, or (``None``) the average rank's
     (each parameter's state over ``W``; a real rank differs by its share of the padding). Every
     parameter also has a 4-byte ``step`` (Muon's momentum-only matrices aside). ``itemsize``:
-    the master dtype's; ``shampoo_dim``: Shampoo's ``max_preconditioner_dim``."""
+    the master dtype's; ``shampoo_dim``: Shampoo's ``max_preconditioner_dim``; ``tables``:
+    count AdamW8bit's per-process lookup tables (not in its ``state``)."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
     total = 0.0
+    if tables and optimizer == "adamw8bit":
+        total += _ADAMW8BIT_TABLES
     for plan in plans:
         for name, entry in plan.entries.items():
             shape = entry.shape
@@ -269,8 +303,8 @@ def memory_breakdown(
     if system == "raggedfsdp":
         local = sum(u.shard_numel for u in units)
         local_grads = sum(u.trainable_shard_numel for u in units)
-        params = [w * u.shard_numel * comm for u in units]
-        grads = [w * u.trainable_shard_numel * comm for u in units]
+        params = [u.storage_bytes(w, comm) for u in units]
+        grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
         gathered = params
     elif system == "fsdp2":
         local = sum(u.fsdp2_shard_numel for u in units)
