@@ -4,12 +4,14 @@ against the GPT block's own tensors, the ring formula by hand; presets and bad i
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from raggedfsdp.cli import main
 from raggedfsdp.models import GPT, GPT_CONFIGS, build_model
 from raggedfsdp.planner import StructAwarePlanner
 from raggedfsdp.planner.capacity import CapacityOptions, capacity_report, plan_capacity
@@ -170,3 +172,63 @@ def test_zoo_models_cost_in_under_a_second_at_16384():
         )
         (world,) = report.worlds
         assert world.plan_seconds < 1.0, (name, world.plan_seconds)
+
+
+# ---------------------------------------------------------------------------------------------
+# The command.
+
+
+def test_plan_command_capacity_json_and_plot(capsys, tmp_path):
+    plot = tmp_path / "curve.png"
+    argv = ["plan", "--model", "gpt-tiny", "--world", "2,4", "--gpu", "cpu-gloo", "--json"]
+    assert main([*argv, "--batch", "2", "--plot", str(plot)]) == 0
+    records = json.loads(capsys.readouterr().out)
+    assert [r["world_size"] for r in records] == [2, 4]
+    module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
+    for record in records:
+        w = record["world_size"]
+        plans = StructAwarePlanner().plan_model(module, w)
+        want = memory_breakdown(
+            model_shape(module),
+            unit_bytes(plans, [True] * len(plans)),
+            StepShape(batch=2, seq_len=64, gloo=True),
+            optimizer_state_bytes(plans, "adamw"),
+            world_size=w,
+        )
+        assert record["raggedfsdp"]["memory"] == want.to_dict()
+        assert record["smallest_world"] == 1 and record["raggedfsdp"]["fits"]
+        assert {"forward_s", "backward_s", "tokens_per_s", "comm_share"} <= set(
+            record["fsdp2"]["time"]
+        )
+    assert plot.stat().st_size > 10_000
+
+
+def test_plan_command_capacity_table(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--world", "8", "--gpu", "a100", "--seq", "8192"]
+    assert main([*argv, "--link-gbit", "100", "--activation-checkpointing"]) == 0
+    out = capsys.readouterr().out
+    for text in ("W=8", "raggedfsdp", "fsdp2", "peak", "tokens/s per device", "smallest"):
+        assert text in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--gpu", "h900"], "unknown hardware preset 'h900'; known presets: h100, h200"),
+        (["--link-gbit", "0"], "--link-gbit must be positive, got 0"),
+        (["--link-gbit", "-1"], "--link-gbit must be positive, got -1"),
+        (["--batch", "0"], "--batch must be positive, got 0"),
+        (["--seq", "-8"], "--seq must be positive, got -8"),
+        (["--gpu", "h100", "--block-size", "whole", "--world", "64"], "W=64 is more ranks"),
+    ],
+)
+def test_plan_command_bad_capacity_input(capsys, flags, message):
+    argv = ["plan", "--model", "gpt-tiny", "--world", "2", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_command_unknown_model_lists_the_zoo(capsys):
+    assert main(["plan", "--model", "llama9", "--world", "8", "--gpu", "h100"]) == 2
+    assert "unknown model 'llama9'; known models: gpt-tiny, gpt-small" in capsys.readouterr().err
