@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from harness import run_distributed
-from raggedfsdp import optim
 from raggedfsdp.bench.memory import memory_phase
 from raggedfsdp.bench.options import BenchOptions
-from raggedfsdp.bench.systems import Runner, build
+from raggedfsdp.bench.systems import Runner, build, raggedfsdp_with
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.planner import StructAwarePlanner
 from raggedfsdp.planner.cost import (
@@ -22,7 +21,6 @@ from raggedfsdp.planner.cost import (
     unit_bytes,
 )
 from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.runtime import FSDPBackend
 from raggedfsdp.train.build import optimizer_bytes
 
 #: (W, model, optimizer): each model at two world sizes, each optimizer with each model; the
@@ -40,22 +38,14 @@ def _planner(optimizer: str) -> StructAwarePlanner:
     return StructAwarePlanner(optimizer_type=None if optimizer == "adamw" else optimizer)
 
 
-def _build_adamw8bit(name: str, options: BenchOptions, device: torch.device) -> Runner:
-    """The bench's raggedfsdp system with AdamW8bit (its blocks kept whole by the planner)."""
-    torch.manual_seed(options.seed)
-    model = GPT(GPT_CONFIGS[options.model], device=device)
-    FSDPBackend(model, planner=_planner("adamw8bit"))
-    optimizer = optim.AdamW8bit(model.parameters(), lr=options.lr)
-    return Runner(name, model, optimizer, device, model.stats, model.reset_stats)
-
-
 def _measure(rank: int, world: int, model: str, optimizer: str) -> dict[str, int]:
     torch.set_num_threads(1)
     options = BenchOptions(model=model, world=world, batch_size=BATCH, systems=("raggedfsdp",))
     runners = []
 
     def builder(name: str, options: BenchOptions, device: torch.device) -> Runner:
-        runners.append((build if optimizer == "adamw" else _build_adamw8bit)(name, options, device))
+        build_runner = build if optimizer == "adamw" else raggedfsdp_with(optimizer)
+        runners.append(build_runner(name, options, device))
         return runners[-1]
 
     result = memory_phase(rank, world, options, "raggedfsdp", builder)

@@ -36,7 +36,6 @@ from dataclasses import dataclass, fields
 import torch
 
 from ._plan import ShardPlan
-from .report import fsdp2_param_split
 from .shapes import ModelShape
 
 __all__ = [
@@ -106,17 +105,15 @@ def _unit_path(bucket_name: str) -> str:
 def unit_bytes(plans: Sequence[ShardPlan], requires_grad: Sequence[bool]) -> list[UnitBytes]:
     """Group the plans by unit (plan order: nested units first, the root last)."""
     units: dict[str, tuple[list[int], list[bool], list[int]]] = {}
-    fsdp2_cache: dict[tuple[int, ...], int] = {}
     for plan, grad in zip(plans, requires_grad, strict=True):
         shards, trainable, numels = units.setdefault(_unit_path(plan.name), ([], [], [0, 0]))
         shards.append(plan.shard_numel)
         trainable.append(grad)
         numels[1] += plan.param_numel
         for entry in plan.entries.values():
-            if entry.shape not in fsdp2_cache:
-                per_rank, _ = fsdp2_param_split(entry.shape or (1,), 1, plan.world_size)
-                fsdp2_cache[entry.shape] = per_rank
-            numels[0] += fsdp2_cache[entry.shape]
+            # FSDP2's Shard(0): ceil(dim0 / W) rows on every rank (``report.fsdp2_param_split``)
+            rows, *rest = entry.shape or (1,)
+            numels[0] += -(-rows // plan.world_size) * math.prod(rest)
     return [
         UnitBytes(path, tuple(shards), tuple(trainable), *numels)
         for path, (shards, trainable, numels) in units.items()

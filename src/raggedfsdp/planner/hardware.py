@@ -36,6 +36,9 @@ class Hardware:
         devices_per_node: devices that share the fast intra-node links.
         intra_latency_s: latency of one step of a ring inside a node.
         inter_latency_s: latency of one step of a ring across nodes.
+        overlaps: whether communication runs beside the compute (GPUs: copy engines and
+            NCCL's kernels on their own stream); on CPU Gloo's transfers and the
+            reduce-scatter's sums take the cores the compute needs, so they add up.
     """
 
     name: str
@@ -48,11 +51,12 @@ class Hardware:
     devices_per_node: int
     intra_latency_s: float
     inter_latency_s: float
+    overlaps: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name != "name" and not value > 0:
+            if field.name not in ("name", "overlaps") and not value > 0:
                 raise ValueError(
                     f"hardware {self.name!r}: {field.name} must be positive, got {value!r}"
                 )
@@ -135,6 +139,7 @@ HARDWARE: dict[str, Hardware] = {
         devices_per_node=1,
         intra_latency_s=4e-3,
         inter_latency_s=4e-3,
+        overlaps=False,
     ),
 }
 """The named presets of ``raggedfsdp plan --gpu``."""

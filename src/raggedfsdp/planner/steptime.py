@@ -12,6 +12,8 @@
   all-gathers, the root's reduce-scatter and the first block's at the end. The last block is
   not resharded after forward (raggedfsdp keeps it; FSDP2 re-gathers it under the head's
   backward).
+  Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo needs the compute's cores)
+  every collective adds to the step.
 - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
   and reads the gradient.
 - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
@@ -159,11 +161,13 @@ def step_time(
     def at(values: list[float], i: int) -> float:
         return values[i] if 0 <= i < len(blocks) else 0.0
 
+    # ``both`` runs two things side by side (overlap) or one after the other
+    both = max if hw.overlaps else (lambda a, b: a + b)
     forward = ag[-1] + at(ag, 0) + fwd[-1]
-    forward += sum(max(fwd[i], at(ag, i + 1)) for i in blocks)
+    forward += sum(both(fwd[i], at(ag, i + 1)) for i in blocks)
     last = len(blocks) - 1
-    backward = max(bwd[-1], at(ag, last) if fsdp2 else 0.0)
-    backward += sum(max(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
+    backward = both(bwd[-1], at(ag, last) if fsdp2 else 0.0)
+    backward += sum(both(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
     backward += at(rs, 0) + rs[-1]
     local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
     optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s

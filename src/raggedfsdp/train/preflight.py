@@ -7,8 +7,18 @@ from pathlib import Path
 import torch
 
 from .._console import format_bytes
+from .._host import available_ram_bytes
 from ..data import load_corpus
 from ..models import GPT, GPT_CONFIGS
+from ..planner.capacity import DEFAULT_RESERVE
+from ..planner.cost import (
+    MemoryBreakdown,
+    StepShape,
+    memory_breakdown,
+    optimizer_state_bytes,
+    unit_bytes,
+)
+from ..planner.shapes import model_shape
 from .build import build_planner, mp_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
@@ -19,6 +29,7 @@ __all__ = [
     "check_corpus",
     "check_data_path",
     "check_disk",
+    "check_memory",
     "check_plan",
     "dry_run_report",
     "preflight",
@@ -92,15 +103,23 @@ def check_plan(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(f"block_size {cfg.block_size}: {err}") from None
 
 
-def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> None:
+def preflight(
+    cfg: TrainConfig,
+    world_size: int,
+    *,
+    check_out: bool = True,
+    ranks_per_node: int | None = None,
+) -> None:
     """What can be checked before any worker starts (``ValueError`` naming the problem), so a
     refused start leaves ``--out`` untouched: the batch split, the data (its path, and that it
-    holds a sequence), the shard plan, the output folder (``check_out``: only where the run
-    starts, on one node) and, when resuming, that the newest checkpoint fits the model and
-    optimizer and leaves steps to train."""
+    holds a sequence), the shard plan, the memory each rank needs (:func:`check_memory`; this
+    node runs ``ranks_per_node`` of them, default all), the output folder (``check_out``: only
+    where the run starts, on one node) and, when resuming, that the newest checkpoint fits the
+    model and optimizer and leaves steps to train."""
     cfg.check_world(world_size)
     check_data_path(cfg.data)
     check_plan(cfg, world_size)
+    check_memory(cfg, world_size, ranks_per_node or world_size)
     check_corpus(cfg)
     if not check_out:
         return
@@ -122,6 +141,80 @@ def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> N
                 f"checkpoint {str(ckpt)!r} is at step {meta['step']}, not before --steps "
                 f"{cfg.steps}: nothing to train; raise --steps to continue the run"
             )
+
+
+#: Resident memory of a CPU rank's process beyond its tensors (Python, torch, Gloo): what
+#: ``raggedfsdp bench`` measures as the RSS before a model exists, about 240 MB here, rounded up.
+PROCESS_BYTES = 256 * 2**20
+
+
+def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
+    """What one rank of this run holds at its peak (:mod:`raggedfsdp.planner.cost`): the run's
+    own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
+    policy = mp_policy(cfg)
+    param_dtype = policy.param_dtype if policy is not None else torch.float32
+    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    plans = build_planner(cfg).plan_model(
+        model, world_size, dtype=policy.param_dtype if policy else None
+    )
+    step = StepShape(
+        batch=cfg.batch_size // world_size // cfg.grad_accum,
+        seq_len=cfg.tokens_per_seq,
+        param_dtype=param_dtype,
+        checkpointing=cfg.activation_checkpointing,
+        gloo=not torch.cuda.is_available(),
+    )
+    state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
+    units = unit_bytes(plans, [True] * len(plans))
+    return memory_breakdown(model_shape(model), units, step, state, world_size=world_size)
+
+
+def _memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where the figure comes from: the GPU's free memory (NVML,
+    so the launcher makes no CUDA context; its total without NVML), else this node's available
+    RAM shared by its ranks, less each process's own overhead."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        try:
+            free = total - torch.cuda.device_memory_used(0)
+        except (ImportError, RuntimeError):  # no pynvml: what is in use cannot be seen
+            return total, f"GPU 0's total memory, {format_bytes(total)}"
+        return free, f"GPU 0's free memory, {format_bytes(free)} of {format_bytes(total)}"
+    available = available_ram_bytes()
+    share = available // ranks_per_node - PROCESS_BYTES
+    return share, (
+        f"the available RAM, {format_bytes(available)}, shared by {ranks_per_node} rank(s), "
+        f"less {format_bytes(PROCESS_BYTES)} per process"
+    )
+
+
+def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None:
+    """Each rank's predicted peak fits its memory with 10% in reserve, unless ``--force``."""
+    if cfg.force:
+        return
+    memory = predicted_memory(cfg, world_size)
+    budget, source = _memory_per_rank(ranks_per_node)
+    usable = int(budget * (1 - DEFAULT_RESERVE))
+    if memory.peak <= usable:
+        return
+    micro = cfg.batch_size // world_size // cfg.grad_accum
+    advice = [
+        f"fewer sequences per rank (--batch-size, now {micro} per rank and micro-batch: "
+        f"activations {format_bytes(memory.activations)}) or more --grad-accum"
+    ]
+    if not cfg.activation_checkpointing:
+        advice.append("--activation-checkpointing")
+    if cfg.mixed_precision == "none":
+        advice.append("--mixed-precision bf16")
+    advice.append(f"more ranks (persistent state {format_bytes(memory.persistent)} per rank)")
+    raise ValueError(
+        f"memory: each rank needs about {format_bytes(memory.peak)} at its peak (shards, "
+        f"gradients and optimizer state {format_bytes(memory.persistent)}, unsharded "
+        f"parameters and gradients {format_bytes(memory.unsharded)}, activations "
+        f"{format_bytes(memory.activations)}), but {format_bytes(usable)} is usable: "
+        f"{source}, with {100 * DEFAULT_RESERVE:.0f}% in reserve. Try "
+        f"{', '.join(advice)}; or --force to start anyway"
+    )
 
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
