@@ -24,7 +24,7 @@ import torch.distributed as dist
 from raggedfsdp.spawn import run_on_ranks
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int = 25) -> float:
     fn()
     times = []
     for _ in range(repeats):
