@@ -24,7 +24,7 @@ import torch.distributed as dist
 from raggedfsdp.spawn import run_on_ranks
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int = 25) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -47,17 +47,36 @@ def _compute_figures() -> dict[str, float]:
 
 
 def _p2p(rank: int, world: int) -> dict[str, float]:
-    """Round trips between ranks 0 and 1: a 4-byte message (latency) and a 64 MiB one."""
+    """Between ranks 0 and 1: the fixed cost of one collective (a one-element all-gather, 200
+    back to back: what every bucket's collective pays whatever its size, the model's ring-step
+    latency at W=2), one small message's latency (half a ping-pong round trip) for comparison,
+    and the bandwidth of a 64 MiB exchange in both directions at once (as a collective's
+    transfers run)."""
     torch.set_num_threads(1)
     peer = 1 - rank
-    figures = {}
-    for name, numel in (("small", 1), ("large", 16 << 20)):
-        send, receive = torch.zeros(numel), torch.empty(numel)
-        dist.barrier()
-        figures[name] = _median_seconds(functools.partial(_exchange, send, receive, peer))
+    ping, gathered = torch.zeros(1), torch.zeros(world)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(200):
+        dist.all_gather_into_tensor(gathered, ping)
+    collective = (time.perf_counter() - start) / 200
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(200):
+        if rank == 0:
+            dist.send(ping, peer)
+            dist.recv(ping, peer)
+        else:
+            dist.recv(ping, peer)
+            dist.send(ping, peer)
+    message = (time.perf_counter() - start) / 400
+    send, receive = torch.zeros(16 << 20), torch.empty(16 << 20)
+    dist.barrier()
+    seconds = _median_seconds(functools.partial(_exchange, send, receive, peer))
     return {
-        "latency_s": figures["small"],
-        "bytes_per_s": (16 << 20) * 4 / figures["large"],
+        "collective_s": collective,
+        "message_s": message,
+        "bytes_per_s": send.numel() * 4 / seconds,
     }
 
 
@@ -70,7 +89,8 @@ def _exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
 def main() -> None:
     result = _compute_figures()
     ranks = run_on_ranks(_p2p, 2, timeout=300)
-    result["gloo_latency_s"] = max(r["latency_s"] for r in ranks)
+    result["gloo_collective_s"] = max(r["collective_s"] for r in ranks)
+    result["gloo_message_s"] = max(r["message_s"] for r in ranks)
     result["gloo_bytes_per_s"] = min(r["bytes_per_s"] for r in ranks)
     print(json.dumps(result, indent=2))
 

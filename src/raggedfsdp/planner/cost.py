@@ -7,18 +7,17 @@ Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.
 - **persistent**: every bucket's local shard ``[S]`` (master dtype), its gradient ``[S]`` from the
   reduce-scatter until ``zero_grad``, and the optimizer's state on the parameters' local pieces
   (:func:`optimizer_state_bytes`);
-- **unsharded** (communication dtype, one storage per unit): the root's parameters and gradient
-  block for the whole step; the unit that ran forward last stays unsharded into backward; with
-  prefetch depth 1 the next unit's all-gather lands while one computes. The *tensor peak* is
-  reached at the start of the last block's backward: the root's parameters and gradient block,
-  the last block's parameters and gradient block, the next block's prefetched parameters, and
-  every activation. The runtime's own unsharded high-water mark (``peak_unsharded_bytes``) comes
-  a little later: block ``i``'s parameters and gradient block, block ``i-1`` prefetched, block
-  ``i+1``'s gradient block and, on Gloo, its receive buffer (``(W-1) S``) while its
-  reduce-scatter is in flight.
-- **activations** (:mod:`.shapes`), plus the backward's working set at the peak: the gradients of
-  the largest intermediate of a block and of its input, ``(2 f_max + d)`` per token where
-  ``f_max`` is the widest projection output, in the activation dtype.
+- **unsharded** (communication dtype, one storage per unit, each bucket on 256 bytes): the
+  root's parameters and gradient block for the whole step; the unit that ran forward last stays
+  unsharded into backward; with prefetch depth 1 the next unit's all-gather lands while one
+  computes. The *tensor peak* is the larger of two moments (:func:`activation_bytes`): the
+  loss's backward (every activation, the loss's gradients; the root's and the last block's
+  parameters) and the last block's backward (its gradient blocks too, the next block
+  prefetched). The runtime's own unsharded high-water mark (``peak_unsharded_bytes``) comes
+  later: block ``i``'s parameters and gradient block, block ``i-1`` prefetched, block ``i+1``'s
+  gradient block and, on Gloo, its receive buffer (``(W-1) S``) while its reduce-scatter is in
+  flight.
+- **activations**: what the blocks keep (:mod:`.shapes`) and what the backward adds at the peak.
 
 FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
 the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
