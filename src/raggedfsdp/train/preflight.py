@@ -223,7 +223,6 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     model = GPT(gpt, device="meta")
     policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
     param_dtype = policy.param_dtype if policy is not None else None
-    comm_dtype = param_dtype or torch.float32
     plans = build_planner(cfg).plan_model(model, world_size, dtype=param_dtype)
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
@@ -241,32 +240,22 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     lines.append(
         f"{'total':<28}{'':>8}{numel:>12,}{shard:>12,}{100 * padding / max(1, numel):>9.3f}%"
     )
-    # Per rank: fp32 master shard and gradient; optimizer state per element; the unsharded
-    # working set (the two largest units gathered - one computing, one prefetched - and one
-    # unit's full gradient); activations by Megatron's estimate of s*b*h*(34 + 5*a*s/h) bytes
-    # per layer at 16 bits (doubled for fp32; only the block inputs kept under checkpointing).
-    state_bytes = STATE_BYTES_PER_PARAM[cfg.optimizer]
-    units = sorted((p.total_numel for p in plans), reverse=True)
-    working = (sum(units[:2]) * comm_dtype.itemsize) + units[0] * 4
-    b, s, h, a = (
-        cfg.batch_size // world_size // cfg.grad_accum,
-        cfg.tokens_per_seq,
-        gpt.d_model,
-        gpt.n_head,
-    )
-    per_layer = s * b * h * (34 + 5 * a * s / h) * (2 if comm_dtype == torch.float32 else 1)
-    activations = (
-        gpt.n_layer * s * b * h * 4 + per_layer
-        if cfg.activation_checkpointing
-        else gpt.n_layer * per_layer
-    )
+    # Per rank, the capacity planner's model of this run (docs/capacity.md), as the preflight
+    # checks it: the peak frees the previous step's gradients (zero_grad) before forward.
+    memory = predicted_memory(cfg, world_size)
+    micro = cfg.batch_size // world_size // cfg.grad_accum
     estimates = [
-        ("parameters + gradients (fp32 shards)", shard * 8),
-        (f"optimizer state (~{state_bytes} B/element)", shard * state_bytes),
-        ("unsharded working set", working),
-        (f"activations (~, micro-batch of {b})", int(activations)),
+        ("parameters + gradients (shards)", memory.params + memory.grads),
+        (f"optimizer state ({cfg.optimizer})", memory.optimizer),
+        ("unsharded parameters + gradients at the peak", memory.unsharded),
+        (f"activations at the peak (micro-batch of {micro})", memory.activations),
+        (
+            "peak (the loss's backward)"
+            if memory.phase == "loss"
+            else "peak (last block's backward)",
+            memory.peak,
+        ),
     ]
     lines.append("estimated memory per rank:")
-    lines += [f"  {name:<40}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
-    lines.append(f"  {'total':<40}{sum(n for _, n in estimates) / 2**20:>10,.1f} MiB")
+    lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
     return "\n".join(lines)
