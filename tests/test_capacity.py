@@ -125,6 +125,20 @@ def test_ring_time_and_bytes_by_hand():
     assert timing.total_s >= timing.compute_s + ring[-1] + ring[0]  # exposed at both ends
 
 
+def test_cpu_gloo_adds_communication_to_compute():
+    """Without overlap (CPU: Gloo takes the compute's cores) the step is compute, every
+    collective and the optimizer, one after the other; with it, less."""
+    module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
+    shape = model_shape(module)
+    plans = StructAwarePlanner().plan_model(module, 2)
+    units = unit_bytes(plans, [True] * len(plans))
+    step = StepShape(batch=2, seq_len=128, gloo=True)
+    cpu = step_time(shape, units, step, HARDWARE["cpu-gloo"], 2, optimizer_bytes=0)
+    assert cpu.total_s == pytest.approx(cpu.compute_s + cpu.comm_s + cpu.optimizer_s)
+    overlapped = hardware("cpu-gloo", overlaps=True)
+    assert step_time(shape, units, step, overlapped, 2, optimizer_bytes=0).total_s < cpu.total_s
+
+
 def test_presets_and_overrides():
     assert set(HARDWARE) == {"h100", "h200", "a100", "b200", "cpu-gloo"}
     h100 = hardware("h100", link_gbit=100)

@@ -147,7 +147,7 @@ HARDWARE: dict[str, Hardware] = {
 """The named presets of ``raggedfsdp plan --gpu``."""
 
 
-def hardware(name: str, **overrides: float) -> Hardware:
+def hardware(name: str, **overrides: float | bool) -> Hardware:
     """The preset ``name`` with some figures replaced (``link_gbit=``: the inter-node bandwidth
     in Gbit/s; any :class:`Hardware` field by its name).
 
