@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from raggedfsdp.cli import main
@@ -41,6 +42,52 @@ def test_gpt_shape_matches_the_block_it_describes():
         assert block.activation_per_token == 16 * d  # docs: what the GPT block keeps
         assert block.widest_per_token == 4 * d
     assert shape.root.matmul_numel == v * d  # the tied head, once; the lookups are free
+
+
+class _Expert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(16, 32, bias=False)
+        self.w2 = nn.Linear(32, 16, bias=False)
+
+
+class _Layer(nn.Module):
+    def __init__(self, separate: bool) -> None:
+        super().__init__()
+        self.attn = nn.Linear(16, 48, bias=False)
+        if separate:  # each expert an FSDP unit of its own (an element of a ModuleList)
+            self.experts = nn.ModuleList(_Expert() for _ in range(4))
+        else:  # fused [E, out, in] stacks
+            self.w1 = nn.Parameter(torch.empty(4, 32, 16))
+            self.w2 = nn.Parameter(torch.empty(4, 16, 32))
+
+
+class _MoE(nn.Module):
+    def __init__(self, separate: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(_Layer(separate) for _ in range(2))
+        self.head = nn.Linear(16, 64, bias=False)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_experts_as_units_cost_what_fused_experts_cost(checkpointing):
+    """Experts made FSDP units of their own (nested in their layer's unit) compute and keep
+    what the same experts fused into stacks do: a share of experts_per_token / E each, no
+    attention of their own, inside their block for checkpointing."""
+    with torch.device("meta"):
+        separate, fused = (
+            model_shape(_MoE(True), experts_per_token=2),
+            model_shape(_MoE(False), experts_per_token=2),
+        )
+    assert len(separate.units) == 2 * 5 + 1 and len(separate.blocks) == len(fused.blocks) == 2
+    assert separate.step_flops(256, 64, checkpointing=checkpointing) == pytest.approx(
+        fused.step_flops(256, 64, checkpointing=checkpointing)
+    )
+    step = StepShape(batch=4, seq_len=64, checkpointing=checkpointing)
+    assert activation_bytes(separate, step) == activation_bytes(fused, step)
+    with pytest.raises(ValueError, match="has routed experts: give experts_per_token"):
+        model_shape(_MoE(True).to("meta"))
 
 
 def test_step_flops_match_torch_flop_counter():

@@ -272,9 +272,12 @@ def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
     blocks = shape.blocks
     if not blocks:
         return round(step.tokens * (2 * shape.hidden * act + 3 * shape.vocab * 4)), 0
-    kept = sum(shape.hidden if step.checkpointing else b.activation_per_token for b in blocks)
-    recomputed = max(b.activation_per_token for b in blocks) if step.checkpointing else 0
-    widest = max(b.widest_per_token for b in blocks)
+    if step.checkpointing:  # each block keeps its input; one is recomputed whole in backward
+        kept = shape.hidden * len(blocks)
+        recomputed = max(shape.block_activation_per_token(b) for b in blocks)
+    else:
+        kept, recomputed = sum(u.activation_per_token for u in shape.inner), 0
+    widest = max(u.widest_per_token for u in shape.inner)
     loss = step.tokens * ((kept + 2 * shape.hidden) * act + 3 * shape.vocab * 4)
     block = step.tokens * (kept + recomputed + shape.hidden + widest) * act
     return round(loss), round(block + shape.tied_numel * act)

@@ -54,7 +54,9 @@ class UnitShape:
             whose activations :class:`ModelShape` states separately).
         widest_per_token: the widest projection output per token (a block's largest
             intermediate: the MLP's hidden width).
-        is_block: whether it is a transformer block (attention FLOPs, activations).
+        is_block: whether it is a transformer block: a unit directly under the root (attention
+            FLOPs; its input is what checkpointing keeps). A unit nested in one (an expert made
+            a unit of its own) computes and keeps activations as part of its block.
     """
 
     path: str
@@ -85,6 +87,20 @@ class ModelShape:
     def root(self) -> UnitShape:
         return self.units[-1]
 
+    @property
+    def inner(self) -> tuple[UnitShape, ...]:
+        """Every unit but the root: the blocks and the units nested in them."""
+        return self.units[:-1]
+
+    def block_activation_per_token(self, block: UnitShape) -> float:
+        """What ``block`` keeps per token, its nested units included."""
+        inside = block.path + "."
+        return sum(
+            u.activation_per_token
+            for u in self.inner
+            if u.path == block.path or u.path.startswith(inside)
+        )
+
     def forward_flops_per_token(self, unit: UnitShape, seq_len: int) -> float:
         """Forward FLOPs per token of ``unit`` (backward is twice this)."""
         attention = 2 * seq_len * self.hidden if unit.is_block else 0
@@ -96,7 +112,7 @@ class ModelShape:
         total = 0.0
         for unit in self.units:
             forward = self.forward_flops_per_token(unit, seq_len) * tokens
-            total += 3 * forward + (forward if checkpointing and unit.is_block else 0)
+            total += 3 * forward + (forward if checkpointing and unit is not self.root else 0)
         return total
 
 
@@ -160,31 +176,34 @@ def model_shape(
     by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for bucket in model_buckets(module, wrap=wrap):
         unit_path = bucket.name.rsplit("/", 3 if bucket.name.count("/frozen/") else 2)[0]
-        by_unit.setdefault(unit_path, []).extend(bucket.params.items())
+        by_unit.setdefault("" if unit_path == "<root>" else unit_path, []).extend(
+            bucket.params.items()
+        )
+    # Experts counted over the whole model: each may be an FSDP unit of its own.
+    named = list(module.named_parameters())
+    counts = _expert_counts([n for n, _ in named])
+    if (counts or any(p.dim() == 3 for _, p in named)) and experts_per_token is None:
+        raise ValueError(
+            f"{type(module).__name__} has routed experts: give experts_per_token (how many "
+            f"experts each token visits)"
+        )
     units = []
     for path, params in by_unit.items():
-        counts = _expert_counts([n for n, _ in params])
-        has_experts = counts or any(p.dim() == 3 for _, p in params)
-        if has_experts and experts_per_token is None:
-            raise ValueError(
-                f"unit {path!r} holds routed experts: give experts_per_token (how many experts "
-                f"each token visits)"
-            )
         matmul = activation = 0.0
         widest = 0
         for name, p in params:
             if p.dim() >= 2 and id(p) not in lookups:
                 m, a, out = _matrix_terms(name, tuple(p.shape), counts, experts_per_token or 1)
                 matmul, activation, widest = matmul + m, activation + a, max(widest, out)
-        is_block = path not in ("<root>", "")
+        nested = any(path.startswith(other + ".") for other in by_unit if other)
         units.append(
             UnitShape(
-                path="" if path == "<root>" else path,
+                path=path,
                 param_numel=sum(p.numel() for _, p in params),
                 matmul_numel=matmul,
-                activation_per_token=activation if is_block else 0.0,
+                activation_per_token=activation if path else 0.0,
                 widest_per_token=widest,
-                is_block=is_block,
+                is_block=bool(path) and not nested,
             )
         )
     tied = embedding.weight.numel() if id(embedding.weight) in linear_weights else 0

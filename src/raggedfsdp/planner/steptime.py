@@ -153,9 +153,8 @@ def step_time(
         for u in units
     ]
     blocks = range(len(units) - 1)
-    recompute = [
-        f if step.checkpointing and shape.units[i].is_block else 0.0 for i, f in enumerate(fwd)
-    ]
+    # checkpointing recomputes every unit's forward but the root's
+    recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
     bwd = [2 * f + r for f, r in zip(fwd, recompute, strict=True)]
 
     def at(values: list[float], i: int) -> float:
