@@ -146,6 +146,19 @@ def _expert_counts(names: list[str]) -> dict[str, int]:
     return {prefix: len(indices) for prefix, indices in found.items()}
 
 
+def _params_by_unit(
+    module: nn.Module, wrap: WrapPolicy
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Each FSDP unit's parameters (name, parameter) by unit path (``""``: the root)."""
+    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for bucket in model_buckets(module, wrap=wrap):
+        unit_path = bucket.name.rsplit("/", 3 if "/frozen/" in bucket.name else 2)[0]
+        by_unit.setdefault("" if unit_path == "<root>" else unit_path, []).extend(
+            bucket.params.items()
+        )
+    return by_unit
+
+
 def model_shape(
     module: nn.Module, *, experts_per_token: int | None = None, wrap: WrapPolicy = None
 ) -> ModelShape:
@@ -173,12 +186,7 @@ def model_shape(
         for m in module.modules()
         if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
     }
-    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    for bucket in model_buckets(module, wrap=wrap):
-        unit_path = bucket.name.rsplit("/", 3 if bucket.name.count("/frozen/") else 2)[0]
-        by_unit.setdefault("" if unit_path == "<root>" else unit_path, []).extend(
-            bucket.params.items()
-        )
+    by_unit = _params_by_unit(module, wrap)
     # Experts counted over the whole model: each may be an FSDP unit of its own.
     named = list(module.named_parameters())
     counts = _expert_counts([n for n, _ in named])
