@@ -280,6 +280,7 @@ def test_plan_command_capacity_table(capsys):
         (["--link-gbit", "-1"], "--link-gbit must be positive, got -1"),
         (["--batch", "0"], "--batch must be positive, got 0"),
         (["--seq", "-8"], "--seq must be positive, got -8"),
+        (["--reserve", "1.5"], "reserve must be a fraction in [0, 1), got 1.5"),
         (["--gpu", "h100", "--block-size", "whole", "--world", "64"], "W=64 is more ranks"),
     ],
 )

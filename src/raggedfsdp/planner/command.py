@@ -21,7 +21,7 @@ from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, MODEL_NAMES
 from ._planner import OPTIMIZER_TYPES
 from .bucketing import parse_buffer_size
-from .capacity import CapacityOptions, capacity_report
+from .capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from .capacity_view import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
 from .hardware import HARDWARE, hardware
 from .report import PlanReport, WorldReport, plan_report
@@ -49,7 +49,16 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: Sequence length of a capacity plan when the model has none of its own (the zoo's LLMs).
 DEFAULT_SEQ = 4096
-_CAPACITY_FLAGS = ("gpu", "link_gbit", "batch", "seq", "checkpointing", "efficiency", "plot")
+_CAPACITY_FLAGS = (
+    "gpu",
+    "link_gbit",
+    "batch",
+    "seq",
+    "checkpointing",
+    "efficiency",
+    "reserve",
+    "plot",
+)
 #: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
 
@@ -152,6 +161,13 @@ def _configure_capacity(parser: argparse.ArgumentParser) -> None:
         help="every block recomputes its activations in backward",
     )
     group.add_argument(
+        "--reserve",
+        type=arg_type(float),
+        metavar="FRACTION",
+        help=f"device memory kept free (allocator, communication buffers, CUDA context); "
+        f"default {DEFAULT_RESERVE}",
+    )
+    group.add_argument(
         "--plot",
         metavar="FILE",
         help="also write a PNG of memory and step time against W (4 to 16,384)",
@@ -195,6 +211,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         buffer_size=args.buffer_size,
         param_dtype=_DTYPES[args.dtype or default_dtype],
+        reserve=DEFAULT_RESERVE if args.reserve is None else args.reserve,
     )
     report = capacity_report(args.model, args.world, hw, options)
     if args.json:
