@@ -38,6 +38,7 @@ __all__ = [
     "CapacityOptions",
     "CapacityReport",
     "SystemCost",
+    "UnshardableWorld",
     "WorldCapacity",
     "capacity_report",
     "plan_capacity",
@@ -127,13 +128,17 @@ class CapacityReport:
         return int(self.hardware.memory_bytes * (1 - self.options.reserve))
 
 
+class UnshardableWorld(ValueError):
+    """More ranks than some bucket has policy blocks."""
+
+
 def _check_shardable(plans: Sequence[ShardPlan], world_size: int) -> None:
     """Each bucket has at least ``world_size`` policy blocks: with fewer, some rank holds
     nothing of it whatever the plan, and the extra ranks only add padding."""
     for plan in plans:
         blocks = sum(-(-e.numel // e.unit_numel) for e in plan.entries.values())
         if blocks < world_size:
-            raise ValueError(
+            raise UnshardableWorld(
                 f"W={world_size} is more ranks than bucket {plan.name!r} has blocks ({blocks:,} "
                 f"under this block size): some rank would hold none of it. Use W <= {blocks:,} "
                 f"or a smaller --block-size"
@@ -187,7 +192,7 @@ def _smallest_world(
         try:
             if plan_capacity(module, shape, w, hw, options).systems["raggedfsdp"].fits:
                 return w
-        except ValueError:
+        except UnshardableWorld:
             return None  # more ranks than some bucket has blocks: larger W cannot help
         w *= 2
     return None
