@@ -219,11 +219,14 @@ def _options(**kw):
     return CapacityOptions(batch=1, seq_len=64, **kw)
 
 
-def test_world_larger_than_a_bucket_is_an_error():
+def test_world_larger_than_a_bucket_is_an_error(tmp_path):
     module = build_model("gpt-tiny")
     shape = model_shape(module)
     with pytest.raises(ValueError, match=r"W=64 is more ranks than bucket '.*' has blocks"):
         plan_capacity(module, shape, 64, HARDWARE["h100"], _options(block_size="whole"))
+    # the plot's curve stops where sharding does (gpt-tiny's root has 5 whole tensors)
+    argv = ["plan", "--model", "gpt-tiny", "--world", "4", "--block-size", "whole", "--gpu", "h100"]
+    assert main([*argv, "--plot", str(tmp_path / "c.png"), "--json"]) == 0
 
 
 def test_zoo_models_cost_in_under_a_second_at_16384():

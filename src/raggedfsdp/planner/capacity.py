@@ -207,8 +207,11 @@ def capacity_report(
     experts_per_token: int | None = None,
     find_smallest: bool = True,
     model_name: str | None = None,
+    up_to_shardable: bool = False,
 ) -> CapacityReport:
-    """Cost ``model`` (a zoo name or a module in its master dtype) at each world size.
+    """Cost ``model`` (a zoo name or a module in its master dtype) at each world size
+    (``up_to_shardable``: increasing sizes, stopping at the first the model cannot be sharded
+    over instead of raising).
 
     Raises:
         ValueError: an unknown model (the message lists the zoo), a bad world size, or one the
@@ -220,13 +223,20 @@ def capacity_report(
     else:
         name, module = model_name or type(model).__name__, model
     shape = model_shape(module, experts_per_token=experts_per_token)
-    worlds = tuple(plan_capacity(module, shape, w, hw, options) for w in world_sizes)
+    worlds: list[WorldCapacity] = []
+    for w in world_sizes:
+        try:
+            worlds.append(plan_capacity(module, shape, w, hw, options))
+        except UnshardableWorld:
+            if not up_to_shardable:
+                raise
+            break
     smallest = _smallest_world(module, shape, hw, options) if find_smallest else None
     return CapacityReport(
         model=name,
         hardware=hw,
         options=options,
         param_numel=sum(u.param_numel for u in shape.units),
-        worlds=worlds,
+        worlds=tuple(worlds),
         smallest_world=smallest,
     )

@@ -220,7 +220,9 @@ def _run_capacity(args: argparse.Namespace) -> int:
     else:
         render_capacity(report, sys.stdout)
     if args.plot:
-        curve = capacity_report(args.model, PLOT_WORLDS, hw, options, find_smallest=False)
+        curve = capacity_report(
+            args.model, PLOT_WORLDS, hw, options, find_smallest=False, up_to_shardable=True
+        )
         if not plot_capacity(curve, args.plot):
             sys.stderr.write("raggedfsdp plan: matplotlib is not installed; no plot written\n")
         elif not args.json:
