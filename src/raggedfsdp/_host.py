@@ -9,7 +9,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-__all__ = ["current_rss_bytes", "default_device", "local_device", "peak_rss_bytes", "synchronize"]
+__all__ = [
+    "available_ram_bytes",
+    "current_rss_bytes",
+    "default_device",
+    "local_device",
+    "peak_rss_bytes",
+    "synchronize",
+]
 
 
 def local_device(local_rank: int) -> torch.device:
@@ -49,3 +56,16 @@ def current_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return peak_rss_bytes()
+
+
+def available_ram_bytes() -> int:
+    """Memory the host can give new processes without swapping: Linux's ``MemAvailable``;
+    elsewhere the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -6,6 +6,7 @@ byte that system allocated; peak RSS of the same process is reported beside it.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed as dist
 
 from .._host import current_rss_bytes, default_device, peak_rss_bytes
 from .profile import STEP_RANGE
-from .systems import build, make_batches
+from .systems import Runner, build, make_batches
 
 if TYPE_CHECKING:
     from .options import BenchOptions
@@ -21,8 +22,16 @@ if TYPE_CHECKING:
 __all__ = ["memory_phase"]
 
 
-def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dict[str, Any]:
-    """Rank ``rank``'s tensor and RSS figures for system ``name``, built and stepped twice here."""
+def memory_phase(
+    rank: int,
+    world: int,
+    options: BenchOptions,
+    name: str,
+    builder: Callable[[str, BenchOptions, torch.device], Runner] = build,
+) -> dict[str, Any]:
+    """Rank ``rank``'s tensor and RSS figures for system ``name``, built (by ``builder``: the
+    bench's systems, or another optimizer or planner for the capacity planner's validation) and
+    stepped twice here."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -32,7 +41,7 @@ def memory_phase(rank: int, world: int, options: BenchOptions, name: str) -> dic
     rss_before = current_rss_bytes()
     cuda_at_start = 0
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = build(name, options, device)
+        runner = builder(name, options, device)
         built_stats = runner.stats() if runner.stats is not None else None
         for batch in batches:  # the last step has every state: grads, AdamW moments
             dist.barrier()

@@ -4,6 +4,7 @@ they all train on, and one timed training step with the counters read around it.
 
 from __future__ import annotations
 
+import functools
 import gc
 import resource
 import time
@@ -30,6 +31,7 @@ __all__ = [
     "Runner",
     "build",
     "make_batches",
+    "raggedfsdp_with",
 ]
 
 
@@ -174,3 +176,26 @@ def make_batches(
         )
         out.append((x.to(device), y.to(device)) if device is not None else (x, y))
     return out
+
+
+def raggedfsdp_with(optimizer: str) -> Callable[[str, BenchOptions, torch.device], Runner]:
+    """A builder for :func:`~.memory.memory_phase`: the ``raggedfsdp`` system with another of
+    raggedfsdp's optimizers (``"adamw8bit"``, ``"muon"``, ``"shampoo"``), its planner keeping
+    that optimizer's blocks whole. The capacity planner's validation measures it."""
+    return functools.partial(_build_raggedfsdp_with, optimizer=optimizer)
+
+
+def _build_raggedfsdp_with(
+    name: str, options: BenchOptions, device: torch.device, *, optimizer: str
+) -> Runner:
+    from .. import optim
+    from ..planner import StructAwarePlanner
+
+    torch.manual_seed(options.seed)
+    model = GPT(GPT_CONFIGS[options.model], device=device)
+    FSDPBackend(model, planner=StructAwarePlanner(optimizer_type=optimizer))  # type: ignore[arg-type]
+    classes = {"adamw8bit": optim.AdamW8bit, "muon": optim.Muon, "shampoo": optim.Shampoo}
+    if optimizer not in classes:
+        raise ValueError(f"unknown optimizer {optimizer!r}: expected one of {', '.join(classes)}")
+    opt = classes[optimizer](model.parameters(), lr=options.lr)
+    return Runner(name, model, opt, device, model.stats, model.reset_stats)  # type: ignore[attr-defined]

@@ -1,19 +1,29 @@
-"""The ``raggedfsdp plan`` command: its arguments, and the report as rich tables or JSON."""
+"""The ``raggedfsdp plan`` command: its arguments, and the report as rich tables or JSON.
+
+Without capacity flags it reports the plans (padding, elements per rank, FSDP2/FSDP1 beside
+them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
+``--activation-checkpointing``, ``--efficiency`` or ``--plot`` it answers "will it fit, and how
+fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside FSDP2.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from .._console import arg_type, format_bytes
 from ..layout import BlockSize, parse_block_size
-from ..models import MODEL_NAMES
+from ..models import GPT_CONFIGS, MODEL_NAMES
 from ._planner import OPTIMIZER_TYPES
 from .bucketing import parse_buffer_size
+from .capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
+from .capacity_view import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
+from .hardware import HARDWARE, hardware
 from .report import PlanReport, WorldReport, plan_report
 
 if TYPE_CHECKING:
@@ -37,6 +47,18 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: Sequence length of a capacity plan when the model has none of its own (the zoo's LLMs).
+DEFAULT_SEQ = 4096
+_CAPACITY_FLAGS = (
+    "gpu",
+    "link_gbit",
+    "batch",
+    "seq",
+    "checkpointing",
+    "efficiency",
+    "reserve",
+    "plot",
+)
 #: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
 
@@ -74,27 +96,137 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_BUFFER_SIZE})",
     )
     parser.add_argument(
-        "--dtype", choices=tuple(_DTYPES), default="float32", help="communication dtype"
+        "--dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="communication dtype (with --gpu: param_dtype of mixed precision); default "
+        "float32, bfloat16 for a capacity plan on a GPU",
     )
     parser.add_argument(
         "--json", action="store_true", help="print JSON: a list, one object per world size"
     )
+    _configure_capacity(parser)
+
+
+def _positive(kind: type[int] | type[float], what: str) -> Callable[[str], object]:
+    """An argparse type: a positive ``kind``, else one line naming ``what``."""
+
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise ValueError(f"{what} must be a positive number, got {text!r}") from None
+        if not value > 0:
+            raise ValueError(f"{what} must be positive, got {text}")
+        return value
+
+    parse.__name__ = what
+    return arg_type(parse)
+
+
+def _configure_capacity(parser: argparse.ArgumentParser) -> None:
+    """The capacity flags: what the step is and what it runs on."""
+    group = parser.add_argument_group("capacity (will it fit, and how fast)")
+    group.add_argument(
+        "--gpu",
+        metavar="PRESET",
+        help=f"device preset: {', '.join(HARDWARE)} (default with other capacity flags: h100)",
+    )
+    group.add_argument(
+        "--link-gbit",
+        type=_positive(float, "--link-gbit"),
+        metavar="GBIT",
+        help="bandwidth per device between nodes, Gbit/s (default: the preset's NIC)",
+    )
+    group.add_argument(
+        "--efficiency",
+        type=_positive(float, "--efficiency"),
+        metavar="FRACTION",
+        help="fraction of peak FLOP/s the compute reaches (default: the preset's, 0.5)",
+    )
+    group.add_argument(
+        "--batch", type=_positive(int, "--batch"), metavar="B", help="sequences per rank (1)"
+    )
+    group.add_argument(
+        "--seq",
+        type=_positive(int, "--seq"),
+        metavar="T",
+        help=f"tokens per sequence (default: the model's, else {DEFAULT_SEQ})",
+    )
+    group.add_argument(
+        "--activation-checkpointing",
+        dest="checkpointing",
+        action="store_true",
+        default=None,
+        help="every block recomputes its activations in backward",
+    )
+    group.add_argument(
+        "--reserve",
+        type=arg_type(float),
+        metavar="FRACTION",
+        help=f"device memory kept free (allocator, communication buffers, CUDA context); "
+        f"default {DEFAULT_RESERVE}",
+    )
+    group.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also write a PNG of memory and step time against W (4 to 16,384)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if any(getattr(args, flag, None) is not None for flag in _CAPACITY_FLAGS):
+        return _run_capacity(args)
     report = plan_report(
         args.model,
         args.world,
         optimizer=args.optimizer,
         block_size=args.block_size,
         buffer_size=args.buffer_size,
-        dtype=_DTYPES[args.dtype],
+        dtype=_DTYPES[args.dtype or "float32"],
     )
     if args.json:
         json.dump(report.to_records(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         render_plan_report(report, sys.stdout)
+    return 0
+
+
+def _run_capacity(args: argparse.Namespace) -> int:
+    """``plan`` with capacity flags: the capacity report, and the plot if asked for."""
+    if args.model not in MODEL_NAMES:
+        raise ValueError(f"unknown model {args.model!r}; known models: {', '.join(MODEL_NAMES)}")
+    overrides = {"efficiency": args.efficiency} if args.efficiency else {}
+    if args.link_gbit:
+        overrides["link_gbit"] = args.link_gbit
+    hw = hardware(args.gpu or "h100", **overrides)
+    gpt = GPT_CONFIGS.get(args.model)
+    default_dtype = "float32" if hw.name == "cpu-gloo" else "bfloat16"
+    options = CapacityOptions(
+        batch=args.batch or 1,
+        seq_len=args.seq or (gpt.seq_len if gpt else DEFAULT_SEQ),
+        optimizer=args.optimizer,
+        checkpointing=bool(args.checkpointing),
+        block_size=args.block_size,
+        buffer_size=args.buffer_size,
+        param_dtype=_DTYPES[args.dtype or default_dtype],
+        reserve=DEFAULT_RESERVE if args.reserve is None else args.reserve,
+    )
+    report = capacity_report(args.model, args.world, hw, options)
+    if args.json:
+        json.dump(capacity_records(report), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_capacity(report, sys.stdout)
+    if args.plot:
+        curve = capacity_report(
+            args.model, PLOT_WORLDS, hw, options, find_smallest=False, up_to_shardable=True
+        )
+        if not plot_capacity(curve, args.plot):
+            sys.stderr.write("raggedfsdp plan: matplotlib is not installed; no plot written\n")
+        elif not args.json:
+            sys.stdout.write(f"plot: {args.plot}\n")
     return 0
 
 

@@ -112,6 +112,10 @@ class TrainConfig:
     """Build the model on the meta device, plan the shards, print the plan and the estimated
     memory per rank, and exit without training."""
 
+    force: bool = False
+    """Start even when the memory preflight predicts that a rank will not fit in its device's
+    free memory (or its share of the available RAM on CPU)."""
+
     resume: bool = False
     """Continue from the newest complete checkpoint in --out that verifies (its files have the
     sizes and checksums its COMPLETE.json recorded), naming any newer one skipped and why;

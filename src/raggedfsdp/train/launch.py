@@ -160,7 +160,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(dry_run_report(cfg, world))
         return 0
     # Only the first node checks the output folder: others may see it filling already.
-    preflight(cfg, world, check_out=args.node_rank == 0)
+    preflight(cfg, world, check_out=args.node_rank == 0, ranks_per_node=nproc)
     worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
     # torchrun would set 1 thread per worker (with a banner saying so); share the cores instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -7,8 +7,18 @@ from pathlib import Path
 import torch
 
 from .._console import format_bytes
+from .._host import available_ram_bytes
 from ..data import load_corpus
 from ..models import GPT, GPT_CONFIGS
+from ..planner.capacity import DEFAULT_RESERVE
+from ..planner.cost import (
+    MemoryBreakdown,
+    StepShape,
+    memory_breakdown,
+    optimizer_state_bytes,
+    unit_bytes,
+)
+from ..planner.shapes import model_shape
 from .build import build_planner, mp_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
@@ -19,6 +29,7 @@ __all__ = [
     "check_corpus",
     "check_data_path",
     "check_disk",
+    "check_memory",
     "check_plan",
     "dry_run_report",
     "preflight",
@@ -92,15 +103,23 @@ def check_plan(cfg: TrainConfig, world_size: int) -> None:
         raise ValueError(f"block_size {cfg.block_size}: {err}") from None
 
 
-def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> None:
+def preflight(
+    cfg: TrainConfig,
+    world_size: int,
+    *,
+    check_out: bool = True,
+    ranks_per_node: int | None = None,
+) -> None:
     """What can be checked before any worker starts (``ValueError`` naming the problem), so a
     refused start leaves ``--out`` untouched: the batch split, the data (its path, and that it
-    holds a sequence), the shard plan, the output folder (``check_out``: only where the run
-    starts, on one node) and, when resuming, that the newest checkpoint fits the model and
-    optimizer and leaves steps to train."""
+    holds a sequence), the shard plan, the memory each rank needs (:func:`check_memory`; this
+    node runs ``ranks_per_node`` of them, default all), the output folder (``check_out``: only
+    where the run starts, on one node) and, when resuming, that the newest checkpoint fits the
+    model and optimizer and leaves steps to train."""
     cfg.check_world(world_size)
     check_data_path(cfg.data)
     check_plan(cfg, world_size)
+    check_memory(cfg, world_size, ranks_per_node or world_size)
     check_corpus(cfg)
     if not check_out:
         return
@@ -124,13 +143,86 @@ def preflight(cfg: TrainConfig, world_size: int, *, check_out: bool = True) -> N
             )
 
 
+#: Resident memory of a CPU rank's process beyond its tensors (Python, torch, Gloo): what
+#: ``raggedfsdp bench`` measures as the RSS before a model exists, about 240 MB here, rounded up.
+PROCESS_BYTES = 256 * 2**20
+
+
+def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
+    """What one rank of this run holds at its peak (:mod:`raggedfsdp.planner.cost`): the run's
+    own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
+    policy = mp_policy(cfg)
+    param_dtype = policy.param_dtype if policy is not None else torch.float32
+    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    plans = build_planner(cfg).plan_model(
+        model, world_size, dtype=policy.param_dtype if policy else None
+    )
+    step = StepShape(
+        batch=cfg.batch_size // world_size // cfg.grad_accum,
+        seq_len=cfg.tokens_per_seq,
+        param_dtype=param_dtype,
+        checkpointing=cfg.activation_checkpointing,
+        gloo=not torch.cuda.is_available(),
+    )
+    state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
+    units = unit_bytes(plans, [True] * len(plans))
+    return memory_breakdown(model_shape(model), units, step, state, world_size=world_size)
+
+
+def _memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
+    """Bytes one rank may use, and where the figure comes from: the GPU's free memory (NVML,
+    so the launcher makes no CUDA context; its total without NVML), else this node's available
+    RAM shared by its ranks, less each process's own overhead."""
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        try:
+            free = total - torch.cuda.device_memory_used(0)
+        except (ImportError, RuntimeError):  # no pynvml: what is in use cannot be seen
+            return total, f"GPU 0's total memory, {format_bytes(total)}"
+        return free, f"GPU 0's free memory, {format_bytes(free)} of {format_bytes(total)}"
+    available = available_ram_bytes()
+    share = available // ranks_per_node - PROCESS_BYTES
+    return share, (
+        f"the available RAM, {format_bytes(available)}, shared by {ranks_per_node} rank(s), "
+        f"less {format_bytes(PROCESS_BYTES)} per process"
+    )
+
+
+def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None:
+    """Each rank's predicted peak fits its memory with 10% in reserve, unless ``--force``."""
+    if cfg.force:
+        return
+    memory = predicted_memory(cfg, world_size)
+    budget, source = _memory_per_rank(ranks_per_node)
+    usable = int(budget * (1 - DEFAULT_RESERVE))
+    if memory.peak <= usable:
+        return
+    micro = cfg.batch_size // world_size // cfg.grad_accum
+    advice = [
+        f"fewer sequences per rank (--batch-size, now {micro} per rank and micro-batch: "
+        f"activations {format_bytes(memory.activations)}) or more --grad-accum"
+    ]
+    if not cfg.activation_checkpointing:
+        advice.append("--activation-checkpointing")
+    if cfg.mixed_precision == "none":
+        advice.append("--mixed-precision bf16")
+    advice.append(f"more ranks (persistent state {format_bytes(memory.persistent)} per rank)")
+    raise ValueError(
+        f"memory: each rank needs about {format_bytes(memory.peak)} at its peak (shards, "
+        f"gradients and optimizer state {format_bytes(memory.persistent)}, unsharded "
+        f"parameters and gradients {format_bytes(memory.unsharded)}, activations "
+        f"{format_bytes(memory.activations)}), but {format_bytes(usable)} is usable: "
+        f"{source}, with {100 * DEFAULT_RESERVE:.0f}% in reserve. Try "
+        f"{', '.join(advice)}; or --force to start anyway"
+    )
+
+
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The shard plan of the model on the meta device and an estimate of memory per rank."""
     gpt = GPT_CONFIGS[cfg.model]
     model = GPT(gpt, device="meta")
     policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
     param_dtype = policy.param_dtype if policy is not None else None
-    comm_dtype = param_dtype or torch.float32
     plans = build_planner(cfg).plan_model(model, world_size, dtype=param_dtype)
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
@@ -148,32 +240,22 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     lines.append(
         f"{'total':<28}{'':>8}{numel:>12,}{shard:>12,}{100 * padding / max(1, numel):>9.3f}%"
     )
-    # Per rank: fp32 master shard and gradient; optimizer state per element; the unsharded
-    # working set (the two largest units gathered - one computing, one prefetched - and one
-    # unit's full gradient); activations by Megatron's estimate of s*b*h*(34 + 5*a*s/h) bytes
-    # per layer at 16 bits (doubled for fp32; only the block inputs kept under checkpointing).
-    state_bytes = STATE_BYTES_PER_PARAM[cfg.optimizer]
-    units = sorted((p.total_numel for p in plans), reverse=True)
-    working = (sum(units[:2]) * comm_dtype.itemsize) + units[0] * 4
-    b, s, h, a = (
-        cfg.batch_size // world_size // cfg.grad_accum,
-        cfg.tokens_per_seq,
-        gpt.d_model,
-        gpt.n_head,
-    )
-    per_layer = s * b * h * (34 + 5 * a * s / h) * (2 if comm_dtype == torch.float32 else 1)
-    activations = (
-        gpt.n_layer * s * b * h * 4 + per_layer
-        if cfg.activation_checkpointing
-        else gpt.n_layer * per_layer
-    )
+    # Per rank, the capacity planner's model of this run (docs/capacity.md), as the preflight
+    # checks it: the peak frees the previous step's gradients (zero_grad) before forward.
+    memory = predicted_memory(cfg, world_size)
+    micro = cfg.batch_size // world_size // cfg.grad_accum
     estimates = [
-        ("parameters + gradients (fp32 shards)", shard * 8),
-        (f"optimizer state (~{state_bytes} B/element)", shard * state_bytes),
-        ("unsharded working set", working),
-        (f"activations (~, micro-batch of {b})", int(activations)),
+        ("parameters + gradients (shards)", memory.params + memory.grads),
+        (f"optimizer state ({cfg.optimizer})", memory.optimizer),
+        ("unsharded parameters + gradients at the peak", memory.unsharded),
+        (f"activations at the peak (micro-batch of {micro})", memory.activations),
+        (
+            "peak (the loss's backward)"
+            if memory.phase == "loss"
+            else "peak (last block's backward)",
+            memory.peak,
+        ),
     ]
     lines.append("estimated memory per rank:")
-    lines += [f"  {name:<40}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
-    lines.append(f"  {'total':<40}{sum(n for _, n in estimates) / 2**20:>10,.1f} MiB")
+    lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
     return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""What ``raggedfsdp plan --gpu ...`` prints: a capacity report as rich tables, JSON records and
+a plot of memory and step time against the world size."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from .._console import format_bytes
+from .capacity import SYSTEMS, CapacityReport, WorldCapacity
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+__all__ = ["PLOT_WORLDS", "capacity_records", "plot_capacity", "render_capacity"]
+
+#: World sizes of the plot: powers of two from 4 to 16,384.
+PLOT_WORLDS = tuple(2**k for k in range(2, 15))
+
+_MEMORY_ROWS = (
+    ("sharded parameters", "params"),
+    ("sharded gradients", "grads"),
+    ("optimizer state", "optimizer"),
+    ("persistent", "persistent"),
+    ("unsharded at the peak", "unsharded"),
+    ("activations at the peak", "activations"),
+    ("peak", "peak"),
+)
+
+
+def _options_text(report: CapacityReport) -> str:
+    o = report.options
+    parts = [
+        f"batch {o.batch} x seq {o.seq_len}",
+        o.optimizer,
+        str(o.param_dtype).removeprefix("torch."),
+        "activation checkpointing" if o.checkpointing else "no checkpointing",
+    ]
+    if o.buffer_size is not None:
+        parts.append(f"buckets <= {format_bytes(o.buffer_size)}")
+    return ", ".join(parts)
+
+
+def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
+    """Memory per rank, bytes and time per step, raggedfsdp beside FSDP2, for one W.
+
+    One row per figure; long by nature.
+    """
+    from rich.table import Table
+
+    hw = report.hardware
+    costs = [world.systems[s] for s in SYSTEMS]
+    table = Table(
+        title=f"{report.model}  W={world.world_size:,}  {hw.name}  ({_options_text(report)})",
+        caption=(
+            f"usable memory {format_bytes(report.usable_bytes)} per device "
+            f"({100 * report.options.reserve:.0f}% reserve); link "
+            f"{hw.link_bytes_per_s(world.world_size) * 8 / 1e9:,.0f} Gbit/s per device; "
+            f"compute at {100 * hw.efficiency:.0f}% of {hw.peak_flops / 1e12:,.0f} TFLOP/s; "
+            f"planned and costed in {1000 * world.plan_seconds:,.0f} ms"
+        ),
+    )
+    table.add_column("per rank")
+    for system in SYSTEMS:
+        table.add_column(system, justify="right")
+    memories = [c.memory.to_dict() for c in costs]
+    for label, key in _MEMORY_ROWS:
+        table.add_row(label, *(format_bytes(m[key]) for m in memories))
+    table.add_row(
+        "fits",
+        *(("yes" if c.fits else "NO") + f" (peak: {c.memory.phase} backward)" for c in costs),
+    )
+    # what the rank feeds in (RuntimeStats' convention): its shards; whole gradients
+    table.add_row(
+        "all-gather input per step", *(format_bytes(c.bytes.all_gather_bytes) for c in costs)
+    )
+    table.add_row(
+        "reduce-scatter input per step",
+        *(format_bytes(c.bytes.reduce_scatter_bytes) for c in costs),
+    )
+    table.add_row("sent on the link per step", *(format_bytes(c.bytes.wire_bytes) for c in costs))
+    for label, key in (
+        ("forward", "forward_s"),
+        ("backward", "backward_s"),
+        ("optimizer", "optimizer_s"),
+        ("step", "total_s"),
+        ("  compute", "compute_s"),
+        ("  collectives (own time)", "comm_s"),
+        ("  communication exposed", "exposed_comm_s"),
+    ):
+        table.add_row(label, *(f"{c.time.to_dict()[key] * 1000:,.1f} ms" for c in costs))
+    table.add_row("tokens/s per device", *(f"{c.time.tokens_per_s:,.0f}" for c in costs))
+    table.add_row("communication share", *(f"{100 * c.time.comm_share:.1f}%" for c in costs))
+    return table
+
+
+def render_capacity(report: CapacityReport, out: TextIO) -> None:
+    """One table per world size, then the smallest world size that fits."""
+    from rich.console import Console
+
+    console = Console(file=out)
+    if not console.is_terminal:
+        console = Console(file=out, width=120)
+    console.print(f"{report.model}: {report.param_numel:,} parameters")
+    for world in report.worlds:
+        console.print(_world_table(report, world))
+    if report.smallest_world is not None:
+        console.print(f"smallest power-of-two W that fits: {report.smallest_world:,}")
+    else:
+        console.print(
+            "no W up to 16,384 fits (activations do not shrink with W): turn on "
+            "--activation-checkpointing, lower --batch or --seq, or use larger devices"
+        )
+
+
+def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
+    """One JSON-ready dict per world size, each self-contained."""
+    o = report.options
+    head: dict[str, object] = {
+        "model": report.model,
+        "param_numel": report.param_numel,
+        "hardware": asdict(report.hardware),
+        "batch": o.batch,
+        "seq_len": o.seq_len,
+        "optimizer": o.optimizer,
+        "activation_checkpointing": o.checkpointing,
+        "param_dtype": str(o.param_dtype).removeprefix("torch."),
+        "reserve": o.reserve,
+        "usable_bytes": report.usable_bytes,
+        "smallest_world": report.smallest_world,
+    }
+    records = []
+    for world in report.worlds:
+        systems = {
+            name: {
+                "memory": cost.memory.to_dict(),
+                "fits": cost.fits,
+                "bytes": asdict(cost.bytes),
+                "time": cost.time.to_dict(),
+            }
+            for name, cost in world.systems.items()
+        }
+        records.append(
+            {**head, "world_size": world.world_size, "plan_seconds": world.plan_seconds, **systems}
+        )
+    return records
+
+
+def plot_capacity(report: CapacityReport, path: str | Path) -> bool:
+    """Peak memory per rank and step time against W for both systems (``report`` costed at
+    :data:`PLOT_WORLDS`); ``False`` (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    worlds = [w.world_size for w in report.worlds]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, style in zip(SYSTEMS, ("-o", "--s"), strict=True):
+        peaks = [w.systems[system].memory.peak / 2**30 for w in report.worlds]
+        steps = [w.systems[system].time.total_s for w in report.worlds]
+        mem_ax.plot(worlds, peaks, style, label=system, markersize=4)
+        time_ax.plot(worlds, steps, style, label=system, markersize=4)
+    mem_ax.axhline(report.usable_bytes / 2**30, color="grey", linestyle=":", label="usable")
+    mem_ax.set(ylabel="peak memory per rank (GiB)", yscale="log")
+    time_ax.set(ylabel="step time (s)", yscale="log")
+    for ax in (mem_ax, time_ax):
+        ax.set(xscale="log", xlabel="world size W")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report.model} on {report.hardware.name}: {_options_text(report)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

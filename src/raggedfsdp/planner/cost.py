@@ -1,0 +1,367 @@
+"""What a training step costs each rank, in bytes, from the plans: raggedfsdp, and FSDP2 on the
+same shapes.
+
+Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.py``,
+``_param_group.py``, ``_pool.py``):
+
+- **persistent**: every bucket's local shard ``[S]`` (master dtype), its gradient ``[S]`` from the
+  reduce-scatter until ``zero_grad``, and the optimizer's state on the parameters' local pieces
+  (:func:`optimizer_state_bytes`);
+- **unsharded** (communication dtype, one storage per unit, each bucket on 256 bytes): the
+  root's parameters and gradient block for the whole step; the unit that ran forward last stays
+  unsharded into backward; with prefetch depth 1 the next unit's all-gather lands while one
+  computes. The *tensor peak* is the larger of two moments (:func:`activation_bytes`): the
+  loss's backward (every activation, the loss's gradients; the root's and the last block's
+  parameters) and the last block's backward (its gradient blocks too, the next block
+  prefetched). The runtime's own unsharded high-water mark (``peak_unsharded_bytes``) comes
+  later: block ``i``'s parameters and gradient block, block ``i-1`` prefetched, block ``i+1``'s
+  gradient block and, on Gloo, its receive buffer (``(W-1) S``) while its reduce-scatter is in
+  flight.
+- **activations**: what the blocks keep (:mod:`.shapes`) and what the backward adds at the peak.
+
+FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
+the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
+tensors, and the unsharded gradients (per parameter, allocated by autograd) are copied into a
+padded reduce-scatter input. At the peak it holds the root's and the last block's unsharded
+parameters and gradients, the prefetched block's all-gather output, and the same activations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from ._plan import ShardPlan
+from .shapes import ModelShape
+
+__all__ = [
+    "OPTIMIZERS",
+    "MemoryBreakdown",
+    "UnitBytes",
+    "memory_breakdown",
+    "optimizer_state_bytes",
+    "unit_bytes",
+]
+
+#: Optimizers whose state the cost model knows (``raggedfsdp train --optimizer``).
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
+
+_STEP_BYTES = 4  # the fp32 ``step`` scalar tensor each optimizer keeps per parameter
+_ADAMW8BIT_BLOCK = 256  # AdamW8bit's default block_numel
+_ADAMW8BIT_MIN_NUMEL = 4096  # AdamW8bit's default min_8bit_numel
+SHAMPOO_DIM = 1024  # Shampoo's default max_preconditioner_dim
+#: AdamW8bit's nearest-code lookup tables, made once per process and device for each of its two
+#: code maps: 2^16 int32 cell starts and 255 fp32 midpoints (``optim/adamw8bit.py``).
+_ADAMW8BIT_TABLES = 2 * ((1 << 16) * 4 + 255 * 4)
+
+
+#: The runtime starts each bucket's buffer in a unit's storage on this many bytes
+#: (``runtime/_dbuffer.py``: ``packed_nbytes``).
+STORAGE_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """One FSDP unit's buckets at one world size; element counts are per rank."""
+
+    path: str  # "" for the root
+    shards: tuple[int, ...]  # each bucket's S
+    trainable: tuple[bool, ...]  # whether each bucket requires grad
+    fsdp2_shard_numel: int  # FSDP2: sum over parameters of the padded shard
+    param_numel: int  # elements of the unit's parameters
+
+    @property
+    def buckets(self) -> int:
+        return len(self.shards)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.shards)
+
+    @property
+    def trainable_shard_numel(self) -> int:
+        return sum(s for s, t in zip(self.shards, self.trainable, strict=True) if t)
+
+    def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
+        """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
+        bucket's ``W S`` elements, each started on :data:`STORAGE_ALIGN` bytes."""
+        return sum(
+            -(-world_size * s * itemsize // STORAGE_ALIGN) * STORAGE_ALIGN
+            for s, t in zip(self.shards, self.trainable, strict=True)
+            if t or not trainable
+        )
+
+
+def _unit_path(bucket_name: str) -> str:
+    """``<unit path>/<dtype>[/frozen]/<i>`` -> the unit's path (``""`` for the root)."""
+    path = bucket_name.rsplit("/", 3 if "/frozen/" in bucket_name else 2)[0]
+    return "" if path == "<root>" else path
+
+
+def unit_bytes(plans: Sequence[ShardPlan], requires_grad: Sequence[bool]) -> list[UnitBytes]:
+    """Group the plans by unit (plan order: nested units first, the root last)."""
+    units: dict[str, tuple[list[int], list[bool], list[int]]] = {}
+    for plan, grad in zip(plans, requires_grad, strict=True):
+        shards, trainable, numels = units.setdefault(_unit_path(plan.name), ([], [], [0, 0]))
+        shards.append(plan.shard_numel)
+        trainable.append(grad)
+        numels[1] += plan.param_numel
+        for entry in plan.entries.values():
+            # FSDP2's Shard(0): ceil(dim0 / W) rows on every rank (``report.fsdp2_param_split``)
+            rows, *rest = entry.shape or (1,)
+            numels[0] += -(-rows // plan.world_size) * math.prod(rest)
+    return [
+        UnitBytes(path, tuple(shards), tuple(trainable), *numels)
+        for path, (shards, trainable, numels) in units.items()
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer state.
+
+
+def _shampoo_factor_numel(rows: int, cols: int, row_start: int, dim: int) -> int:
+    """Elements of ``L``, ``R`` and their inverse roots over the blocks (at most ``dim`` a
+    side) of rows ``[row_start, row_start + rows)`` of a ``[*, cols]`` matrix (whole row
+    blocks: the planner keeps them so)."""
+    col_sides = [min(dim, cols - c) for c in range(0, cols, dim)]
+    total = 0
+    for r in range(row_start, row_start + rows, dim):
+        side = min(dim, row_start + rows - r)
+        total += sum(2 * (side * side + c * c) for c in col_sides)
+    return total
+
+
+def _param_state(
+    optimizer: str,
+    name: str,
+    shape: tuple[int, ...],
+    local: int,
+    row_start: int,
+    itemsize: int,
+    shampoo_dim: int,
+) -> int:
+    """Optimizer state tensor bytes of one parameter whose local piece has ``local`` elements
+    starting at row ``row_start`` of its ``[rows, cols]`` view (the ``step`` scalar aside)."""
+    matrix = len(shape) >= 2
+    if optimizer == "adamw8bit" and math.prod(shape) >= _ADAMW8BIT_MIN_NUMEL:
+        return 2 * local + 2 * 4 * -(-local // _ADAMW8BIT_BLOCK)  # uint8 codes, fp32 scales
+    if optimizer == "muon" and matrix and _in_block(name):
+        return local * itemsize  # the momentum buffer
+    moments = 2 * local * itemsize
+    if optimizer == "shampoo" and matrix and local:
+        cols = math.prod(shape[1:])
+        moments += 4 * _shampoo_factor_numel(local // cols, cols, row_start, shampoo_dim)
+    return moments
+
+
+def _in_block(name: str) -> bool:
+    """Muon takes the matrices inside the blocks (a path with a layer index); embeddings and
+    the head go to its auxiliary AdamW."""
+    return any(part.isdigit() for part in name.split("."))
+
+
+def optimizer_state_bytes(
+    plans: Sequence[ShardPlan],
+    optimizer: str,
+    *,
+    rank: int | None = None,
+    itemsize: int = 4,
+    shampoo_dim: int = SHAMPOO_DIM,
+    tables: bool = True,
+) -> int:
+    """Optimizer state on one rank: exactly rank ``rank``'s, or (``None``) the average rank's
+    (each parameter's state over ``W``; a real rank differs by its share of the padding). Every
+    parameter also has a 4-byte ``step`` (Muon's momentum-only matrices aside). ``itemsize``:
+    the master dtype's; ``shampoo_dim``: Shampoo's ``max_preconditioner_dim``; ``tables``:
+    count AdamW8bit's per-process lookup tables (not in its ``state``)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
+    total = 0.0
+    if tables and optimizer == "adamw8bit":
+        total += _ADAMW8BIT_TABLES
+    for plan in plans:
+        for name, entry in plan.entries.items():
+            shape = entry.shape
+            if optimizer != "muon" or len(shape) < 2 or not _in_block(name):
+                total += _STEP_BYTES
+            if rank is None:
+                whole = _param_state(optimizer, name, shape, entry.numel, 0, itemsize, shampoo_dim)
+                total += whole / plan.world_size
+                continue
+            start, end = plan.local_range(name, rank)
+            cols = math.prod(shape[1:]) if len(shape) >= 2 else 1
+            total += _param_state(
+                optimizer, name, shape, end - start, start // cols, itemsize, shampoo_dim
+            )
+    return round(total)
+
+
+# ---------------------------------------------------------------------------------------------
+# The memory of one rank.
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What one rank runs per step. Activations are in ``param_dtype`` (what the blocks compute
+    in under mixed precision); the loss in fp32."""
+
+    batch: int  # sequences per rank
+    seq_len: int
+    master_dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
+    checkpointing: bool = False
+    gloo: bool = False  # the Gloo reduce-scatter's receive buffer
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Bytes one rank holds. The tensor peak of a step is the larger of the two moments where
+    activations peak (see :func:`memory_breakdown`) and of the optimizer step (everything
+    persistent); the previous step's gradients are freed by ``zero_grad`` before forward."""
+
+    params: int  # sharded parameters, master dtype
+    grads: int  # sharded gradients, from the reduce-scatter until zero_grad
+    optimizer: int
+    unsharded: int  # unsharded parameters and gradients at the peak
+    activations: int  # activations and backward gradients at the peak
+    phase: str  # where the peak is: "loss" (its backward) or "block" (the last block's backward)
+    unsharded_peak: int  # the runtime's own unsharded high-water mark (any time in the step)
+    #: the Gloo reduce-scatter's world-size divisor, one cached 0-d tensor of the reduce dtype
+    constants: int = 0
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer + self.constants
+
+    @property
+    def peak(self) -> int:
+        forward = self.params + self.optimizer + self.constants
+        return max(forward + self.unsharded + self.activations, self.persistent)
+
+    def to_dict(self) -> dict[str, int | str]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**out, "persistent": self.persistent, "peak": self.peak}
+
+
+def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
+    """Activation bytes per rank at the two candidate peaks (:mod:`.shapes` states what a block
+    keeps), ``(loss, block)``:
+
+    - **loss**: the loss's backward starts: every block's activations, the embedding sum and
+      the final norm (``2 d``), the log-probabilities and the two gradients the loss's backward
+      makes (``3 V``, fp32).
+    - **block**: the last block's backward, inside its widest projection: the embedding sum
+      (``d``), every block's activations, that projection's output gradient replacing its input
+      gradient (``widest``), and a tied embedding's whole gradient (communication dtype).
+    """
+    act = step.param_dtype.itemsize
+    blocks = shape.blocks
+    if not blocks:
+        return round(step.tokens * (2 * shape.hidden * act + 3 * shape.vocab * 4)), 0
+    if step.checkpointing:  # each block keeps its input; one is recomputed whole in backward
+        kept = shape.hidden * len(blocks)
+        recomputed = max(shape.block_activation_per_token(b) for b in blocks)
+    else:
+        kept, recomputed = sum(u.activation_per_token for u in shape.inner), 0
+    widest = max(u.widest_per_token for u in shape.inner)
+    loss = step.tokens * ((kept + 2 * shape.hidden) * act + 3 * shape.vocab * 4)
+    block = step.tokens * (kept + recomputed + shape.hidden + widest) * act
+    return round(loss), round(block + shape.tied_numel * act)
+
+
+def memory_breakdown(
+    shape: ModelShape,
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    optimizer_bytes: int,
+    *,
+    world_size: int,
+    system: str = "raggedfsdp",
+) -> MemoryBreakdown:
+    """One rank's memory for ``system`` (``"raggedfsdp"`` or ``"fsdp2"``) from its units
+    (:func:`unit_bytes`, the root last) and optimizer state (:func:`optimizer_state_bytes`).
+
+    Unsharded at the loss's backward: the root's and the last block's parameters (the root
+    prefetches nothing: the last block was never resharded). At the last block's backward: both
+    with their gradients, and the next block's all-gathered parameters (prefetch depth 1)."""
+    w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
+    if system == "raggedfsdp":
+        local = sum(u.shard_numel for u in units)
+        local_grads = sum(u.trainable_shard_numel for u in units)
+        params = [u.storage_bytes(w, comm) for u in units]
+        grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
+        gathered = params
+    elif system == "fsdp2":
+        local = sum(u.fsdp2_shard_numel for u in units)
+        local_grads = sum(u.fsdp2_shard_numel for u in units if u.trainable_shard_numel)
+        # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
+        # all-gather in flight holds is its padded output
+        params = [u.param_numel * comm for u in units]
+        grads = [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units]
+        gathered = [w * u.fsdp2_shard_numel * comm for u in units]
+    else:
+        raise ValueError(f"unknown system {system!r}: expected 'raggedfsdp' or 'fsdp2'")
+    n = len(units) - 1  # blocks before the root
+    loss_act, block_act = activation_bytes(shape, step)
+    last = params[n - 1] if n else 0
+    loss = (params[-1] + last, loss_act)
+    block = (
+        params[-1]
+        + grads[-1]
+        + last
+        + (grads[n - 1] if n else 0)
+        + (gathered[n - 2] if n >= 2 else 0),
+        block_act,
+    )
+    unsharded, activations = max(loss, block, key=sum)
+    return MemoryBreakdown(
+        params=local * master,
+        grads=local_grads * master,
+        optimizer=optimizer_bytes,
+        unsharded=unsharded,
+        activations=activations,
+        phase="loss" if sum(loss) >= sum(block) else "block",
+        unsharded_peak=_unsharded_high_water(params, grads, units, step, w, system),
+        constants=comm if step.gloo and system == "raggedfsdp" else 0,
+    )
+
+
+def _unsharded_high_water(
+    params: Sequence[int],
+    grads: Sequence[int],
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    world_size: int,
+    system: str,
+) -> int:
+    """The most unsharded bytes held at once: block ``i``'s backward with its parameters and
+    gradients, block ``i-1`` prefetched, block ``i+1``'s gradients (and Gloo receive buffer)
+    until its reduce-scatter completes; the root's for the whole step."""
+    comm = step.param_dtype.itemsize
+    n = len(units) - 1
+    root = params[-1] + grads[-1]
+    best = root
+    for i in range(n):
+        held = params[i] + grads[i] + (params[i - 1] if i else 0)
+        if i + 1 < n:
+            held += grads[i + 1]
+            if step.gloo and system == "raggedfsdp":
+                held += (world_size - 1) * units[i + 1].shard_numel * comm
+        if system == "fsdp2":  # the reduce-scatter input it copies block i's gradients into
+            held += world_size * units[i].fsdp2_shard_numel * comm
+        best = max(best, root + held)
+    return best

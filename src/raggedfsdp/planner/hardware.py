@@ -1,0 +1,171 @@
+"""Hardware presets of the capacity planner: what one device computes, holds and sends.
+
+Published figures (sources in docs/capacity.md): dense BF16 tensor-core peak (no sparsity), HBM
+capacity and bandwidth, NVLink bandwidth per direction per GPU, and one NIC per GPU between nodes
+(DGX/HGX reference systems: eight GPUs per node). ``cpu-gloo`` is this repository's test machine,
+one thread per rank, measured by ``benchmarks/calibrate_cpu_gloo.py``: its "peak" is a measured
+fp32 matmul rate and its "HBM" the host's memory.
+
+Any figure can be overridden (:func:`hardware` keyword arguments, or ``raggedfsdp plan
+--link-gbit / --efficiency``), so a cluster that is not a reference system is one flag away.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["HARDWARE", "Hardware", "hardware"]
+
+_GB = 10**9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """One device and its links. Bandwidths are per device, per direction.
+
+    Attributes:
+        name: the preset's name.
+        peak_flops: dense peak of the training dtype (BF16 tensor cores; fp32 matmul on CPU).
+        efficiency: the fraction of ``peak_flops`` a training step's compute reaches (model FLOPs
+            utilisation of the compute alone, communication excluded).
+        memory_bytes: device memory (HBM; host RAM for CPU).
+        memory_bytes_per_s: memory bandwidth (the optimizer step is bound by it).
+        intra_bytes_per_s: bandwidth between devices of one node (NVLink; loopback on CPU).
+        inter_bytes_per_s: bandwidth of one device to another node (its NIC).
+        devices_per_node: devices that share the fast intra-node links.
+        intra_latency_s: latency of one step of a ring inside a node.
+        inter_latency_s: latency of one step of a ring across nodes.
+        overlaps: whether communication runs beside the compute (GPUs: copy engines and
+            NCCL's kernels on their own stream); on CPU Gloo's transfers and the
+            reduce-scatter's sums take the cores the compute needs, so they add up.
+    """
+
+    name: str
+    peak_flops: float
+    efficiency: float
+    memory_bytes: int
+    memory_bytes_per_s: float
+    intra_bytes_per_s: float
+    inter_bytes_per_s: float
+    devices_per_node: int
+    intra_latency_s: float
+    inter_latency_s: float
+    overlaps: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name not in ("name", "overlaps") and not value > 0:
+                raise ValueError(
+                    f"hardware {self.name!r}: {field.name} must be positive, got {value!r}"
+                )
+        if self.efficiency > 1:
+            raise ValueError(
+                f"hardware {self.name!r}: efficiency is a fraction of peak (0, 1], "
+                f"got {self.efficiency!r}"
+            )
+
+    def link_bytes_per_s(self, world_size: int) -> float:
+        """The bandwidth a ring over ``world_size`` devices runs at: its slowest hop."""
+        if world_size <= self.devices_per_node:
+            return self.intra_bytes_per_s
+        return min(self.intra_bytes_per_s, self.inter_bytes_per_s)
+
+    def hop_latency_s(self, world_size: int) -> float:
+        """The latency of one ring step over ``world_size`` devices."""
+        if world_size <= self.devices_per_node:
+            return self.intra_latency_s
+        return self.inter_latency_s
+
+
+def _gpu(
+    name: str,
+    *,
+    tflops: float,
+    hbm_gb: float,
+    hbm_tb_per_s: float,
+    nvlink_gb_per_s: float,
+    nic_gbit: float,
+) -> Hardware:
+    # Latencies: NCCL's per-step figures are a few microseconds over NVLink and InfiniBand; the
+    # same value for every GPU generation (the link protocol, not the GPU, sets it).
+    return Hardware(
+        name=name,
+        peak_flops=tflops * 1e12,
+        efficiency=0.5,  # a typical large-model MFU of the compute alone
+        memory_bytes=int(hbm_gb * _GB),
+        memory_bytes_per_s=hbm_tb_per_s * 1e12,
+        intra_bytes_per_s=nvlink_gb_per_s * _GB,
+        inter_bytes_per_s=nic_gbit * _GB / 8,
+        devices_per_node=8,
+        intra_latency_s=3e-6,
+        inter_latency_s=6e-6,
+    )
+
+
+HARDWARE: dict[str, Hardware] = {
+    # NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 900 GB/s
+    # bidirectional, ConnectX-7 400 Gb/s per GPU (DGX H100).
+    "h100": _gpu(
+        "h100", tflops=989, hbm_gb=80, hbm_tb_per_s=3.35, nvlink_gb_per_s=450, nic_gbit=400
+    ),
+    # NVIDIA H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e.
+    "h200": _gpu(
+        "h200", tflops=989, hbm_gb=141, hbm_tb_per_s=4.8, nvlink_gb_per_s=450, nic_gbit=400
+    ),
+    # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense BF16, 2.04 TB/s, NVLink 3 600 GB/s bidirectional,
+    # HDR 200 Gb/s per GPU (DGX A100).
+    "a100": _gpu(
+        "a100", tflops=312, hbm_gb=80, hbm_tb_per_s=2.039, nvlink_gb_per_s=300, nic_gbit=200
+    ),
+    # NVIDIA B200 (DGX B200: 180 GB usable HBM3e per GPU, 8 TB/s): 2.25 PFLOP/s dense BF16,
+    # NVLink 5 1.8 TB/s bidirectional, ConnectX-7 400 Gb/s per GPU.
+    "b200": _gpu(
+        "b200", tflops=2250, hbm_gb=180, hbm_tb_per_s=8.0, nvlink_gb_per_s=900, nic_gbit=400
+    ),
+    # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py):
+    # a 1024^3 fp32 matmul at 158 GFLOP/s measured idle (the step-time model fits its efficiency
+    # to a measured floor run anyway); the link as the bench runs it, measured while three other
+    # engineers' work loaded the machine (load average 11): Gloo loopback at 258 MB/s each way,
+    # 2.4 ms per collective however small (a one-element all-gather; a bare message is 0.6 ms);
+    # an in-place add at 27 GB/s idle. Every rank is a "node" of its own: Gloo, no NVLink.
+    "cpu-gloo": Hardware(
+        name="cpu-gloo",
+        peak_flops=158e9,
+        efficiency=0.5,
+        memory_bytes=8 * 1024**3,
+        memory_bytes_per_s=27e9,
+        intra_bytes_per_s=258e6,
+        inter_bytes_per_s=258e6,
+        devices_per_node=1,
+        intra_latency_s=2.4e-3,
+        inter_latency_s=2.4e-3,
+        overlaps=False,
+    ),
+}
+"""The named presets of ``raggedfsdp plan --gpu``."""
+
+
+def hardware(name: str, **overrides: float | bool) -> Hardware:
+    """The preset ``name`` with some figures replaced (``link_gbit=``: the inter-node bandwidth
+    in Gbit/s; any :class:`Hardware` field by its name).
+
+    Raises:
+        ValueError: an unknown preset (the message lists them) or field, or a non-positive
+            figure (the message names it).
+    """
+    preset = HARDWARE.get(name)
+    if preset is None:
+        raise ValueError(f"unknown hardware preset {name!r}; known presets: {', '.join(HARDWARE)}")
+    changes = dict(overrides)
+    if "link_gbit" in changes:
+        gbit = changes.pop("link_gbit")
+        if not gbit > 0:
+            raise ValueError(f"link bandwidth must be positive Gbit/s, got {gbit!r}")
+        changes["inter_bytes_per_s"] = gbit * _GB / 8
+    fields = {f.name for f in dataclasses.fields(Hardware)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ValueError(f"unknown hardware figure(s) {', '.join(unknown)}; known: {fields}")
+    return dataclasses.replace(preset, **changes)

@@ -1,0 +1,218 @@
+"""What the capacity planner reads from a model's shapes: its FSDP units, how much each one
+computes per token, and how many activation elements it keeps for backward.
+
+Pure Python over parameter shapes (models on the meta device). The rules, stated once:
+
+- **hidden size** ``d`` and **vocabulary** ``V``: the first ``nn.Embedding``'s dimensions.
+- **matmul elements per token** of a unit: every weight of two or more dimensions except
+  embeddings (one tied to the output head counts once, as the head), each a ``[out, in]``
+  matrix applied once per token; a routed expert (a 3-D stack
+  ``[E, a, b]`` or a module under ``experts.<i>``) counts ``experts_per_token / E`` of it, since
+  only that share of the experts sees a token.
+- **FLOPs per token** of a unit: ``2 x`` its matmul elements forward (multiply and add), twice
+  that backward; attention adds ``2 T d`` forward per block (``Q Kᵀ`` and ``A V``, ``2 T d``
+  each, halved by the causal mask) for sequence length ``T``.
+- **activations** kept per token by a block (no activation checkpointing, flash attention, no
+  dropout): ``sum over its matrices of (in + out)`` elements, each projection's input and output
+  (an output projection's output standing for the residual sum it is added into). For the plain
+  GPT block that is ``16 d``, exactly what it keeps: ``ln1`` (d), ``qkv`` (3d), the attention
+  output (d), the residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum
+  (d); per-token statistics (LayerNorm mean and rstd, the attention's log-sum-exp: under 0.5% of
+  the total) are left out. With activation checkpointing a block keeps only its input, ``d`` per
+  token, and recomputes the rest in its backward.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from .bucketing import WrapPolicy, model_buckets
+
+__all__ = ["EXPERTS_PER_TOKEN", "ModelShape", "UnitShape", "model_shape"]
+
+#: Routed experts each token visits, for the zoo's mixture-of-experts models (``config.json``:
+#: DeepSeek-V3 ``num_experts_per_tok`` 8, gpt-oss-120b ``num_experts_per_tok`` 4).
+EXPERTS_PER_TOKEN: dict[str, int] = {"deepseek-v3-671b": 8, "gpt-oss-120b": 4}
+
+_EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """One FSDP unit (``path`` ``""`` is the root).
+
+    Attributes:
+        path: the unit's module path.
+        param_numel: elements of the parameters it holds (not those of nested units).
+        matmul_numel: matrix elements each token is multiplied by (experts weighted by use).
+        activation_per_token: elements a block keeps for backward per token (0 for the root,
+            whose activations :class:`ModelShape` states separately).
+        widest_per_token: the widest projection output per token (a block's largest
+            intermediate: the MLP's hidden width).
+        is_block: whether it is a transformer block: a unit directly under the root (attention
+            FLOPs; its input is what checkpointing keeps). A unit nested in one (an expert made
+            a unit of its own) computes and keeps activations as part of its block.
+    """
+
+    path: str
+    param_numel: int
+    matmul_numel: float
+    activation_per_token: float
+    widest_per_token: int
+    is_block: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the capacity planner sees it: units in the order ``plan_model`` plans them
+    (nested units first, the root last)."""
+
+    hidden: int
+    vocab: int
+    units: tuple[UnitShape, ...]
+    #: elements of an embedding shared with the output head (0 if untied): its gradient from the
+    #: head waits, whole, until the embedding's adds to it at the end of backward
+    tied_numel: int = 0
+
+    @property
+    def blocks(self) -> tuple[UnitShape, ...]:
+        return tuple(u for u in self.units if u.is_block)
+
+    @property
+    def root(self) -> UnitShape:
+        return self.units[-1]
+
+    @property
+    def inner(self) -> tuple[UnitShape, ...]:
+        """Every unit but the root: the blocks and the units nested in them."""
+        return self.units[:-1]
+
+    def block_activation_per_token(self, block: UnitShape) -> float:
+        """What ``block`` keeps per token, its nested units included."""
+        inside = block.path + "."
+        return sum(
+            u.activation_per_token
+            for u in self.inner
+            if u.path == block.path or u.path.startswith(inside)
+        )
+
+    def forward_flops_per_token(self, unit: UnitShape, seq_len: int) -> float:
+        """Forward FLOPs per token of ``unit`` (backward is twice this)."""
+        attention = 2 * seq_len * self.hidden if unit.is_block else 0
+        return 2 * unit.matmul_numel + attention
+
+    def step_flops(self, tokens: int, seq_len: int, *, checkpointing: bool = False) -> float:
+        """FLOPs of one training step over ``tokens`` tokens: forward, backward (twice the
+        forward) and, with activation checkpointing, the blocks' forward once more."""
+        total = 0.0
+        for unit in self.units:
+            forward = self.forward_flops_per_token(unit, seq_len) * tokens
+            total += 3 * forward + (forward if checkpointing and unit is not self.root else 0)
+        return total
+
+
+def _matrix_terms(
+    name: str, shape: tuple[int, ...], expert_counts: Mapping[str, int], experts_per_token: int
+) -> tuple[float, float, int]:
+    """(matmul elements, activation elements, output width) per token of one parameter of
+    two or more dimensions."""
+    if len(shape) == 3:  # a fused stack of E experts [E, a, b]
+        share = experts_per_token / shape[0]
+        return (
+            share * math.prod(shape),
+            experts_per_token * (shape[1] + shape[2]),
+            max(shape[1], shape[2]),
+        )
+    match = _EXPERT_RE.search(name)
+    share = 1.0
+    if match is not None:
+        share = experts_per_token / expert_counts[name[: match.start()]]
+    rows, cols = shape[0], math.prod(shape[1:])
+    return share * rows * cols, share * (rows + cols), rows
+
+
+def _expert_counts(names: list[str]) -> dict[str, int]:
+    """Experts held as separate modules: ``prefix -> count`` of the ``experts.<i>`` under it."""
+    found: dict[str, set[str]] = {}
+    for name in names:
+        match = _EXPERT_RE.search(name)
+        if match is not None:
+            found.setdefault(name[: match.start()], set()).add(match.group(1))
+    return {prefix: len(indices) for prefix, indices in found.items()}
+
+
+def _params_by_unit(
+    module: nn.Module, wrap: WrapPolicy
+) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Each FSDP unit's parameters (name, parameter) by unit path (``""``: the root)."""
+    by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for bucket in model_buckets(module, wrap=wrap):
+        unit_path = bucket.name.rsplit("/", 3 if "/frozen/" in bucket.name else 2)[0]
+        by_unit.setdefault("" if unit_path == "<root>" else unit_path, []).extend(
+            bucket.params.items()
+        )
+    return by_unit
+
+
+def model_shape(
+    module: nn.Module, *, experts_per_token: int | None = None, wrap: WrapPolicy = None
+) -> ModelShape:
+    """The :class:`ModelShape` of ``module`` (best on the meta device).
+
+    Args:
+        module: a transformer with an ``nn.Embedding`` and its blocks in an ``nn.ModuleList``
+            (or the units ``wrap`` picks).
+        experts_per_token: routed experts per token, needed when the model has experts.
+        wrap: the FSDP units, as for :func:`~raggedfsdp.planner.model_buckets`.
+
+    Raises:
+        ValueError: no embedding, or experts without ``experts_per_token``.
+    """
+    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError(
+            f"{type(module).__name__} has no nn.Embedding: the capacity planner reads the hidden "
+            f"size and vocabulary from it"
+        )
+    # An embedding is a lookup, no matmul; tied to the output head it is one (counted once).
+    linear_weights = {id(m.weight) for m in module.modules() if isinstance(m, nn.Linear)}
+    lookups = {
+        id(m.weight)
+        for m in module.modules()
+        if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
+    }
+    by_unit = _params_by_unit(module, wrap)
+    # Experts counted over the whole model: each may be an FSDP unit of its own.
+    named = list(module.named_parameters())
+    counts = _expert_counts([n for n, _ in named])
+    if (counts or any(p.dim() == 3 for _, p in named)) and experts_per_token is None:
+        raise ValueError(
+            f"{type(module).__name__} has routed experts: give experts_per_token (how many "
+            f"experts each token visits)"
+        )
+    units = []
+    for path, params in by_unit.items():
+        matmul = activation = 0.0
+        widest = 0
+        for name, p in params:
+            if p.dim() >= 2 and id(p) not in lookups:
+                m, a, out = _matrix_terms(name, tuple(p.shape), counts, experts_per_token or 1)
+                matmul, activation, widest = matmul + m, activation + a, max(widest, out)
+        nested = any(path.startswith(other + ".") for other in by_unit if other)
+        units.append(
+            UnitShape(
+                path=path,
+                param_numel=sum(p.numel() for _, p in params),
+                matmul_numel=matmul,
+                activation_per_token=activation if path else 0.0,
+                widest_per_token=widest,
+                is_block=bool(path) and not nested,
+            )
+        )
+    tied = embedding.weight.numel() if id(embedding.weight) in linear_weights else 0
+    return ModelShape(embedding.embedding_dim, embedding.num_embeddings, tuple(units), tied)

@@ -1,0 +1,184 @@
+"""How long a training step takes, and what it sends, from the plans and a :class:`Hardware`.
+
+- **compute**: a unit's FLOPs (:class:`~.shapes.ModelShape`) over ``peak_flops x efficiency``;
+  backward is twice the forward, and activation checkpointing adds the blocks' forward again.
+- **a collective** (all-gather or reduce-scatter of one bucket) as a ring over ``W`` devices:
+  ``(W - 1) x (latency + S x itemsize / bandwidth)``, where ``S`` is the bucket's shard and the
+  bandwidth and latency are those of the slowest hop (:meth:`Hardware.link_bytes_per_s`). Both
+  collectives put ``(W - 1) S`` elements on each rank's link; they run one at a time on it.
+- **overlap** as raggedfsdp achieves it, prefetch depth 1: in forward the next unit's all-gather
+  runs under this unit's compute; in backward the previous unit's all-gather and the next one's
+  reduce-scatter run under this unit's compute. Exposed: the root's and the first block's
+  all-gathers, the root's reduce-scatter and the first block's at the end. The last block is
+  not resharded after forward (raggedfsdp keeps it; FSDP2 re-gathers it under the head's
+  backward).
+  Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo needs the compute's cores)
+  every collective adds to the step.
+- **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
+  and reads the gradient.
+- FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
+  its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
+  critical path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from .cost import StepShape, UnitBytes
+from .hardware import Hardware
+from .shapes import ModelShape
+
+__all__ = ["CollectiveBytes", "StepTime", "collective_bytes", "step_time"]
+
+
+@dataclass(frozen=True)
+class CollectiveBytes:
+    """What one rank moves per step. ``*_bytes`` follow the runtime's counters
+    (:class:`~raggedfsdp.runtime.RuntimeStats`: all-gather, the rank's shard; reduce-scatter, the
+    whole unsharded gradient); ``wire_bytes`` is what leaves the rank on its link."""
+
+    all_gather_calls: int
+    all_gather_bytes: int
+    reduce_scatter_calls: int
+    reduce_scatter_bytes: int
+    wire_bytes: int
+
+
+def _gathers(units: Sequence[UnitBytes], system: str) -> list[UnitBytes]:
+    """Units all-gathered in one step: every unit in forward, then in backward every block
+    but the last (raggedfsdp keeps it unsharded; FSDP2 gathers it again)."""
+    blocks = list(units[:-1])
+    again = blocks if system == "fsdp2" else blocks[:-1]
+    return [*units, *again]
+
+
+def _shard(unit: UnitBytes, system: str) -> int:
+    return unit.fsdp2_shard_numel if system == "fsdp2" else unit.shard_numel
+
+
+def collective_bytes(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: str = "raggedfsdp"
+) -> CollectiveBytes:
+    """Bytes per step per rank of each collective kind (no HSDP: no all-reduce)."""
+    comm, w = step.param_dtype.itemsize, world_size
+    gathered = _gathers(units, system)
+    reduced = [u for u in units if u.trainable_shard_numel]
+    ag_numel = sum(_shard(u, system) for u in gathered)
+    rs_numel = sum(
+        u.fsdp2_shard_numel if system == "fsdp2" else u.trainable_shard_numel for u in reduced
+    )
+    calls = 1 if system == "fsdp2" else None  # FSDP2: one all-gather per unit
+    return CollectiveBytes(
+        all_gather_calls=sum(calls or u.buckets for u in gathered),
+        all_gather_bytes=ag_numel * comm,
+        reduce_scatter_calls=sum(calls or u.buckets for u in reduced),
+        reduce_scatter_bytes=w * rs_numel * comm,
+        wire_bytes=(w - 1) * (ag_numel + rs_numel) * comm if w > 1 else 0,
+    )
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on one rank, by phase; ``comm_s`` is every collective's own time,
+    ``exposed_comm_s`` what of it the step waits for (``total_s`` minus compute)."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    compute_s: float
+    comm_s: float
+    total_s: float
+    tokens_per_s: float  # per device
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.total_s - self.compute_s - self.optimizer_s)
+
+    @property
+    def comm_share(self) -> float:
+        """The fraction of the step spent waiting for communication."""
+        return self.exposed_comm_s / self.total_s if self.total_s else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            **asdict(self),
+            "exposed_comm_s": self.exposed_comm_s,
+            "comm_share": self.comm_share,
+        }
+
+
+def _ring_s(hw: Hardware, world_size: int, shard_bytes: float, calls: int) -> float:
+    """One unit's all-gather (or reduce-scatter): ``calls`` ring collectives whose shards add
+    up to ``shard_bytes``."""
+    if world_size == 1:
+        return 0.0
+    steps = world_size - 1
+    return steps * (
+        calls * hw.hop_latency_s(world_size) + shard_bytes / hw.link_bytes_per_s(world_size)
+    )
+
+
+def step_time(
+    shape: ModelShape,
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    hw: Hardware,
+    world_size: int,
+    *,
+    optimizer_bytes: int,
+    system: str = "raggedfsdp",
+) -> StepTime:
+    """The step time of ``system`` at ``world_size`` (module docstring: the model).
+
+    Long by nature: the forward and backward pipelines, written out.
+    """
+    comm, w = step.param_dtype.itemsize, world_size
+    rate = hw.peak_flops * hw.efficiency
+    fsdp2 = system == "fsdp2"
+
+    def coll(unit: UnitBytes, numel: int) -> float:
+        seconds = _ring_s(hw, w, numel * comm, 1 if fsdp2 else unit.buckets)
+        if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
+            seconds += 2 * w * numel * comm / hw.memory_bytes_per_s
+        return seconds
+
+    fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
+    ag = [coll(u, _shard(u, system)) for u in units]
+    rs = [
+        coll(u, u.fsdp2_shard_numel if fsdp2 else u.trainable_shard_numel)
+        if u.trainable_shard_numel
+        else 0.0
+        for u in units
+    ]
+    blocks = range(len(units) - 1)
+    # checkpointing recomputes every unit's forward but the root's
+    recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
+    bwd = [2 * f + r for f, r in zip(fwd, recompute, strict=True)]
+
+    def at(values: list[float], i: int) -> float:
+        return values[i] if 0 <= i < len(blocks) else 0.0
+
+    # ``both`` runs two things side by side (overlap) or one after the other
+    both = max if hw.overlaps else (lambda a, b: a + b)
+    forward = ag[-1] + at(ag, 0) + fwd[-1]
+    forward += sum(both(fwd[i], at(ag, i + 1)) for i in blocks)
+    last = len(blocks) - 1
+    backward = both(bwd[-1], at(ag, last) if fsdp2 else 0.0)
+    backward += sum(both(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
+    backward += at(rs, 0) + rs[-1]
+    local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
+    optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
+    total = forward + backward + optimizer
+    regathered = blocks if fsdp2 else range(last)
+    comm_s = sum(ag) + sum(ag[i] for i in regathered) + sum(rs)
+    return StepTime(
+        forward_s=forward,
+        backward_s=backward,
+        optimizer_s=optimizer,
+        compute_s=sum(fwd) + sum(bwd),
+        comm_s=comm_s,
+        total_s=total,
+        tokens_per_s=step.tokens / total if total else 0.0,
+    )

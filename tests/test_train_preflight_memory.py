@@ -1,0 +1,59 @@
+"""``raggedfsdp train``'s memory preflight: the capacity planner's prediction for the run,
+against the memory a rank may use, before any worker starts; ``--force`` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launches import run_cli
+from raggedfsdp.train import preflight
+from raggedfsdp.train.config import TrainConfig
+
+
+def test_the_prediction_is_the_runs_own() -> None:
+    """Micro-batch per rank, mixed precision and checkpointing reach the prediction."""
+    plain = preflight.predicted_memory(TrainConfig(model="gpt-small", batch_size=16), 2)
+    halved = preflight.predicted_memory(
+        TrainConfig(model="gpt-small", batch_size=16, grad_accum=2), 2
+    )
+    checkpointed = preflight.predicted_memory(
+        TrainConfig(model="gpt-small", batch_size=16, activation_checkpointing=True), 2
+    )
+    bf16 = preflight.predicted_memory(
+        TrainConfig(model="gpt-small", batch_size=16, mixed_precision="bf16"), 2
+    )
+    assert plain.activations > checkpointed.activations
+    assert halved.activations < plain.activations and halved.persistent == plain.persistent
+    assert bf16.unsharded < plain.unsharded  # bf16 all-gathers; fp32 masters stay
+    assert bf16.params == plain.params
+
+
+def test_refusal_names_the_numbers_and_what_to_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = TrainConfig(model="gpt-small", batch_size=64)
+    need = preflight.predicted_memory(cfg, 2).peak
+    # a node with just too little RAM for two such ranks, and one with enough
+    tight = 2 * (preflight.PROCESS_BYTES + need)
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: tight)
+    with pytest.raises(ValueError, match=r"memory: each rank needs about .* --force") as err:
+        preflight.check_memory(cfg, 2, 2)
+    for text in ("--batch-size, now 32 per rank", "--activation-checkpointing", "more ranks"):
+        assert text in str(err.value)
+    preflight.check_memory(TrainConfig(model="gpt-small", batch_size=64, force=True), 2, 2)
+    monkeypatch.setattr(preflight, "available_ram_bytes", lambda: 2 * tight)
+    preflight.check_memory(cfg, 2, 2)
+
+
+@pytest.mark.slow
+def test_train_refuses_before_any_worker_starts(tmp_path: Path) -> None:
+    """gpt-medium with 8,192 sequences per rank needs far more than this machine's RAM."""
+    out = tmp_path / "run"
+    proc = run_cli(
+        "train", "--model=gpt-medium", "--batch-size=16384", "--nproc=2", "--steps=1",
+        f"--out={out}",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line: no worker started
+    assert "raggedfsdp: error: memory: each rank needs about" in proc.stderr
+    assert not out.exists()
