@@ -26,6 +26,7 @@ shows the traceback); another rank reports only an error rank 0 did not have.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -498,20 +499,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = f"rank {rank}: {message}"
         sys.stderr.write(f"raggedfsdp: error: {message}\n")
         return USAGE_ERROR if isinstance(err, ValueError) else 1
-    except Exception as err:  # the machine's fault (disk, files, a lost peer) or a bug
+    # The machine's fault (disk, files, a lost peer) or a bug. DCP's CheckpointException is a
+    # BaseException, not an Exception.
+    except (Exception, dcp.CheckpointException) as err:
         if args.debug:
             raise
         return _report_failure(err, out)
     return 0
 
 
-def _report_failure(err: Exception, out: str | None) -> int:
+def _report_failure(err: BaseException, out: str | None) -> int:
     """One line naming the cause (e.g. ``OSError: [Errno 28] No space left on device``, a
     peer's lost connection) and this rank; the traceback goes to ``OUT/logs/rank_N.log`` rather
     than the terminal, and the line to torchrun's error file, whence the launcher names the
     rank that failed first and why."""
-    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
     rank = int(os.environ.get("RANK", "0"))
     # Into the run's folder once it exists; before, a file there would make the corrected
     # command's folder "not empty", so the temporary folder instead.
@@ -533,8 +534,23 @@ def _report_failure(err: Exception, out: str | None) -> int:
         cause = f"No space left on device ({full}): {cause}"
     who = "" if isinstance(err, dcp.CheckpointException) else f"rank {rank}: "
     sys.stderr.write(f"raggedfsdp: error: {who}{cause}{where}\n")
-    ErrorHandler().record_exception(err)  # "Type: message" and the traceback, as torchrun's
+    _tell_agent(f"{who}{cause}", err)
     return 1
+
+
+def _tell_agent(cause: str, err: BaseException) -> None:
+    """Write torchrun's error file (``TORCHELASTIC_ERROR_FILE``, in the format of its
+    ``ErrorHandler.record_exception``, with the cause as said here rather than ``Type: str``):
+    the agent reads it into the launcher's ``ChildFailedError``, which names it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path is None:
+        return
+    extra = {
+        "py_callstack": "".join(traceback.format_exception(err)),
+        "timestamp": str(int(time.time())),
+    }
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": cause, "extraInfo": extra}}))
 
 
 def _full_disk(out: str | None) -> str | None:

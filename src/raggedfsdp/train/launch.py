@@ -247,7 +247,11 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _child_failed(err: BaseException, cfg: TrainConfig, *, restarts: int) -> int:
     """One line: the rank that failed first on this node and why; the exit status."""
-    rank, failure = err.get_first_failure()  # type: ignore[attr-defined]
+    # The first by time, as torchrun's get_first_failure; its clock counts whole seconds, and
+    # within one a death by signal (the OOM killer, a kill) comes before the lost-peer errors
+    # it causes in the others.
+    failures = err.failures.items()  # type: ignore[attr-defined]
+    rank, failure = min(failures, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
     if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
         return _preempted(cfg, "SIGTERM")
     how = (
