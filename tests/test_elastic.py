@@ -288,3 +288,34 @@ def test_torchrun_gets_the_range_and_the_join_timeout():
     args = parser.parse_args(["--nnodes=1:3", "--rdzv-endpoint=h:1", "--rdzv-conf=a=b"])
     argv = torchrun_argv(args, [], cfg=TrainConfig(startup_timeout_s=42.5))
     assert "--nnodes=1:3" in argv and "--rdzv-conf=a=b,join_timeout=43" in argv
+
+
+def test_launcher_names_the_first_failure_and_its_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's own failure records (ProcessFailure reads the error file a worker wrote)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from raggedfsdp.train.job import _report_failure
+    from raggedfsdp.train.launch import _child_failed
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise RuntimeError("Connection reset by peer\nmore detail")
+    except RuntimeError as err:
+        assert _report_failure(err, str(tmp_path)) == 1
+    assert "more detail" in (tmp_path / "logs" / "rank_00000.log").read_text()  # the whole
+    lost_peer = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none"))
+    capsys.readouterr()
+    assert _child_failed(ChildFailedError("w", {0: lost_peer}), TrainConfig(), restarts=2) == 1
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "raggedfsdp: error: training failed: worker rank 0 exited with status 1 after all "
+        "restarts: rank 0: RuntimeError: Connection reset by peer"
+    )
+    # Within one second of torchrun's clock, the death by signal is the first failure.
+    killed.timestamp = lost_peer.timestamp
+    _child_failed(ChildFailedError("w", {0: lost_peer, 1: killed}), TrainConfig(), restarts=0)
+    line = capsys.readouterr().err.strip()
+    assert line == "raggedfsdp: error: training failed: worker rank 1 was killed by SIGKILL"
