@@ -20,7 +20,9 @@ bit for bit the same).
 
 Errors: a user error (bad option, missing data, incompatible checkpoint, ...) is a ``ValueError``;
 every rank meets it alike, so rank 0 reports it, in one line, and exits with status 2 (``--debug``
-shows the traceback); another rank reports only an error rank 0 did not have.
+shows the traceback); another rank reports only an error rank 0 did not have. Any other failure
+(a full disk, a lost peer, a bug) is one line per rank naming the cause, status 1, its traceback
+in ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher.
 """
 
 from __future__ import annotations

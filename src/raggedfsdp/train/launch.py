@@ -15,7 +15,9 @@ Several machines (run on each; the first to reach the endpoint hosts the rendezv
     raggedfsdp train --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc 8 ...
 
 With ``--max-restarts K`` the agent restarts all workers after a failure, up to K times; they
-continue from the newest complete checkpoint (as with ``--resume``).
+continue from the newest complete checkpoint (as with ``--resume``). A node lost from such a job
+is replaced by starting its command on another machine; with ``--nnodes MIN:MAX`` the job also
+goes on with fewer nodes and takes in more as they come (docs/operations.md, "Membership").
 """
 
 from __future__ import annotations
@@ -30,12 +32,16 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import TrainConfig, add_config_arguments, config_from_args, train_argv
 from .preemption import PREEMPTED_EXIT_CODE
 from .run_dir import latest_checkpoint
+
+if TYPE_CHECKING:  # torchrun's modules load when a launch needs them
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 __all__ = [
     "configure_export_parser",
@@ -245,12 +251,12 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _child_failed(err: BaseException, cfg: TrainConfig, *, restarts: int) -> int:
+def _child_failed(err: ChildFailedError, cfg: TrainConfig, *, restarts: int) -> int:
     """One line: the rank that failed first on this node and why; the exit status."""
     # The first by time, as torchrun's get_first_failure; its clock counts whole seconds, and
     # within one a death by signal (the OOM killer, a kill) comes before the lost-peer errors
     # it causes in the others.
-    failures = err.failures.items()  # type: ignore[attr-defined]
+    failures = err.failures.items()
     rank, failure = min(failures, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
     if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
         return _preempted(cfg, "SIGTERM")
