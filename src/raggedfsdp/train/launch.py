@@ -109,15 +109,16 @@ def configure_train_parser(parser: argparse.ArgumentParser) -> None:
         metavar="N|MIN:MAX",
         help="nodes in the job (default: 1); MIN:MAX runs elastically: losing a node the job "
         "continues on the others from the newest checkpoint, and a node that joins is taken in "
-        "at the next restart (both need --max-restarts)",
+        "at once (the workers restart from a checkpoint of the step in flight); needs "
+        "--max-restarts",
     )
     launcher.add_argument(
         "--node-rank",
         type=_non_negative,
         default=0,
         metavar="R",
-        help="this node's rank; node 0 checks the output folder (ranks inside the job are "
-        "assigned by the rendezvous)",
+        help="this node's rank; node 0 checks the output folder, so a replacement node takes "
+        "the lost node's rank (ranks inside the job are assigned by the rendezvous)",
     )
     launcher.add_argument(
         "--rdzv-endpoint",
