@@ -3,8 +3,9 @@ launcher with ``--nnodes``, a c10d rendezvous on 127.0.0.1 and one worker. A nod
 SIGKILL to its launcher alone (its worker must not outlive it); a replacement or a late joiner
 is a new launcher with the lost node's command. Judged by the checkpoints and metrics the runs
 leave: a replaced node's run ends bit for bit where the uninterrupted run ends; an elastic run
-goes 2 -> 1 -> 2 ranks, each time from the newest checkpoint. Every launch runs under hard
-timeouts, and every process a test started is killed in its ``finally``.
+goes 2 -> 1 -> 2 ranks, each time from the newest checkpoint. The node lost is never the first
+one, which hosts the rendezvous (losing that one ends the job: docs/operations.md). Every launch
+runs under hard timeouts, and every process a test started is killed in its ``finally``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import contextlib
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -75,7 +77,8 @@ def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subpro
     """``start(name, node_rank)`` starts a node (its output in ``tmp/name.txt``); all the nodes
     started are killed, with their workers, when the block ends."""
     started: list[subprocess.Popen] = []
-    common = [*args, f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-conf={RDZV}"]
+    port = free_port()
+    common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={RDZV}"]
 
     def start(name: str, node_rank: int) -> subprocess.Popen:
         log = open(tmp / f"{name}.txt", "w")  # noqa: SIM115 - the child holds it
@@ -88,6 +91,10 @@ def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subpro
         )
         log.close()
         started.append(node)
+        if len(started) == 1:
+            # The first node hosts the rendezvous (its store dies with it): let it bind the
+            # port before the others come, so the node the tests lose is never the host.
+            _wait_for("the rendezvous host", lambda: _listening(port))
         return node
 
     try:
@@ -100,6 +107,11 @@ def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subpro
     finally:
         for node in started:
             kill_tree(node)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _wait_for(what: str, condition: Callable[[], bool]) -> float:
