@@ -413,8 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train(cfg: TrainConfig) -> None:
     """Run the job described by ``cfg`` on the process group that torchrun set up (or on one
-    process without torchrun). Reads top to bottom in the job's order; each section is one or
-    two helpers, which the rest of the module defines."""
+    process without torchrun). Reads top to bottom in the job's order (set-up here, the rest in
+    :func:`_run_job`); each section is one or two helpers, which the rest of the module
+    defines."""
     started = time.perf_counter()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -431,6 +432,22 @@ def train(cfg: TrainConfig) -> None:
     watchdog = health.StepWatchdog(
         cfg.step_timeout_s, rank=world.rank, startup_timeout_s=cfg.startup_timeout_s
     )
+    try:
+        _run_job(cfg, world, preemption, watchdog, started=started)
+    finally:  # a caller that goes on after an error keeps neither the watchdog nor our handler
+        watchdog.close()
+        preemption.close()
+
+
+def _run_job(
+    cfg: TrainConfig,
+    world: _World,
+    preemption: Preemption,
+    watchdog: health.StepWatchdog,
+    *,
+    started: float,
+) -> None:
+    """:func:`train` from the process group to the end, under its watchdog and preemption."""
     device, backend, world = _init_distributed(cfg, world, watchdog)
 
     # -- output folder and resume point ----------------------------------------------------------
@@ -465,9 +482,7 @@ def train(cfg: TrainConfig) -> None:
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)
 
-    # -- the end ---------------------------------------------------------------------------------
-    watchdog.close()
-    preemption.close()
+    # -- the end (train() closes the watchdog and the SIGTERM handler) ----------------------------
     monitor.close(wall_s=time.perf_counter() - started)
     dist.destroy_process_group()
 
