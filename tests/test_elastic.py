@@ -267,14 +267,20 @@ def test_a_worker_that_cannot_meet_its_peers_ends_in_one_line(tmp_path, corpus):
     assert "--startup-timeout-s=2" in lines[0]
 
 
-def test_shared_store_over_several_nodes_is_refused(monkeypatch):
+def test_shared_store_over_several_restarting_nodes_is_refused(monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "1")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        health.attempt_store(timedelta(seconds=1))
+    # Without restarts every node's count stays 0: allowed (here it reaches the TCPStore, and
+    # fails to connect to a port nobody serves).
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    with pytest.raises(RuntimeError):
         health.attempt_store(timedelta(seconds=1))
 
 

@@ -97,18 +97,22 @@ def attempt_store(timeout: timedelta) -> tuple[dist.Store, str]:
     - With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (``raggedfsdp train`` sets it) every round
       has a store of its own: global rank 0 hosts it at the port that round's rendezvous
       published (``MASTER_PORT``), so every node agrees on it and it holds nothing older.
-    - With the agents' shared store (torchrun's default), one store serves every round; on one
-      node the restart count names the attempt consistently, on several nothing the workers
-      see does, so that is refused (before any collective, on every rank alike).
+    - With the agents' shared store (torchrun's default, and its static rendezvous), one store
+      serves every round; the restart count names the attempt consistently on one node, or
+      when there are no restarts (always 0). Several nodes that may restart cannot agree on
+      anything the workers see, so that is refused (before any collective, on every rank
+      alike).
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    if shared and int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if shared and nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
         raise ValueError(
-            "several nodes under torchrun's shared rendezvous store cannot agree on the restart "
-            "attempt (PyTorch #135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every "
-            "torchrun agent, or launch with `raggedfsdp train`, which does"
+            "several nodes with restarts under torchrun's shared rendezvous store cannot agree "
+            "on the restart attempt (PyTorch #135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "for every torchrun agent (c10d rendezvous), or launch with `raggedfsdp train`, "
+            "which does"
         )
     store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not shared, timeout=timeout)
     if not shared:
