@@ -46,8 +46,9 @@ from raggedfsdp.train.run_dir import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 # Rendezvous settings that keep the tests short: a lost node is declared dead after 6 s of
-# silence (default 15 s), and an elastic round waits 3 s for more nodes (default 30 s).
-RDZV = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=3"
+# silence (default 15 s), and an elastic round waits 10 s for more nodes once one is there
+# (default 30 s): long enough for the second node's launcher to start, so the job starts at 2.
+RDZV = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=10"
 DEADLINE_S = 180  # for any one wait of a test (a loaded machine is slow to start workers)
 
 
