@@ -3,7 +3,9 @@ in a fresh interpreter, a corpus file, and the comparisons they make of the resu
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,3 +53,38 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     for key in want:
         assert got[key].dtype == want[key].dtype, key
         assert torch.equal(got[key], want[key]), key
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a rendezvous endpoint)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (torchrun starts workers in sessions of their own, so
+    a process group does not hold them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc`` and everything it started (a test's ``finally``: nothing outlives it)."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()

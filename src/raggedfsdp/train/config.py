@@ -149,6 +149,11 @@ class TrainConfig:
     step_timeout_s: float = 900.0
     """Abort the job when one step takes longer than this (a hang), in seconds; 0 disables."""
 
+    startup_timeout_s: float = 600.0
+    """Abort a worker whose start-up (meeting its peers, building the model, loading the
+    checkpoint, up to its first step) takes longer than this, in seconds; also the agents'
+    rendezvous timeout (torchrun's join_timeout). 0 disables the worker's watchdog."""
+
     on_nan: Literal["skip", "stop"] = "stop"
     """A NaN/Inf loss or gradient norm on any rank: skip that step on every rank, or stop."""
 
@@ -202,11 +207,11 @@ class TrainConfig:
         for name in ("lr", "muon_lr", "comm_timeout_s", "preempt_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
-        for name in ("weight_decay", "grad_clip", "step_timeout_s"):
+        for name in ("weight_decay", "grad_clip", "step_timeout_s", "startup_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
         # Timeouts become timedeltas and sleeps in the workers: infinity overflows there.
-        for name in ("comm_timeout_s", "step_timeout_s", "preempt_grace_s"):
+        for name in ("comm_timeout_s", "step_timeout_s", "startup_timeout_s", "preempt_grace_s"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(
                     f"{name}: must be a finite number of seconds, got {getattr(self, name)}"

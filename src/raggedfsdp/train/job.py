@@ -20,17 +20,22 @@ bit for bit the same).
 
 Errors: a user error (bad option, missing data, incompatible checkpoint, ...) is a ``ValueError``;
 every rank meets it alike, so rank 0 reports it, in one line, and exits with status 2 (``--debug``
-shows the traceback); another rank reports only an error rank 0 did not have.
+shows the traceback); another rank reports only an error rank 0 did not have. Any other failure
+(a full disk, a lost peer, a bug) is one line per rank naming the cause, status 1, its traceback
+in ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -110,8 +115,10 @@ class _World:
     rank: int
     size: int
     local_rank: int
-    restarted: bool
-    """True in an elastic restart: the agent started this worker again after a failure."""
+    restarted: bool = False
+    """True in an elastic restart on any node (:func:`health.restarted`, agreed by all ranks
+    once the process group is up): an agent started the workers again after a failure or a
+    change of membership."""
 
     @classmethod
     def from_env(cls) -> _World:
@@ -119,7 +126,6 @@ class _World:
             rank=int(os.environ.get("RANK", "0")),
             size=int(os.environ.get("WORLD_SIZE", "1")),
             local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            restarted=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0,
         )
 
 
@@ -207,13 +213,19 @@ class _Run:
 # The job's sections (train() calls them in order).
 
 
-def _init_distributed(cfg: TrainConfig, world: _World) -> tuple[torch.device, str]:
+def _init_distributed(
+    cfg: TrainConfig, world: _World, watchdog: health.StepWatchdog
+) -> tuple[torch.device, str, _World]:
     """This rank's device and the process group on it (NCCL on CUDA, Gloo otherwise), with the
-    job's communication timeout; the device and the backend's name."""
+    job's communication timeout; the device, the backend's name, and ``world`` with the
+    restart agreed by every rank."""
     device = local_device(world.local_rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    health.init_process_group(backend, timeout_s=cfg.comm_timeout_s, device=device)
-    return device, backend
+    watchdog.starting(f"meeting the other ranks of {world.size}")
+    store = health.init_process_group(backend, timeout_s=cfg.comm_timeout_s, device=device)
+    restarted = health.restarted(device)
+    watchdog.starting(f"met {world.size} rank(s) at {store}; loading and building")
+    return device, backend, dataclasses.replace(world, restarted=restarted)
 
 
 def _claim_out_dir(out: Path, *, resume: bool, overwrite: bool, strict: bool) -> str | None:
@@ -370,8 +382,8 @@ def _stop_for_preemption(run: _Run, done: int, *, saved: bool) -> None:
         run.save(done)
     run.monitor.print(
         f"preempted (SIGTERM): checkpoint of step {done} saved "
-        f"{run.preemption.seconds_since_signal():.1f} s after the signal; rerun with --resume "
-        f"to continue (exit status {PREEMPTED_EXIT_CODE})"
+        f"{run.preemption.seconds_since_signal():.1f} s after the signal; --resume, or the "
+        f"agent's restart, continues from it (exit status {PREEMPTED_EXIT_CODE})"
     )
     raise Preempted(done)
 
@@ -401,8 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train(cfg: TrainConfig) -> None:
     """Run the job described by ``cfg`` on the process group that torchrun set up (or on one
-    process without torchrun). Reads top to bottom in the job's order; each section is one or
-    two helpers, which the rest of the module defines."""
+    process without torchrun). Reads top to bottom in the job's order (set-up here, the rest in
+    :func:`_run_job`); each section is one or two helpers, which the rest of the module
+    defines."""
     started = time.perf_counter()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -412,9 +425,30 @@ def train(cfg: TrainConfig) -> None:
         if world.rank == 0:
             print(dry_run_report(cfg, world.size))
         return
+    health.die_with_agent()
     # From here a SIGTERM ends the job after a checkpoint (it used to end it at once).
     preemption = Preemption(cfg.preempt_grace_s, rank=world.rank)
-    device, backend = _init_distributed(cfg, world)
+    # Start-up is watched too: a peer that never arrives must end the job, not hang it.
+    watchdog = health.StepWatchdog(
+        cfg.step_timeout_s, rank=world.rank, startup_timeout_s=cfg.startup_timeout_s
+    )
+    try:
+        _run_job(cfg, world, preemption, watchdog, started=started)
+    finally:  # a caller that goes on after an error keeps neither the watchdog nor our handler
+        watchdog.close()
+        preemption.close()
+
+
+def _run_job(
+    cfg: TrainConfig,
+    world: _World,
+    preemption: Preemption,
+    watchdog: health.StepWatchdog,
+    *,
+    started: float,
+) -> None:
+    """:func:`train` from the process group to the end, under its watchdog and preemption."""
+    device, backend, world = _init_distributed(cfg, world, watchdog)
 
     # -- output folder and resume point ----------------------------------------------------------
     out = Path(cfg.out)
@@ -442,16 +476,13 @@ def train(cfg: TrainConfig) -> None:
         padding_ratio=padding_ratio, device=device,
     )  # fmt: skip
     monitor.print(_banner(cfg, params, world, backend, padding_ratio, corpus))
-    watchdog = health.StepWatchdog(cfg.step_timeout_s, rank=world.rank)
     parts = (model, optimizer, params, sampler, val_batches, monitor, watchdog, preemption)
     run = _Run(cfg, world, device, out, *parts)
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)
 
-    # -- the end ---------------------------------------------------------------------------------
-    watchdog.close()
-    preemption.close()
+    # -- the end (train() closes the watchdog and the SIGTERM handler) ----------------------------
     monitor.close(wall_s=time.perf_counter() - started)
     dist.destroy_process_group()
 
@@ -467,10 +498,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = config_from_args(args)
         out = cfg.out
         train(cfg)
-    except (OSError, dcp.CheckpointException) as err:  # the machine's fault: disk, files
-        if args.debug:
-            raise
-        return _report_environment_error(err, out)
     except Preempted:
         return PREEMPTED_EXIT_CODE  # rank 0 has said so; the checkpoint is complete
     except (ValueError, health.NonFiniteLossError) as err:
@@ -489,22 +516,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = f"rank {rank}: {message}"
         sys.stderr.write(f"raggedfsdp: error: {message}\n")
         return USAGE_ERROR if isinstance(err, ValueError) else 1
+    # The machine's fault (disk, files, a lost peer) or a bug. DCP's CheckpointException is a
+    # BaseException, not an Exception.
+    except (Exception, dcp.CheckpointException) as err:
+        if args.debug:
+            raise
+        return _report_failure(err, out)
     return 0
 
 
-def _report_environment_error(err: BaseException, out: str | None) -> int:
-    """One line naming the cause (e.g. ``OSError: [Errno 28] No space left on device``) and
-    this rank; the traceback goes to ``OUT/logs/rank_N.log`` rather than the terminal."""
+def _report_failure(err: BaseException, out: str | None) -> int:
+    """One line naming the cause (e.g. ``OSError: [Errno 28] No space left on device``, a
+    peer's lost connection) and this rank; the traceback goes to ``OUT/logs/rank_N.log`` rather
+    than the terminal, and the line to torchrun's error file, whence the launcher names the
+    rank that failed first and why."""
     rank = int(os.environ.get("RANK", "0"))
+    # Into the run's folder once it exists; before, a file there would make the corrected
+    # command's folder "not empty", so the temporary folder instead.
+    logs = Path(out) / "logs" if out is not None and Path(out).is_dir() else None
+    logs = logs or Path(tempfile.gettempdir()) / f"raggedfsdp-{os.getpid()}"
     where = ""
-    if out is not None:
-        try:
-            log = Path(out) / "logs" / f"rank_{rank:05d}.log"
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text("".join(traceback.format_exception(err)))
-            where = f" (traceback in {log})"
-        except OSError:  # the disk that is full may be this one: the line alone, then
-            pass
+    try:
+        log = logs / f"rank_{rank:05d}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(traceback.format_exception(err)))
+        where = f" (traceback in {log})"
+    except OSError:  # the disk that is full may be this one: the line alone, then
+        pass
     # DCP's failures name the rank that failed first already.
     cause = describe_failure(err)
     full = _full_disk(out)
@@ -513,7 +551,23 @@ def _report_environment_error(err: BaseException, out: str | None) -> int:
         cause = f"No space left on device ({full}): {cause}"
     who = "" if isinstance(err, dcp.CheckpointException) else f"rank {rank}: "
     sys.stderr.write(f"raggedfsdp: error: {who}{cause}{where}\n")
+    _tell_agent(f"{who}{cause}", err)
     return 1
+
+
+def _tell_agent(cause: str, err: BaseException) -> None:
+    """Write torchrun's error file (``TORCHELASTIC_ERROR_FILE``, in the format of its
+    ``ErrorHandler.record_exception``, with the cause as said here rather than ``Type: str``):
+    the agent reads it into the launcher's ``ChildFailedError``, which names it."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path is None:
+        return
+    extra = {
+        "py_callstack": "".join(traceback.format_exception(err)),
+        "timestamp": str(int(time.time())),
+    }
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"message": {"message": cause, "extraInfo": extra}}))
 
 
 def _full_disk(out: str | None) -> str | None:

@@ -1,0 +1,340 @@
+"""Membership changes with real torchrun agents on loopback: each "node" is a ``raggedfsdp train``
+launcher with ``--nnodes``, a c10d rendezvous on 127.0.0.1 and one worker. A node is lost by
+SIGKILL to its launcher alone (its worker must not outlive it); a replacement or a late joiner
+is a new launcher with the lost node's command. Judged by the checkpoints and metrics the runs
+leave: a replaced node's run ends bit for bit where the uninterrupted run ends; an elastic run
+goes 2 -> 1 -> 2 ranks, each time from the newest checkpoint. The node lost is never the first
+one, which hosts the rendezvous (losing that one ends the job: docs/operations.md). Every launch
+runs under hard timeouts, and every process a test started is killed in its ``finally``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from launches import (
+    ENV,
+    assert_same_tensors,
+    cli_command,
+    descendants,
+    free_port,
+    kill_tree,
+    ok,
+    run_cli,
+    stdlib_corpus,
+)
+from raggedfsdp import cli
+from raggedfsdp.train import health
+from raggedfsdp.train.checkpoints import export_checkpoint
+from raggedfsdp.train.config import TrainConfig
+from raggedfsdp.train.launch import configure_train_parser, torchrun_argv
+from raggedfsdp.train.run_dir import latest_checkpoint
+
+pytestmark = pytest.mark.slow
+
+# Rendezvous settings that keep the tests short: a lost node is declared dead after 6 s of
+# silence (default 15 s), and an elastic round waits 10 s for more nodes once one is there
+# (default 30 s): long enough for the second node's launcher to start, so the job starts at 2.
+RDZV = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=10"
+DEADLINE_S = 180  # for any one wait of a test (a loaded machine is slow to start workers)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
+
+
+def _args(corpus: Path, out: Path, *, steps: int, batch: int) -> list[str]:
+    return [
+        "--model=gpt-tiny",
+        f"--steps={steps}",
+        f"--batch-size={batch}",
+        "--log-every=10",
+        "--eval-every=0",
+        "--eval-batches=1",
+        "--checkpoint-every=10",
+        "--warmup-steps=2",
+        f"--data={corpus}",
+        f"--out={out}",
+    ]
+
+
+@contextlib.contextmanager
+def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subprocess.Popen]]:
+    """``start(name, node_rank)`` starts a node (its output in ``tmp/name.txt``); all the nodes
+    started are killed, with their workers, when the block ends."""
+    started: list[subprocess.Popen] = []
+    port = free_port()
+    common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={RDZV}"]
+
+    def start(name: str, node_rank: int) -> subprocess.Popen:
+        log = open(tmp / f"{name}.txt", "w")  # noqa: SIM115 - the child holds it
+        node = subprocess.Popen(
+            cli_command("train", *common, f"--node-rank={node_rank}"),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            start_new_session=True,
+        )
+        log.close()
+        started.append(node)
+        if len(started) == 1:
+            # The first node hosts the rendezvous (its store dies with it): let it bind the
+            # port before the others come, so the node the tests lose is never the host.
+            _wait_for("the rendezvous host", lambda: _listening(port))
+        return node
+
+    try:
+        yield start
+    except BaseException:
+        # What each node and agent said, for the failure report (pytest shows stdout then).
+        for log in sorted(tmp.glob("*.txt")) + sorted(tmp.glob("run/logs/agent_*.log")):
+            print(f"==> {log}\n{log.read_text()[-3000:]}")
+        raise
+    finally:
+        for node in started:
+            kill_tree(node)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _wait_for(what: str, condition: Callable[[], bool]) -> float:
+    """Poll ``condition`` until it holds (the time then), failing after DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic()
+
+
+def _complete(out: Path, step: int) -> Callable[[], bool]:
+    return lambda: (out / "checkpoints" / f"step_{step:06d}" / "COMPLETE.json").exists()
+
+
+def _lose(node: subprocess.Popen) -> None:
+    """SIGKILL a node's launcher alone, as the OOM killer or a lost host would; its worker must
+    die with it (health.die_with_agent), or the job would go on without noticing."""
+    workers = descendants(node.pid)
+    assert workers, "the node has no worker"
+    node.kill()
+    node.wait(timeout=10)
+    _wait_for("the lost node's workers to die", lambda: not any(_alive(p) for p in workers))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has died; its parent is gone
+
+
+def _train_records(out: Path) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def _finish(tmp: Path, *nodes: tuple[str, subprocess.Popen]) -> dict[str, str]:
+    """Wait for ``nodes`` to end; each one's output, after asserting it exited 0 and printed no
+    traceback (workers' errors are one line; tracebacks go to OUT/logs)."""
+    outputs = {}
+    for name, node in nodes:
+        node.wait(timeout=DEADLINE_S)
+        outputs[name] = (tmp / f"{name}.txt").read_text()
+        assert node.returncode == 0, f"{name}: exit {node.returncode}\n{outputs[name]}"
+        assert "Traceback" not in outputs[name], outputs[name]
+        # torchrun's own log lines ("W1202 12:00:00.000000 ...") stay off the terminal.
+        assert not re.search(r"^\[?[IWE]\d{4} ", outputs[name], re.MULTILINE), outputs[name]
+    return outputs
+
+
+def test_replacement_node_joins_a_fixed_size_job(tmp_path, corpus):
+    steps = 50
+    reference = tmp_path / "reference"
+    ok(run_cli("train", *_args(corpus, reference, steps=steps, batch=4), "--nproc=2"))
+    out = tmp_path / "run"
+    args = [*_args(corpus, out, steps=steps, batch=4), "--nnodes=2", "--nproc=1"]
+    with _cluster(tmp_path, [*args, "--max-restarts=2"]) as start:
+        a, b = start("a", 0), start("b", 1)
+        _wait_for("the checkpoint of step 10", _complete(out, 10))
+        _lose(b)
+        lost = time.monotonic()
+        c = start("c", 1)  # the replacement: node 1's command, on another machine
+        outputs = _finish(tmp_path, ("a", a), ("c", c))
+        print(f"replacement: {time.monotonic() - lost:.1f} s from the loss to the end")
+    resumed = [line for line in outputs["a"].splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 1 and "saved on 2 rank(s), now 2" in resumed[0], outputs["a"]
+    records = _train_records(out)
+    assert {r["world_size"] for r in records} == {2}
+    assert records[-1]["step"] == steps
+    # The one line of the survivor's worker that lost its peer; its traceback in OUT/logs.
+    errors = [line for line in outputs["a"].splitlines() if line.startswith("raggedfsdp: error")]
+    assert len(errors) == 1 and "(traceback in " in errors[0], outputs["a"]
+    assert "Traceback" in Path(errors[0].split("(traceback in ")[1].rstrip(")")).read_text()
+    final = {}
+    for name, run in (("want", reference), ("got", out)):
+        export_checkpoint(latest_checkpoint(run), tmp_path / f"{name}.pt")
+        final[name] = torch.load(tmp_path / f"{name}.pt")
+    assert_same_tensors(final["got"], final["want"])
+
+
+def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
+    steps = 300
+    out = tmp_path / "run"
+    args = [*_args(corpus, out, steps=steps, batch=16), "--nnodes=1:2", "--nproc=1"]
+    with _cluster(tmp_path, [*args, "--max-restarts=3"]) as start:
+        a, b = start("a", 0), start("b", 1)
+        _wait_for("the checkpoint of step 20", _complete(out, 20))
+        _lose(b)
+        lost = time.monotonic()
+        _wait_for("the survivor to resume alone", lambda: "now 1)" in _text(tmp_path / "a.txt"))
+        alone = time.monotonic()
+        c = start("c", 1)  # a late joiner
+        _wait_for("the job to grow again", lambda: "now 2)" in _text(tmp_path / "a.txt"))
+        print(
+            f"elastic: {alone - lost:.1f} s to resume at 1 rank, "
+            f"{time.monotonic() - alone:.1f} s from the joiner's start to 2 ranks"
+        )
+        outputs = _finish(tmp_path, ("a", a), ("c", c))
+    records = _train_records(out)
+    sizes = [r["world_size"] for r in records]
+    phases = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
+    assert phases == [2, 1, 2], sizes
+    # Each phase starts from the newest checkpoint of the one before (or, when the joiner
+    # arrives, from the checkpoint the survivor saves as its agent stops it: no step lost).
+    resumed = [line for line in outputs["a"].splitlines() if line.startswith("resumed from")]
+    assert len(resumed) == 2, outputs["a"]
+    assert "saved on 2 rank(s), now 1" in resumed[0] and "saved on 1 rank(s), now 2" in resumed[1]
+    first_at_one = next(r["step"] for r in records if r["world_size"] == 1)
+    grown = next(r["step"] for r in records if r["world_size"] == 2 and r["step"] > first_at_one)
+    print(f"elastic: 1 rank from step {first_at_one}, 2 again from step {grown} of {steps}")
+    assert first_at_one in (21, 30)  # log_every 10: the first step, or the first logged one
+    assert records[-1]["step"] == steps and records[-1]["world_size"] == 2
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def test_a_node_alone_ends_in_one_line_within_the_startup_timeout(tmp_path, corpus):
+    out = tmp_path / "run"
+    args = [*_args(corpus, out, steps=4, batch=4), "--nnodes=2", "--nproc=1"]
+    started = time.monotonic()
+    proc = run_cli(
+        "train", *args, f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--startup-timeout-s=2",
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1 and time.monotonic() - started < 30
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raggedfsdp: error: the nodes did not meet")
+    assert "RendezvousTimeoutError" in lines[0], proc.stderr
+    assert not out.exists()  # a refused start leaves nothing
+
+
+def test_a_worker_that_cannot_meet_its_peers_ends_in_one_line(tmp_path, corpus):
+    env = {
+        **ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),  # nobody there: rank 0 never comes
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+    }
+    command = [sys.executable, "-m", "raggedfsdp.train", "--model=gpt-tiny", f"--data={corpus}"]
+    command += [f"--out={tmp_path / 'run'}", "--startup-timeout-s=2"]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == health.WATCHDOG_EXIT_CODE, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "rank 1: start-up (meeting the other ranks of 2) has run for" in lines[0]
+    assert "--startup-timeout-s=2" in lines[0]
+
+
+def test_shared_store_over_several_restarting_nodes_is_refused(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.raises(ValueError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        health.attempt_store(timedelta(seconds=1))
+    # Without restarts every node's count stays 0: allowed (here it reaches the TCPStore, and
+    # fails to connect to a port nobody serves).
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    with pytest.raises(RuntimeError):
+        health.attempt_store(timedelta(seconds=1))
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--nnodes=2:1"], "expected N or MIN:MAX"),
+        (["--nnodes=1:2", "--rdzv-endpoint=127.0.0.1:1"], "needs --max-restarts"),
+        (["--nnodes=1:2", "--max-restarts=1"], "needs --rdzv-endpoint"),
+        (["--rdzv-conf=join_timeout=soon", "--rdzv-endpoint=h:1"], "whole seconds"),
+    ],
+)
+def test_bad_membership_options_are_one_line(args, fragment, tmp_path, capsys):
+    status = cli.main(["train", "--model=gpt-tiny", f"--out={tmp_path / 'run'}", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status != 0 and len(err) == 1 and fragment in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_torchrun_gets_the_range_and_the_join_timeout():
+    parser = argparse.ArgumentParser()
+    configure_train_parser(parser)
+    args = parser.parse_args(["--nnodes=1:3", "--rdzv-endpoint=h:1", "--rdzv-conf=a=b"])
+    argv = torchrun_argv(args, [], cfg=TrainConfig(startup_timeout_s=42.5))
+    assert "--nnodes=1:3" in argv and "--rdzv-conf=a=b,join_timeout=43" in argv
+
+
+def test_launcher_names_the_first_failure_and_its_cause(tmp_path, monkeypatch, capsys):
+    """torchrun's own failure records (ProcessFailure reads the error file a worker wrote)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from raggedfsdp.train.job import _report_failure
+    from raggedfsdp.train.launch import _child_failed
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    try:
+        raise RuntimeError("Connection reset by peer\nmore detail")
+    except RuntimeError as err:
+        assert _report_failure(err, str(tmp_path)) == 1
+    assert "more detail" in (tmp_path / "logs" / "rank_00000.log").read_text()  # the whole
+    lost_peer = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
+    killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none"))
+    capsys.readouterr()
+    assert _child_failed(ChildFailedError("w", {0: lost_peer}), TrainConfig(), restarts=2) == 1
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "raggedfsdp: error: training failed: worker rank 0 exited with status 1 after all "
+        "restarts: rank 0: RuntimeError: Connection reset by peer"
+    )
+    # Within one second of torchrun's clock, the death by signal is the first failure.
+    killed.timestamp = lost_peer.timestamp
+    _child_failed(ChildFailedError("w", {0: lost_peer, 1: killed}), TrainConfig(), restarts=0)
+    line = capsys.readouterr().err.strip()
+    assert line == "raggedfsdp: error: training failed: worker rank 1 was killed by SIGKILL"
