@@ -1,0 +1,249 @@
+"""Sharded gradients that make ``torch.nn.utils.clip_grad_norm_`` compute the GLOBAL norm.
+
+[Note: torch's clip_grad_norm_ over ragged shards]
+A sharded parameter's ``.grad`` is a :class:`ShardedGrad`: the same storage (a view of the
+bucket's reduced gradient shard), a tensor subclass that knows its shard process group. Every
+operation on it runs as on a plain tensor (``__torch_function__`` disables itself and returns
+plain tensors), except a full reduction to a norm (``torch.linalg.vector_norm``, ``Tensor.norm``
+/ ``torch.norm`` with no ``dim``, ``torch._foreach_norm``), which returns a :class:`PartialNorm`:
+this rank's contribution (``sum |g|^p``; ``max |g|`` for ``inf``), not yet reduced. DTensor does
+the same with its ``Partial`` placement. torch's ``get_total_norm`` stacks the per-gradient norms
+and takes their norm: :class:`PartialNorm` keeps the stack partial and reduces the final norm with
+ONE all-reduce per clip, so every rank gets the global norm and scales by the same factor.
+Any other use of a :class:`PartialNorm` (arithmetic, ``item()``, printing) first reduces it
+(one all-reduce), so a value is never silently local; it is a collective, as with DTensor.
+
+Why a subclass of the gradient rather than of the parameter or a wrapped function: parameters
+are what the forward, the optimizer and ``state_dict`` see every step, and torch's clip function
+is called by name from user code and libraries, so patching it would miss ``from torch.nn.utils
+import clip_grad_norm_`` bound earlier. Gradients are touched only by the optimizer and the clip;
+the optimizer's ``_foreach_*`` calls pass through ``__torch_function__`` once per call (the cost
+is measured in docs/migrating-from-fsdp2.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+__all__ = ["PartialNorm", "ShardedGrad", "as_sharded_grad"]
+
+
+class ShardedGrad(torch.Tensor):
+    """A rank's piece of a sharded parameter's gradient; norms of it are :class:`PartialNorm`."""
+
+    #: the shard process group the gradient's pieces are spread over (None: the default group)
+    _rf_group: dist.ProcessGroup | None
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: Sequence = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = _NORMS.get(func)
+        if handler is not None:
+            result = handler(args, kwargs)
+            if result is not NotImplemented:
+                return result
+        if any(issubclass(t, PartialNorm) for t in types):
+            return PartialNorm.__torch_function__(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def as_sharded_grad(grad: torch.Tensor, group: dist.ProcessGroup | None) -> ShardedGrad:
+    """``grad`` (same storage) as a :class:`ShardedGrad` of ``group``."""
+    out = grad.as_subclass(ShardedGrad)
+    out._rf_group = group
+    return out
+
+
+class PartialNorm(torch.Tensor):
+    """Per-rank contributions to norms of sharded gradients, not yet reduced over ``_rf_group``.
+
+    Its values are in the *power domain*: ``sum |g|^p`` over the local piece (``p = 0``: the count
+    of non-zeros; ``inf`` / ``-inf``: ``max`` / ``min`` of ``|g|``), in float64 so that large and
+    small gradients survive the power. Reducing is an all-reduce (``SUM``, ``MAX`` or ``MIN``)
+    then the ``1/p``-th root, cast to ``_rf_dtype`` (the gradients' dtype, as torch returns).
+    """
+
+    _rf_group: dist.ProcessGroup | None
+    _rf_ord: float
+    _rf_dtype: torch.dtype
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable, types: Any, args: Sequence = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.stack:
+            stacked = _stack(*args, **kwargs)
+            if stacked is not None:
+                return stacked
+        elif func in (torch.linalg.vector_norm, torch.Tensor.norm, torch.norm):
+            total = _norm_of_partial(args, kwargs)
+            if total is not None:
+                return total
+        elif func is torch.Tensor.to and _same_device_move(args, kwargs):
+            return args[0]
+        args, kwargs = tree_map(_reduced, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def reduce(self) -> torch.Tensor:
+        """The norms themselves (one all-reduce over the group): a plain tensor on every rank."""
+        with torch._C.DisableTorchFunctionSubclass():
+            value = self.clone()
+            dist.all_reduce(value, op=_reduce_op(self._rf_ord), group=self._rf_group)
+            return _root(value, self._rf_ord).to(self._rf_dtype)
+
+
+def _partial(
+    value: torch.Tensor, group: dist.ProcessGroup | None, ord: float, dtype: torch.dtype
+) -> PartialNorm:
+    out = value.as_subclass(PartialNorm)
+    out._rf_group, out._rf_ord, out._rf_dtype = group, ord, dtype
+    return out
+
+
+def _reduce_op(ord: float) -> dist.ReduceOp.RedOpType:
+    if ord == math.inf:
+        return dist.ReduceOp.MAX
+    if ord == -math.inf:
+        return dist.ReduceOp.MIN
+    return dist.ReduceOp.SUM
+
+
+def _power(x: torch.Tensor, ord: float) -> torch.Tensor:
+    """A local piece's contribution (float64, power domain) to its norm of order ``ord``."""
+    x = x.detach().to(torch.float64).abs().reshape(-1)
+    if ord == math.inf:
+        return x.max() if x.numel() else x.new_zeros(())
+    if ord == -math.inf:
+        return x.min() if x.numel() else x.new_full((), math.inf)
+    if ord == 0:
+        return (x != 0).sum().to(torch.float64)
+    return x.pow(ord).sum()
+
+
+def _root(value: torch.Tensor, ord: float) -> torch.Tensor:
+    return value if ord in (0, math.inf, -math.inf) else value.pow(1.0 / ord)
+
+
+def _norm_order(args: Sequence, kwargs: dict, name: str, default: Any = 2) -> Any:
+    """The norm order of a ``vector_norm`` / ``norm`` call, or None when it is not a full
+    reduction of the whole tensor to a p-norm (``dim`` given, ``"nuc"`` ...)."""
+    if kwargs.get("dim") is not None or len(args) > 2 or kwargs.get("keepdim"):
+        return None
+    ord = args[1] if len(args) > 1 else kwargs.get(name, default)
+    if ord is None or ord == "fro":
+        ord = 2
+    return float(ord) if isinstance(ord, (int, float)) else None
+
+
+def _grad_norm(args: Sequence, kwargs: dict) -> Any:
+    """``vector_norm(g)`` / ``g.norm()`` / ``torch.norm(g)`` of one :class:`ShardedGrad`."""
+    grad = args[0]
+    name = "p" if "p" in kwargs else "ord"
+    ord = _norm_order(args, kwargs, name)
+    if ord is None or not isinstance(grad, ShardedGrad) or kwargs.get("dtype") is not None:
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        return _partial(_power(grad, ord), grad._rf_group, ord, grad.dtype)
+
+
+def _foreach_grad_norm(args: Sequence, kwargs: dict) -> Any:
+    """``torch._foreach_norm(grads, ord)``: one partial per gradient of a :class:`ShardedGrad`
+    list (sharded and plain mixed: plain ones are counted once, on the group's first rank)."""
+    tensors = list(args[0])
+    ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
+    if kwargs.get("dtype") is not None:
+        return NotImplemented
+    group = next((t._rf_group for t in tensors if isinstance(t, ShardedGrad)), None)
+    if any(isinstance(t, ShardedGrad) and t._rf_group is not group for t in tensors):
+        return NotImplemented
+    with torch._C.DisableTorchFunctionSubclass():
+        return [
+            _partial(
+                _power(t, ord) if isinstance(t, ShardedGrad) else _replicated(t, ord, group),
+                group,
+                ord,
+                t.dtype,
+            )
+            for t in tensors
+        ]
+
+
+def _replicated(x: torch.Tensor, ord: float, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A tensor every rank holds whole, in the power domain, counted once by a group reduction:
+    on the group's first rank only for ``SUM``, on every rank for ``MAX`` / ``MIN``."""
+    value = _power(x, ord)
+    if _reduce_op(ord) == dist.ReduceOp.SUM and dist.get_rank(group) != 0:
+        return torch.zeros_like(value)
+    return value
+
+
+def _stack(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: Any = None) -> Any:
+    """``torch.stack`` of per-gradient norms stays partial when they share a group and an order;
+    plain norms among them (of gradients every rank holds whole) are counted once."""
+    partials = [t for t in tensors if isinstance(t, PartialNorm)]
+    first = partials[0]
+    same = all(p._rf_group is first._rf_group and p._rf_ord == first._rf_ord for p in partials)
+    if out is not None or dim != 0 or not same or any(t.ndim for t in tensors):
+        return None
+    ord, group = first._rf_ord, first._rf_group
+    with torch._C.DisableTorchFunctionSubclass():
+        values = [t if isinstance(t, PartialNorm) else _replicated(t, ord, group) for t in tensors]
+        dtype = first._rf_dtype
+        for t in tensors:
+            dtype = torch.promote_types(
+                dtype, t._rf_dtype if isinstance(t, PartialNorm) else t.dtype
+            )
+        return _partial(torch.stack(values), group, ord, dtype)
+
+
+def _norm_of_partial(args: Sequence, kwargs: dict) -> torch.Tensor | None:
+    """The norm of a (stacked) :class:`PartialNorm` of the same order: the global norm, by ONE
+    all-reduce of the summed contributions."""
+    partial = args[0]
+    name = "p" if "p" in kwargs else "ord"
+    ord = _norm_order(args, kwargs, name)
+    if not isinstance(partial, PartialNorm) or ord != partial._rf_ord:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():
+        local = partial.max() if _reduce_op(ord) == dist.ReduceOp.MAX else None
+        if ord == -math.inf:
+            local = partial.min()
+        if local is None:
+            local = partial.sum()
+        total = _partial(local.reshape(()).clone(), partial._rf_group, ord, partial._rf_dtype)
+    dtype = kwargs.get("dtype")
+    result = total.reduce()
+    return result if dtype is None else result.to(dtype)
+
+
+def _same_device_move(args: Sequence, kwargs: dict) -> bool:
+    """``partial.to(device)`` onto its own device (torch's get_total_norm does it)."""
+    if len(args) != 2 or kwargs:
+        return False
+    target = args[1]
+    if isinstance(target, str):
+        target = torch.device(target)
+    return isinstance(target, torch.device) and target == args[0].device
+
+
+def _reduced(x: Any) -> Any:
+    return x.reduce() if isinstance(x, PartialNorm) else x
+
+
+_NORMS: dict[Callable, Callable[[Sequence, dict], Any]] = {
+    torch.linalg.vector_norm: _grad_norm,
+    torch.Tensor.norm: _grad_norm,
+    torch.norm: _grad_norm,
+    torch._foreach_norm: _foreach_grad_norm,
+}
