@@ -15,7 +15,14 @@ parameter's record (``_param``), a unit's group (``_param_group``), reductions i
 from ._metrics import RuntimeStats
 from ._state_dict import gather_full, is_ragged, local_flat, to_sharded_tensor
 from .api import DBufferConfig, MixedPrecisionPolicy
-from .fully_shard import FSDPBackend, FSDPModule, full_parameters, fully_shard
+from .fully_shard import (
+    FSDPBackend,
+    FSDPModule,
+    UnshardHandle,
+    full_parameters,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 __all__ = [
     "DBufferConfig",
@@ -23,10 +30,12 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "RuntimeStats",
+    "UnshardHandle",
     "full_parameters",
     "fully_shard",
     "gather_full",
     "is_ragged",
     "local_flat",
+    "register_fsdp_forward_method",
     "to_sharded_tensor",
 ]
