@@ -8,8 +8,9 @@ plain tensors), except a full reduction to a norm (``torch.linalg.vector_norm``,
 / ``torch.norm`` with no ``dim``, ``torch._foreach_norm``), which returns a :class:`PartialNorm`:
 this rank's contribution (``sum |g|^p``; ``max |g|`` for ``inf``), not yet reduced. DTensor does
 the same with its ``Partial`` placement. torch's ``get_total_norm`` stacks the per-gradient norms
-and takes their norm: :class:`PartialNorm` keeps the stack partial and reduces the final norm with
-ONE all-reduce per clip, so every rank gets the global norm and scales by the same factor.
+and takes their norm: the stack stays partial, and taking its norm reduces it first, so a clip
+costs ONE all-reduce (of one number per gradient); every rank gets the global per-gradient
+norms, hence torch's own total, and scales by the same factor.
 Any other use of a :class:`PartialNorm` (arithmetic, ``item()``, printing) first reduces it
 (one all-reduce), so a value is never silently local; it is a collective, as with DTensor.
 
@@ -85,18 +86,16 @@ class PartialNorm(torch.Tensor):
             stacked = _stack(*args, **kwargs)
             if stacked is not None:
                 return stacked
-        elif func in (torch.linalg.vector_norm, torch.Tensor.norm, torch.norm):
-            total = _norm_of_partial(args, kwargs)
-            if total is not None:
-                return total
         elif func is torch.Tensor.to and _same_device_move(args, kwargs):
             return args[0]
+        # Anything else (the final norm of the stack included) sees the reduced norms.
         args, kwargs = tree_map(_reduced, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     def reduce(self) -> torch.Tensor:
-        """The norms themselves (one all-reduce over the group): a plain tensor on every rank."""
+        """The norms themselves, elementwise (one all-reduce over the group): a plain tensor,
+        the same on every rank."""
         with torch._C.DisableTorchFunctionSubclass():
             value = self.clone()
             dist.all_reduce(value, op=_reduce_op(self._rf_ord), group=self._rf_group)
@@ -205,26 +204,6 @@ def _stack(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: Any = None) ->
                 dtype, t._rf_dtype if isinstance(t, PartialNorm) else t.dtype
             )
         return _partial(torch.stack(values), group, ord, dtype)
-
-
-def _norm_of_partial(args: Sequence, kwargs: dict) -> torch.Tensor | None:
-    """The norm of a (stacked) :class:`PartialNorm` of the same order: the global norm, by ONE
-    all-reduce of the summed contributions."""
-    partial = args[0]
-    name = "p" if "p" in kwargs else "ord"
-    ord = _norm_order(args, kwargs, name)
-    if not isinstance(partial, PartialNorm) or ord != partial._rf_ord:
-        return None
-    with torch._C.DisableTorchFunctionSubclass():
-        local = partial.max() if _reduce_op(ord) == dist.ReduceOp.MAX else None
-        if ord == -math.inf:
-            local = partial.min()
-        if local is None:
-            local = partial.sum()
-        total = _partial(local.reshape(()).clone(), partial._rf_group, ord, partial._rf_dtype)
-    dtype = kwargs.get("dtype")
-    result = total.reduce()
-    return result if dtype is None else result.to(dtype)
 
 
 def _same_device_move(args: Sequence, kwargs: dict) -> bool:
