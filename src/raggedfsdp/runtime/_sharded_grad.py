@@ -119,15 +119,14 @@ def _reduce_op(ord: float) -> dist.ReduceOp.RedOpType:
 
 
 def _power(x: torch.Tensor, ord: float) -> torch.Tensor:
-    """A local piece's contribution (float64, power domain) to its norm of order ``ord``."""
-    x = x.detach().to(torch.float64).abs().reshape(-1)
-    if ord == math.inf:
-        return x.max() if x.numel() else x.new_zeros(())
-    if ord == -math.inf:
-        return x.min() if x.numel() else x.new_full((), math.inf)
-    if ord == 0:
-        return (x != 0).sum().to(torch.float64)
-    return x.pow(ord).sum()
+    """A local piece's contribution (float64, power domain) to its norm of order ``ord``: torch's
+    fused norm in the gradient's dtype (no copy of the piece), then its power in float64."""
+    x = x.detach()
+    if x.numel() == 0:
+        # The identity of the reduction: 0 for sums and for max |g|, inf for min |g|.
+        return x.new_full((), math.inf if ord == -math.inf else 0.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(x, ord).to(torch.float64)
+    return norm if ord in (0, math.inf, -math.inf) else norm.pow(ord)
 
 
 def _root(value: torch.Tensor, ord: float) -> torch.Tensor:
