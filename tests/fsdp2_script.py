@@ -29,6 +29,7 @@ from parity_models import OddModel, make_batches
 IMPLS = {"torch": torch_fully_shard, "rf": rf.fully_shard}
 FULL = StateDictOptions(full_state_dict=True)
 FULL_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 # torchtitan's options for DCP: optimizer state keyed "state.<fqn>.<key>" (DCP cannot key lists).
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 MICRO, STEPS, LOCAL_BATCH = 2, 3, 2
@@ -112,18 +113,27 @@ def train_and_save(rank: int, world: int, root: str) -> dict[str, Any]:
         full = full_state(model, opt)
         rank0 = full_state(model, opt, FULL_RANK0)
         save(model, opt, os.path.join(root, f"{impl}-w{world}"))
-        msd = get_model_state_dict(model, options=FULL)
-        osd = get_optimizer_state_dict(model, opt, options=FULL)
-        again, opt2, _ = build(impl)
-        set_model_state_dict(again, msd, options=FULL)
-        set_optimizer_state_dict(again, opt2, osd, options=FULL)
         out[impl] = {
             "norms": norms,
             "full": full,
             "rank0_keys": (len(rank0["model"]), len(rank0["optim"])),
-            "round_trip": full_state(again, opt2),
+            "round_trip": _round_trip(impl, model, opt, FULL, FULL),
+            "broadcast": _round_trip(impl, model, opt, FULL_RANK0, BROADCAST),
         }
     return out
+
+
+def _round_trip(
+    impl: str, model: Any, opt: Any, get: StateDictOptions, put: StateDictOptions
+) -> dict[str, Any]:
+    """The full state of a fresh model and optimizer given ``model``'s and ``opt``'s full state
+    (taken with ``get``, set with ``put``)."""
+    msd = get_model_state_dict(model, options=get)
+    osd = get_optimizer_state_dict(model, opt, options=get)
+    again, opt2, _ = build(impl)
+    set_model_state_dict(again, msd, options=put)
+    set_optimizer_state_dict(again, opt2, osd, options=put)
+    return full_state(again, opt2)
 
 
 def load_and_continue(rank: int, world: int, root: str, saved_world: int) -> dict[str, Any]:

@@ -60,11 +60,13 @@ def test_full_state_dict_cpu_offload_only_on_rank_0(runs):
         assert saved[1][impl]["rank0_keys"] == (0, 0), impl
 
 
-def test_full_state_dict_round_trips_exactly(runs):
+@pytest.mark.parametrize("path", ["round_trip", "broadcast"])
+def test_full_state_dict_round_trips_exactly(runs, path):
+    """Full state set back on every rank, or from rank 0 only (broadcast_from_rank0)."""
     saved, _ = runs
     for rank in saved:
         for impl in script.IMPLS:
-            _assert_state_close(rank[impl]["round_trip"], rank[impl]["full"], exact=True)
+            _assert_state_close(rank[impl][path], rank[impl]["full"], exact=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

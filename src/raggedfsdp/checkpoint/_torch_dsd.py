@@ -13,25 +13,31 @@ plain local tensors; the model's ``state_dict()`` already turns them into Sharde
    ``cpu_offload=True`` (values on rank 0 only) cannot hang.
 2. **Optimizer state**: an optimizer over sharded parameters gets, at its first ``step()`` (a
    global step pre-hook; DSD steps a fresh optimizer itself to create its state), a
-   ``state_dict`` post-hook that turns the state of sharded parameters into ShardedTensors by the
-   rules of [Note: optimizer state across world sizes] (``optimizer.state_dict()`` then holds
-   sharded values, as FSDP2's holds DTensors), and a ``load_state_dict`` pre-hook that accepts
+   ``state_dict`` post-hook that, while DSD reads the state (``_get_optim_state_dict``, wrapped
+   to say so), turns the state of sharded parameters into ShardedTensors by the rules of [Note:
+   optimizer state across world sizes]; and a ``load_state_dict`` pre-hook that accepts
    ShardedTensors (resharded by DCP), full tensors (``full_state_dict=True``) or this rank's own
-   pieces, and hands torch's loader this rank's pieces.
+   pieces, and hands torch's loader this rank's pieces. A plain ``optimizer.state_dict()`` keeps
+   this rank's own tensors (FSDP2's holds DTensors), so a per-rank ``torch.save`` loads into any
+   fresh optimizer at the same world size, as before.
 
 Both are contained: the gather wrapper delegates anything else to torch's function, and an
-optimizer without sharded parameters gets no hooks. If a torch release moves the gather, the
-import-time check in :func:`install` raises rather than letting a full state dict be wrong.
+optimizer without sharded parameters gets no hooks. If a torch release moves either wrapped
+function, the import-time check in :func:`install` raises rather than letting a state dict be
+wrong.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
 import torch
 import torch.distributed._state_dict_utils as torch_state_dict_utils
+import torch.distributed.checkpoint.state_dict as dsd
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -42,23 +48,44 @@ from ._optim_state import copy_flat, entry, same_storage, state_layout
 __all__ = ["install"]
 
 _HOOKED = "_raggedfsdp_state_dict_hooks"
+# Whether DSD is reading optimizer state: only then is it returned as ShardedTensors, so a plain
+# optimizer.state_dict() keeps this rank's own tensors (loadable by any fresh optimizer).
+_IN_DSD = contextvars.ContextVar("raggedfsdp_in_dsd", default=False)
 
 
 def install() -> None:
     """Make DSD gather ragged ShardedTensors and hook optimizers over sharded parameters.
     Idempotent."""
-    torch_gather = getattr(torch_state_dict_utils, "_all_gather_sharded_tensor", None)
-    if torch_gather is None:
-        raise ImportError(
-            "raggedfsdp: this torch has no torch.distributed._state_dict_utils."
-            "_all_gather_sharded_tensor, which raggedfsdp wraps so that get_model_state_dict("
-            "full_state_dict=True) gathers ragged shards; use rf.full_state_dict instead and "
-            "report the torch version"
-        )
+    torch_gather = _torch_function(torch_state_dict_utils, "_all_gather_sharded_tensor")
+    torch_get_optim = _torch_function(dsd, "_get_optim_state_dict")
     if getattr(torch_gather, "_raggedfsdp", False):
         return
     torch_state_dict_utils._all_gather_sharded_tensor = _gather_wrapper(torch_gather)
+    dsd._get_optim_state_dict = _in_dsd(torch_get_optim)
     register_optimizer_step_pre_hook(_hook_optimizer)
+
+
+def _torch_function(module: Any, name: str) -> Callable[..., Any]:
+    function = getattr(module, name, None)
+    if function is None:
+        raise ImportError(
+            f"raggedfsdp: this torch has no {module.__name__}.{name}, which raggedfsdp wraps so "
+            f"that torch.distributed.checkpoint.state_dict handles ragged shards; use "
+            f"rf.full_state_dict / rf.optim_state_dict instead and report the torch version"
+        )
+    return function
+
+
+def _in_dsd(torch_get_optim: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(torch_get_optim)
+    def get_optim(*args: Any, **kwargs: Any) -> Any:
+        token = _IN_DSD.set(True)
+        try:
+            return torch_get_optim(*args, **kwargs)
+        finally:
+            _IN_DSD.reset(token)
+
+    return get_optim
 
 
 def _gather_wrapper(torch_gather: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -77,19 +104,28 @@ def _hook_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
         return
     setattr(optimizer, _HOOKED, True)
     params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
-    if any(shard_info(p) is not None for p in params):
+    if any(_spread(p) for p in params):
         optimizer.register_state_dict_post_hook(_sharded_state)
         optimizer.register_load_state_dict_pre_hook(_local_state)
 
 
+def _spread(param: torch.Tensor) -> bool:
+    """Whether ``param`` is sharded over more than one rank (a one-rank layout's state is whole,
+    as a plain parameter's)."""
+    info = shard_info(param)
+    return info is not None and info.layout.world_size > 1
+
+
 def _sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict:
-    """``optimizer.state_dict()`` with the state of sharded parameters as ShardedTensors (new
-    per-parameter dicts: torch's are the optimizer's own)."""
+    """Under DSD, ``optimizer.state_dict()`` with the state of sharded parameters as
+    ShardedTensors (new per-parameter dicts: torch's are the optimizer's own)."""
+    if not _IN_DSD.get():
+        return state_dict
     params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
     state = state_dict["state"]
     for index, values in list(state.items()):
         param = params[index]
-        if shard_info(param) is not None:
+        if _spread(param):
             name = f"parameter {index}"
             state[index] = {k: entry(optimizer, name, param, k, v) for k, v in values.items()}
     return state_dict
@@ -105,7 +141,7 @@ def _local_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -
     state = dict(state_dict["state"])
     for key, values in state.items():
         param = param_of.get(key)
-        if param is not None and shard_info(param) is not None:
+        if param is not None and _spread(param):
             held = optimizer.state.get(param, {})
             state[key] = {
                 k: _local_value(optimizer, param, k, v, held.get(k)) for k, v in values.items()
