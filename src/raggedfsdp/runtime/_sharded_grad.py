@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _foreach_supported_types
 from torch.utils._pytree import tree_map
 
 __all__ = ["PartialNorm", "ShardedGrad", "as_sharded_grad"]
@@ -57,6 +58,12 @@ class ShardedGrad(torch.Tensor):
             return func(*args, **kwargs)
 
 
+# torch's norm and clip utilities take their fused (foreach) path only for the tensor types listed
+# here; DTensor registers itself the same way (torch/distributed/tensor/__init__.py).
+if ShardedGrad not in _foreach_supported_types:
+    _foreach_supported_types.append(ShardedGrad)
+
+
 def as_sharded_grad(grad: torch.Tensor, group: dist.ProcessGroup | None) -> ShardedGrad:
     """``grad`` (same storage) as a :class:`ShardedGrad` of ``group``."""
     out = grad.as_subclass(ShardedGrad)
@@ -82,6 +89,9 @@ class PartialNorm(torch.Tensor):
         cls, func: Callable, types: Any, args: Sequence = (), kwargs: dict | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA:  # what a tensor is, not its values: no reduction
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func is torch.stack:
             stacked = _stack(*args, **kwargs)
             if stacked is not None:
@@ -145,36 +155,33 @@ def _norm_order(args: Sequence, kwargs: dict, name: str, default: Any = 2) -> An
 
 
 def _grad_norm(args: Sequence, kwargs: dict) -> Any:
-    """``vector_norm(g)`` / ``g.norm()`` / ``torch.norm(g)`` of one :class:`ShardedGrad`."""
+    """``vector_norm(g)`` / ``g.norm()`` / ``torch.norm(g)`` of one :class:`ShardedGrad`; with a
+    ``dim`` it is a local reduction, as any other op on a piece (``NotImplemented``)."""
     grad = args[0]
     name = "p" if "p" in kwargs else "ord"
     ord = _norm_order(args, kwargs, name)
-    if ord is None or not isinstance(grad, ShardedGrad) or kwargs.get("dtype") is not None:
+    if ord is None or not isinstance(grad, ShardedGrad):
         return NotImplemented
     with torch._C.DisableTorchFunctionSubclass():
-        return _partial(_power(grad, ord), grad._rf_group, ord, grad.dtype)
+        return _partial(_power(grad, ord), grad._rf_group, ord, kwargs.get("dtype") or grad.dtype)
 
 
 def _foreach_grad_norm(args: Sequence, kwargs: dict) -> Any:
-    """``torch._foreach_norm(grads, ord)``: one partial per gradient of a :class:`ShardedGrad`
-    list (sharded and plain mixed: plain ones are counted once, on the group's first rank)."""
+    """``torch._foreach_norm(grads, ord)``: one partial per gradient, each over its own group;
+    gradients every rank holds whole are counted once, over the group of the first sharded one
+    (torch's ``get_total_norm`` stacks them together)."""
     tensors = list(args[0])
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
-    if kwargs.get("dtype") is not None:
-        return NotImplemented
-    group = next((t._rf_group for t in tensors if isinstance(t, ShardedGrad)), None)
-    if any(isinstance(t, ShardedGrad) and t._rf_group is not group for t in tensors):
-        return NotImplemented
+    dtype = kwargs.get("dtype")
+    first = next((t._rf_group for t in tensors if isinstance(t, ShardedGrad)), None)
     with torch._C.DisableTorchFunctionSubclass():
-        return [
-            _partial(
-                _power(t, ord) if isinstance(t, ShardedGrad) else _replicated(t, ord, group),
-                group,
-                ord,
-                t.dtype,
-            )
-            for t in tensors
-        ]
+        out = []
+        for t in tensors:
+            sharded = isinstance(t, ShardedGrad)
+            group = t._rf_group if sharded else first
+            value = _power(t, ord) if sharded else _replicated(t, ord, group)
+            out.append(_partial(value, group, ord, dtype or t.dtype))
+        return out
 
 
 def _replicated(x: torch.Tensor, ord: float, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -192,10 +199,10 @@ def _stack(tensors: Sequence[torch.Tensor], dim: int = 0, *, out: Any = None) ->
     partials = [t for t in tensors if isinstance(t, PartialNorm)]
     first = partials[0]
     same = all(p._rf_group is first._rf_group and p._rf_ord == first._rf_ord for p in partials)
-    if out is not None or dim != 0 or not same or any(t.ndim for t in tensors):
-        return None
-    ord, group = first._rf_ord, first._rf_group
     with torch._C.DisableTorchFunctionSubclass():
+        if out is not None or dim != 0 or not same or any(t.ndim for t in tensors):
+            return None
+        ord, group = first._rf_ord, first._rf_group
         values = [t if isinstance(t, PartialNorm) else _replicated(t, ord, group) for t in tensors]
         dtype = first._rf_dtype
         for t in tensors:
@@ -218,6 +225,24 @@ def _same_device_move(args: Sequence, kwargs: dict) -> bool:
 def _reduced(x: Any) -> Any:
     return x.reduce() if isinstance(x, PartialNorm) else x
 
+
+#: Reads of what a tensor is (device, dtype, shape), which need no reduced values.
+_METADATA = frozenset(
+    {
+        torch.Tensor.device.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.dtype.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.is_cuda.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.layout.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.requires_grad.__get__,  # type: ignore[attr-defined]
+        torch.Tensor.dim,
+        torch.Tensor.size,
+        torch.Tensor.numel,
+        torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex,
+    }
+)
 
 _NORMS: dict[Callable, Callable[[Sequence, dict], Any]] = {
     torch.linalg.vector_norm: _grad_norm,
