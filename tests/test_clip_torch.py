@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import raggedfsdp as rf
 from harness import run_distributed
@@ -42,7 +43,14 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     out["sum"] = (float(sum(g.norm() ** 2 for g in grads) ** 0.5), two)
     out["local"] = float(torch.stack([g.as_subclass(torch.Tensor).norm() for g in grads]).norm())
     expected = [g.detach().clone() * min(1.0, 0.5 / (two + 1e-6)) for g in grads]
-    returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    calls: list[int] = []
+    all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: (calls.append(1), all_reduce(*args, **kwargs))[1]
+    try:
+        returned = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    finally:
+        dist.all_reduce = all_reduce
+    out["all_reduces"] = len(calls)
     out["clip"] = (float(returned), two)
     out["clipped_equal"] = all(
         torch.allclose(g, e, rtol=1e-6, atol=0) for g, e in zip(grads, expected, strict=True)
@@ -71,6 +79,7 @@ def test_other_ways_to_write_the_norm(results):
         for key in ("stack", "sum", "clip"):
             assert math.isclose(*rank[key], rel_tol=1e-6), (key, rank[key])
         assert rank["clipped_equal"]
+        assert rank["all_reduces"] == 1  # the clip's only collective, not one per gradient
 
 
 def test_negative_control_local_norms_differ(results):
