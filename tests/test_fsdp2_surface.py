@@ -136,6 +136,7 @@ def _errors(rank: int) -> dict[str, str]:
             )
         }
     )
+    calls["reset_iter_state"] = block.reset_iter_state
     out = {name: _message(call) for name, call in calls.items()}
     # Accepted: what raggedfsdp always does.
     block.set_is_last_backward(True)
@@ -202,6 +203,7 @@ EXPECTED = {
     "set_reduce_scatter_max_input_buffers": ("NotImplementedError", "pool", "DBufferConfig"),
     "set_allocate_memory_from_process_group_for_comm": ("NotImplementedError", "pool", "pool"),
     "set_symm_mem_for_comm": ("NotImplementedError", "pool", "DBufferConfig"),
+    "reset_iter_state": ("NotImplementedError", "reset_iter_state", "checkpoint"),
 }
 
 

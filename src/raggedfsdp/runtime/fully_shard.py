@@ -226,6 +226,10 @@ _NOT_SUPPORTED = {
     "set_reduce_scatter_max_input_buffers": _BUFFERS,
     "set_allocate_memory_from_process_group_for_comm": _BUFFERS,
     "set_symm_mem_for_comm": _BUFFERS,
+    "reset_iter_state": (
+        "a raggedfsdp iteration leaves nothing to reset when it completes, and a forward or "
+        "backward that raised leaves its units mid-step; resume from a checkpoint instead"
+    ),
 }
 
 
