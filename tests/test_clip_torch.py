@@ -41,6 +41,7 @@ def _run(rank: int, world: int) -> dict[str, Any]:
     two = float(rf.clip_grad_norm_(params, math.inf))
     out["stack"] = (float(torch.stack([g.norm() for g in grads]).norm()), two)
     out["sum"] = (float(sum(g.norm() ** 2 for g in grads) ** 0.5), two)
+    out["data"] = (float(sum(p.grad.data.norm(2) ** 2 for p in params) ** 0.5), two)
     out["local"] = float(torch.stack([g.as_subclass(torch.Tensor).norm() for g in grads]).norm())
     expected = [g.detach().clone() * min(1.0, 0.5 / (two + 1e-6)) for g in grads]
     calls: list[int] = []
@@ -76,7 +77,7 @@ def test_get_total_norm_is_global(results, norm_type, foreach):
 def test_other_ways_to_write_the_norm(results):
     for rank in results:
         assert rank["types"] == ["ShardedGrad"]
-        for key in ("stack", "sum", "clip"):
+        for key in ("stack", "sum", "data", "clip"):
             assert math.isclose(*rank[key], rel_tol=1e-6), (key, rank[key])
         assert rank["clipped_equal"]
         assert rank["all_reduces"] == 1  # the clip's only collective, not one per gradient

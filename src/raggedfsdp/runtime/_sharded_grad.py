@@ -55,7 +55,10 @@ class ShardedGrad(torch.Tensor):
         if any(issubclass(t, PartialNorm) for t in types):
             return PartialNorm.__torch_function__(func, types, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if func in _ALIASES:  # ``g.data`` / ``g.detach()``: the same gradient, still sharded
+            return as_sharded_grad(result, args[0]._rf_group)
+        return result
 
 
 # torch's norm and clip utilities take their fused (foreach) path only for the tensor types listed
@@ -225,6 +228,12 @@ def _same_device_move(args: Sequence, kwargs: dict) -> bool:
 def _reduced(x: Any) -> Any:
     return x.reduce() if isinstance(x, PartialNorm) else x
 
+
+#: Other names for the whole gradient (``p.grad.data.norm()`` is an old idiom), which stay
+#: :class:`ShardedGrad`; everything computed from it is a plain tensor.
+_ALIASES = frozenset(
+    {torch.Tensor.data.__get__, torch.Tensor.detach, torch.detach}  # type: ignore[attr-defined]
+)
 
 #: Reads of what a tensor is (device, dtype, shape), which need no reduced values.
 _METADATA = frozenset(
