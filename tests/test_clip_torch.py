@@ -6,6 +6,8 @@ parameter); the tests judge its collected results.
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 import raggedfsdp as rf
 from harness import run_distributed
 from parity_models import OddModel, make_batches
+from raggedfsdp.runtime._sharded_grad import ShardedGrad, as_sharded_grad
 
 WORLD = 3
 NORMS = (2.0, 1.0, 3.0, math.inf)
@@ -87,3 +90,18 @@ def test_negative_control_local_norms_differ(results):
     """Without ShardedGrad each rank would see only its pieces: the norms it would clip by."""
     local = [r["local"] for r in results]
     assert len(set(local)) == WORLD and all(v < results[0]["clip"][1] for v in local)
+
+
+def test_sharded_grad_is_a_plain_tensor_but_for_norms_and_aliases():
+    """No process group needed: only norms communicate."""
+    grad = as_sharded_grad(torch.arange(4.0), None)
+    assert type(grad * 2) is torch.Tensor and type(torch.zeros_like(grad)) is torch.Tensor
+    assert type(grad.data) is ShardedGrad and type(grad.detach()) is ShardedGrad
+    copied = copy.deepcopy(grad)
+    assert type(copied) is ShardedGrad and torch.equal(copied, grad)
+    assert copied.data_ptr() != grad.data_ptr()
+    buffer = io.BytesIO()
+    torch.save(grad, buffer)  # a process group cannot be pickled: saved as the plain piece
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, torch.arange(4.0))

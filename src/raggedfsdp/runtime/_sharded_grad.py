@@ -60,6 +60,16 @@ class ShardedGrad(torch.Tensor):
             return as_sharded_grad(result, args[0]._rf_group)
         return result
 
+    def __deepcopy__(self, memo: dict) -> ShardedGrad:
+        """A copy of the values over the same process group (a handle, shared, not copied)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return as_sharded_grad(self.clone(), self._rf_group)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Saved (``torch.save``, pickle) as what it holds: this rank's piece, a plain tensor;
+        a process group cannot travel."""
+        return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
 
 # torch's norm and clip utilities take their fused (foreach) path only for the tensor types listed
 # here; DTensor registers itself the same way (torch/distributed/tensor/__init__.py).
