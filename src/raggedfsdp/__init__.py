@@ -15,7 +15,15 @@ from .clip import clip_grad_norm_
 from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
 from .materialize import init_sharded_
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
-from .runtime import DBufferConfig, FSDPBackend, FSDPModule, MixedPrecisionPolicy, fully_shard
+from .runtime import (
+    DBufferConfig,
+    FSDPBackend,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 __all__ = [
     "DBufferConfig",
@@ -28,6 +36,7 @@ __all__ = [
     "ShardLayout",
     "ShardPlan",
     "StructAwarePlanner",
+    "UnshardHandle",
     "clip_grad_norm_",
     "full_state_dict",
     "fully_shard",
@@ -37,6 +46,7 @@ __all__ = [
     "mark_sharded",
     "optim",
     "optim_state_dict",
+    "register_fsdp_forward_method",
     "shard_info",
     "shard_size_lower_bound",
 ]

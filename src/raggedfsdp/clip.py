@@ -82,7 +82,8 @@ def _split_by_group(
             if p.grad.numel() > 0:
                 plain.append(p.grad)
         else:
-            groups.setdefault(id(group), (group, []))[1].append(p.grad)
+            # Plain views: the norms here are reduced by hand, not by ShardedGrad's PartialNorm.
+            groups.setdefault(id(group), (group, []))[1].append(p.grad.as_subclass(torch.Tensor))
     return plain, groups
 
 

@@ -33,13 +33,17 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from ..layout import ShardLayout, shard_info
-from ..runtime import to_sharded_tensor
+from ..runtime import local_flat, to_sharded_tensor
 
 __all__ = [
+    "copy_flat",
+    "entry",
     "expected_entries",
     "init_optimizer_state",
     "load_optim_state_dict",
     "optim_state_dict",
+    "same_storage",
+    "state_layout",
 ]
 
 
@@ -78,7 +82,7 @@ def _is_tensor_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and all(isinstance(v, torch.Tensor) for v in value)
 
 
-def _entry(
+def entry(
     optimizer: torch.optim.Optimizer, fqn: str, param: torch.Tensor, key: str, value: Any
 ) -> Any:
     """One state value as DCP should store it (rules in the module's Note)."""
@@ -124,23 +128,43 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """``{fqn: {state key: value}}`` with DCP-reshardable values (module Note). Tensor values are
     views of the optimizer's state (no copy), except lists, which are concatenated."""
     return {
-        fqn: {key: _entry(optimizer, fqn, p, key, value) for key, value in state.items()}
+        fqn: {key: entry(optimizer, fqn, p, key, value) for key, value in state.items()}
         for fqn, p, state in _state_items(model, optimizer)
     }
 
 
-def _local_flat(value: ShardedTensor) -> torch.Tensor:
-    """This rank's piece of a ShardedTensor built by :func:`to_sharded_tensor`: its local shards
-    are row-major runs of the rank's flat range, so concatenating them gives the piece back."""
-    shards = value.local_shards()
-    if not shards:
-        return torch.empty(0, dtype=value.dtype)
-    return torch.cat([s.tensor.reshape(-1) for s in shards])
-
-
-def _same_storage(value: ShardedTensor, target: torch.Tensor) -> bool:
+def same_storage(value: ShardedTensor, target: torch.Tensor) -> bool:
     ptr = target.untyped_storage().data_ptr()
     return all(s.tensor.untyped_storage().data_ptr() == ptr for s in value.local_shards())
+
+
+def copy_flat(flat: torch.Tensor, target: torch.Tensor | list[torch.Tensor]) -> None:
+    """Copy ``flat`` (1-D) into a state value: a tensor, or a list taken as the concatenation of
+    its flattenings (as :func:`optim_state_dict` stores it)."""
+    pieces = [target] if isinstance(target, torch.Tensor) else list(target)
+    position = 0
+    for piece in pieces:
+        piece.copy_(flat[position : position + piece.numel()].view_as(piece))
+        position += piece.numel()
+
+
+def state_layout(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, value: Any
+) -> ShardLayout | None:
+    """The layout of a sharded parameter's state value (rules 1 and 4 of the module's Note):
+    the optimizer's ``sharded_state_layout``, else the parameter's when the value is shaped like
+    its local shard; ``None`` for anything else (scalars, unsharded parameters)."""
+    info = shard_info(param)
+    if info is None:
+        return None
+    hook = getattr(optimizer, "sharded_state_layout", None)
+    layout = hook(param, key, value) if hook is not None else None
+    if layout is not None:
+        return layout
+    local_numel = info.layout.local_numel(info.rank)
+    if isinstance(value, torch.Tensor) and value.ndim > 0 and value.numel() == local_numel:
+        return info.layout
+    return None
 
 
 def load_optim_state_dict(
@@ -156,14 +180,9 @@ def load_optim_state_dict(
                 raise ValueError(f"optimizer state of {fqn!r} has no {key!r}")
             loaded = state[fqn][key]
             if isinstance(loaded, ShardedTensor):
-                if isinstance(target, torch.Tensor) and _same_storage(loaded, target):
+                if isinstance(target, torch.Tensor) and same_storage(loaded, target):
                     continue
-                flat = _local_flat(loaded)
-                pieces = [target] if isinstance(target, torch.Tensor) else list(target)
-                position = 0
-                for piece in pieces:
-                    piece.copy_(flat[position : position + piece.numel()].view_as(piece))
-                    position += piece.numel()
+                copy_flat(local_flat(loaded), target)
             elif isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
                 if loaded.data_ptr() != target.data_ptr():
                     target.copy_(loaded)

@@ -133,7 +133,13 @@ class ShardedOptimizer(Optimizer):
         ranks of its group or on none, since the optimizers' collectives depend on it.
         """
         params = [p for group in self.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
+        # Plain views: a sharded gradient's norm would otherwise be the global one (a collective,
+        # see [Note: torch's clip_grad_norm_ over ragged shards]); this check is local by design.
+        grads = [
+            p.grad.as_subclass(torch.Tensor)
+            for p in params
+            if p.grad is not None and p.grad.numel() > 0
+        ]
         local_bad = False
         if grads:
             # One fused max-abs per tensor and one host sync: NaN and Inf both make it non-finite.

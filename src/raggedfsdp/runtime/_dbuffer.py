@@ -28,11 +28,13 @@ allocation (and one free) however many buckets it has.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..layout import ShardInfo, mark_sharded
 from ..planner import ShardPlan
 from ._param import FSDPParam, Registration
+from ._sharded_grad import as_sharded_grad
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
 
@@ -117,6 +119,9 @@ class DBuffer:
         self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
         self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; bound during backward
+        # The group sharded gradients' norms reduce over ([Note: torch's clip_grad_norm_ over
+        # ragged shards]); None for a one-rank layout, whose gradients stay plain tensors.
+        self.grad_group = None if self.world_size == 1 else (group or dist.group.WORLD)
         by_name = {r.fqn: r for r in registrations}
         self.params: list[FSDPParam] = []  # in buffer order
         shard_start = rank * self.shard_numel
@@ -200,7 +205,12 @@ class DBuffer:
         for param in self.params:
             if param.sharded.requires_grad:
                 view = local_grad[param.local_start : param.local_end]
-                param.sharded.grad = view.view(param.sharded.shape)
+                param.sharded.grad = self.as_grad(view.view(param.sharded.shape))
+
+    def as_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` as a sharded parameter's ``.grad``: a :class:`ShardedGrad` of the shard
+        group (same storage), so torch's norm utilities see the whole gradient."""
+        return grad if self.grad_group is None else as_sharded_grad(grad, self.grad_group)
 
     def persistent_bytes(self) -> int:
         """Bytes this bucket holds between steps: the local shard, and its gradient while the

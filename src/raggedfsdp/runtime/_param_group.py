@@ -384,7 +384,7 @@ class FSDPParamGroup:
                 if param.sharded.grad is not None:
                     param.sharded.grad += piece
                 elif param.sharded.requires_grad:
-                    param.sharded.grad = piece.to(bucket.dtype, copy=True)
+                    param.sharded.grad = bucket.as_grad(piece.to(bucket.dtype, copy=True))
                     self.stats.add_copy(piece)
         else:
             if output.dtype != bucket.dtype:  # reduce_dtype other than the master dtype

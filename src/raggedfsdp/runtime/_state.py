@@ -115,10 +115,17 @@ class _PostBackward(torch.autograd.Function):
 class FSDPState:
     """The hooks of one ``fully_shard``-ed module; they delegate to its parameter group."""
 
-    def __init__(self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool):
+    def __init__(
+        self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool | None
+    ):
         self.module = module
         self.group = group
+        #: True / False, or None: FSDP2's default (True, but False for the root)
         self.reshard_after_forward = reshard_after_forward
+        #: units to unshard when this one's forward (backward) starts, set by the user through
+        #: set_modules_to_forward_prefetch (_backward_prefetch); None: the recorded neighbour
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
         self.ctx: RootContext | None = None  # set by the root's lazy init
         setattr(module, _STATE_ATTR, self)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -174,14 +181,12 @@ class FSDPState:
         self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
-        else:
-            nxt = ctx.neighbour(self, +1)
-            if nxt is not None:
-                nxt.group.unshard()  # prefetch: overlaps the next all-gather with this compute
+        # Prefetch: overlaps the next all-gathers with this compute.
+        _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
         self.group.pre_forward()
-        param_dtype = self.group.mp_policy.param_dtype
-        if param_dtype is not None:
-            args, kwargs = tree_map(lambda x: _cast_floating(x, param_dtype), (args, kwargs))
+        policy = self.group.mp_policy
+        if policy.param_dtype is not None and policy.cast_forward_inputs:
+            args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
         if torch.is_grad_enabled():
             args, kwargs = self._route_inputs(args, kwargs)
         return args, kwargs
@@ -206,6 +211,8 @@ class FSDPState:
             ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
         grad_enabled = torch.is_grad_enabled()
         self.group.post_forward(reshard=self._reshards_after_forward(ctx, grad_enabled))
+        if self.group.mp_policy.output_dtype is not None:
+            output = _cast_floating(output, self.group.mp_policy.output_dtype)
         if grad_enabled:
             tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
             if tensors:
@@ -216,11 +223,13 @@ class FSDPState:
 
     def _reshards_after_forward(self, ctx: RootContext, grad_enabled: bool) -> bool:
         if self.is_root:
+            # Kept into backward, as FSDP2's None does; but freed after a forward without
+            # gradients, whose unsharded copy an optimizer step would otherwise leave stale.
             return not grad_enabled
         # The unit that runs forward last is the first to run backward: freeing it would only
         # make backward gather it straight back (torchtitan sets this by hand).
         last = ctx.order_recorded and ctx.forward_order[-1] is self
-        return self.reshard_after_forward and not (last and grad_enabled)
+        return self.reshard_after_forward is not False and not (last and grad_enabled)
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -235,8 +244,7 @@ class FSDPState:
             prev = ctx.forward_order[-1]
         else:
             prev = ctx.neighbour(self, -1)
-        if prev is not None and prev.group.training_state is TrainingState.IDLE:
-            prev.group.unshard()  # prefetch the unit whose backward comes next
+        _unshard(self.backward_prefetch, prev)  # prefetch the units whose backward comes next
 
     # -- state dict ----------------------------------------------------------------------------
 
@@ -251,8 +259,19 @@ class FSDPState:
         load_state_dict_pre_hook(self.group.named_parameters_in(module, prefix), state_dict)
 
 
-def _cast_floating(x: Any, dtype: torch.dtype) -> Any:
-    return x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x
+def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Floating-point tensors of ``tree`` cast to ``dtype``."""
+    return tree_map(
+        lambda x: x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x, tree
+    )
+
+
+def _unshard(chosen: list[FSDPState] | None, neighbour: FSDPState | None) -> None:
+    """Issue the all-gathers of the units the user chose to prefetch, else of the recorded
+    neighbour; only units idle between forward and backward (not one mid-backward)."""
+    for state in chosen if chosen is not None else [neighbour]:
+        if state is not None and state.group.training_state is TrainingState.IDLE:
+            state.group.unshard()
 
 
 def _check_plans_agree(states: list[FSDPState]) -> None:

@@ -27,8 +27,17 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from ..layout import ShardInfo, ShardLayout, shard_info
+from ._collectives import all_gather
+from ._metrics import RuntimeStats
 
-__all__ = ["load_state_dict_pre_hook", "state_dict_post_hook", "to_sharded_tensor"]
+__all__ = [
+    "gather_full",
+    "is_ragged",
+    "load_state_dict_pre_hook",
+    "local_flat",
+    "state_dict_post_hook",
+    "to_sharded_tensor",
+]
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
@@ -60,9 +69,48 @@ def to_sharded_tensor(
                 local_shards.append(Shard(view, md))
     properties = TensorProperties(dtype=local.dtype, requires_grad=False)
     global_md = ShardedTensorMetadata(metadata, torch.Size(shape), properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
+    value = ShardedTensor._init_from_local_shards_and_global_metadata(
         local_shards, global_md, process_group=group
     )
+    # What gather_full needs, since torch's own gather assumes even chunks of dim 0.
+    value._rf_layout, value._rf_rank, value._rf_group = layout, rank, group  # type: ignore[attr-defined]
+    return value
+
+
+def is_ragged(value: object) -> bool:
+    """Whether ``value`` is a ShardedTensor made by :func:`to_sharded_tensor`."""
+    return isinstance(value, ShardedTensor) and hasattr(value, "_rf_layout")
+
+
+def local_flat(value: ShardedTensor) -> torch.Tensor:
+    """This rank's piece of a ShardedTensor of :func:`to_sharded_tensor` (or one DCP built on
+    the same metadata), 1-D: its local shards, in order, are consecutive runs of the piece."""
+    shards = value.local_shards()
+    if not shards:
+        return torch.empty(0, dtype=_dtype(value))
+    return torch.cat([s.tensor.reshape(-1) for s in shards])
+
+
+def _dtype(value: ShardedTensor) -> torch.dtype:
+    return value.metadata().tensor_properties.dtype  # ShardedTensor.dtype warns (deprecated)
+
+
+def gather_full(value: ShardedTensor) -> torch.Tensor:
+    """The full tensor of a ragged ShardedTensor, on every rank of its group (a collective):
+    one all-gather of the pieces padded to the largest."""
+    layout: ShardLayout = value._rf_layout  # type: ignore[attr-defined]
+    group = value._rf_group  # type: ignore[attr-defined]
+    piece = local_flat(value)
+    dtype = _dtype(value)
+    width = max(layout.local_numel(r) for r in range(layout.world_size))
+    padded = torch.zeros(width, dtype=dtype, device=piece.device)
+    padded[: piece.numel()] = piece
+    gathered = torch.empty(width * layout.world_size, dtype=dtype, device=piece.device)
+    all_gather(gathered, padded, group, RuntimeStats(), async_op=False)
+    pieces = [
+        gathered[r * width : r * width + layout.local_numel(r)] for r in range(layout.world_size)
+    ]
+    return layout.from_locals(pieces)
 
 
 def _full_scalar(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
 __all__ = ["DBufferConfig", "MixedPrecisionPolicy"]
 
@@ -47,8 +48,39 @@ class DBufferConfig:
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecisionPolicy:
     """Dtypes for the unsharded parameters and the gradient reduction; master shards keep their
-    own dtype (fp32). ``None`` keeps the parameter's dtype; ``reduce_dtype=None`` reduces in
-    ``param_dtype`` (as FSDP2). Floating-point forward inputs are cast to ``param_dtype``."""
+    own dtype (fp32). FSDP2's four fields with FSDP2's meanings (torch's
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` is accepted too and read into this).
+
+    Attributes:
+        param_dtype: dtype of the unsharded parameters (what forward computes with); ``None``
+            keeps the parameter's dtype.
+        reduce_dtype: dtype of the gradient reduction; ``None`` reduces in ``param_dtype``.
+        output_dtype: floating-point forward outputs of the module are cast to it (e.g. fp32
+            logits from a bf16 model); ``None`` leaves them as computed.
+        cast_forward_inputs: floating-point forward inputs are cast to ``param_dtype``.
+    """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    @classmethod
+    def of(cls, policy: object | None) -> MixedPrecisionPolicy:
+        """``policy`` as this class: ours as is, torch's FSDP2 policy field by field, ``None`` as
+        the default; anything else is a ``TypeError``."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, cls):
+            return policy
+        if isinstance(policy, TorchMixedPrecisionPolicy):
+            return cls(
+                param_dtype=policy.param_dtype,
+                reduce_dtype=policy.reduce_dtype,
+                output_dtype=policy.output_dtype,
+                cast_forward_inputs=policy.cast_forward_inputs,
+            )
+        raise TypeError(
+            f"mp_policy must be rf.MixedPrecisionPolicy or torch.distributed.fsdp."
+            f"MixedPrecisionPolicy, got {type(policy).__name__}"
+        )

@@ -7,13 +7,19 @@ class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unch
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
@@ -25,7 +31,14 @@ from ._param_group import FSDPParamGroup
 from ._state import FSDPState, state_of, states_under
 from .api import DBufferConfig, MixedPrecisionPolicy
 
-__all__ = ["FSDPBackend", "FSDPModule", "full_parameters", "fully_shard"]
+__all__ = [
+    "FSDPBackend",
+    "FSDPModule",
+    "UnshardHandle",
+    "full_parameters",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
 
 
 class FSDPModule:
@@ -44,29 +57,98 @@ class FSDPModule:
     def _all_states(self) -> list[FSDPState]:
         return states_under(cast(nn.Module, self))
 
-    def unshard(self) -> None:
-        """All-gather this unit's parameters now (and wait); the modules then hold the full
-        parameters until :meth:`reshard` or the next forward's post-hook."""
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        return self._all_states() if recurse else [self._fsdp_state]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this unit's parameters; the modules then hold the full parameters until
+        :meth:`reshard` or the next forward's post-hook. ``async_op=True`` returns at once with a
+        handle whose ``wait()`` waits for the all-gather (FSDP2's semantics); a forward waits by
+        itself. Not recursive."""
         state = self._fsdp_state
         state.lazy_init()
-        state.group.wait_for_unshard()
+        if not async_op:
+            state.group.wait_for_unshard()
+            return None
+        state.group.unshard()
+        return UnshardHandle(state.group)
 
     def reshard(self) -> None:
         """Free this unit's unsharded parameters; the modules hold the shards again."""
         self._fsdp_state.group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Reduce gradients across ranks in the next backward (``False`` accumulates the
-        unsharded gradients locally, for gradient accumulation). Applies to all units below."""
-        for state in self._all_states():
+        unsharded gradients locally, for gradient accumulation)."""
+        for state in self._states(recurse):
             state.group.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool | None, recurse: bool = True
+    ) -> None:
         """Free the unsharded parameters after forward (``True``) or keep them into backward
-        (``False``: no second all-gather, more memory). Applies to all units below; the root
-        and the unit that runs forward last keep theirs either way."""
-        for state in self._all_states():
+        (``False``: no second all-gather, more memory); ``None`` is FSDP2's default. The unit
+        that runs forward last keeps its parameters into backward either way."""
+        _check_reshard_after_forward(reshard_after_forward)
+        for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` (asynchronously) when this unit's forward starts, instead of the
+        next unit in the recorded order."""
+        self._fsdp_state.forward_prefetch = [_state_of_module(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """Unshard ``modules`` (asynchronously) when this unit's backward starts, instead of
+        the unit whose backward comes next in the recorded order."""
+        self._fsdp_state.backward_prefetch = [_state_of_module(m) for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Every backward ends, here, by waiting for its reductions (``True``, FSDP2's default).
+        ``False`` (FSDP2 then lets the reductions run into the next micro-batch) is a
+        ``NotImplementedError``."""
+        if not is_last_backward:
+            _unsupported(
+                "set_is_last_backward(False)",
+                "every raggedfsdp backward waits for its reductions at its end; to accumulate "
+                "without reducing, use set_requires_gradient_sync(False)",
+            )
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Accepted, with nothing to do: the next all-gathers are issued on the current stream,
+        after the optimizer step, so they wait for it already."""
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """``True`` (FSDP2's default) is what raggedfsdp always does; ``False`` is a
+        ``NotImplementedError``."""
+        if not reshard_after_backward:
+            _unsupported(
+                "set_reshard_after_backward(False)",
+                "a unit's unsharded parameters are freed at the end of its backward; to avoid "
+                "gathering again between accumulation steps, use set_reshard_after_forward(False)",
+            )
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce over the replicas; only ``True`` (always done) is supported."""
+        if not requires_all_reduce:
+            _unsupported(
+                "set_requires_all_reduce(False)",
+                "the reduce-scatter and the all-reduce of HSDP are one step here; use "
+                "set_requires_gradient_sync(False) to skip both",
+            )
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Only ``True`` (FSDP2's default): a unit's backward needs its parameters."""
+        if not unshard_in_backward:
+            _unsupported(
+                "set_unshard_in_backward(False)",
+                "every unit's backward unshards its parameters (for gradients of frozen units "
+                "only, wrap those modules outside fully_shard)",
+            )
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -106,6 +188,123 @@ class FSDPModule:
         return [b.plan for s in self._all_states() for b in s.group.buckets]
 
 
+class UnshardHandle:
+    """What :meth:`FSDPModule.unshard` returns with ``async_op=True``: ``wait()`` waits for the
+    all-gather and hands the module its unsharded parameters (idempotent)."""
+
+    def __init__(self, group: FSDPParamGroup) -> None:
+        self._group: FSDPParamGroup | None = group  # released by the first wait()
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+_OWN_COLLECTIVES = (
+    "raggedfsdp's collectives run in place on its DBuffers (ragged shards in its own planner's "
+    "layout), so a replacement written for FSDP2's DTensor shards has nothing to act on"
+)
+_DIVIDE = (
+    "gradients are averaged over the data-parallel ranks (ReduceOp.AVG, as DDP); scale the "
+    "loss by world_size / factor for another divisor"
+)
+_BUFFERS = "raggedfsdp's buffers come from its own pool (DBufferConfig), not the process group's"
+
+#: FSDP2's FSDPModule methods that have no meaning for ragged shards, and why.
+_NOT_SUPPORTED = {
+    "set_gradient_divide_factor": _DIVIDE,
+    "set_reduce_scatter_divide_factor": _DIVIDE,
+    "set_force_sum_reduction_for_comms": _DIVIDE,
+    "set_custom_all_gather": _OWN_COLLECTIVES,
+    "set_custom_reduce_scatter": _OWN_COLLECTIVES,
+    "set_all_reduce_hook": _OWN_COLLECTIVES,
+    "set_separate_reduce_scatter_group": _OWN_COLLECTIVES,
+    "set_reduce_scatter_unused_params": (
+        "a unit's reduce-scatter always covers all its parameters (unused ones reduce zeros)"
+    ),
+    "set_reduce_scatter_max_input_buffers": _BUFFERS,
+    "set_allocate_memory_from_process_group_for_comm": _BUFFERS,
+    "set_symm_mem_for_comm": _BUFFERS,
+    "reset_iter_state": (
+        "a raggedfsdp iteration leaves nothing to reset when it completes, and a forward or "
+        "backward that raised leaves its units mid-step; resume from a checkpoint instead"
+    ),
+}
+
+
+def _not_supported_method(name: str, why: str) -> Callable[..., None]:
+    def method(self: FSDPModule, *args: Any, **kwargs: Any) -> None:
+        _unsupported(name, why)
+
+    method.__name__ = name
+    method.__doc__ = f"Not supported (``NotImplementedError``): {why}."
+    return method
+
+
+for _name, _why in _NOT_SUPPORTED.items():
+    setattr(FSDPModule, _name, _not_supported_method(_name, _why))
+
+
+def _unsupported(what: str, why: str) -> None:
+    raise NotImplementedError(f"raggedfsdp: {what} is not supported: {why}")
+
+
+def _state_of_module(module: object) -> FSDPState:
+    state = state_of(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(
+            f"prefetch targets must be modules sharded by rf.fully_shard, got "
+            f"{type(module).__name__}"
+        )
+    return state
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` unshard the module's parameters before it runs and reshard
+    them after, as forward does (FSDP2's function; a no-op on a module not sharded by
+    ``rf.fully_shard``, as FSDP2's is). torch's own ``register_fsdp_forward_method`` routes
+    raggedfsdp modules here when it is looked up after ``import raggedfsdp``
+    (:func:`_route_torch_register`); a reference bound before that does nothing to them."""
+    state = state_of(module)
+    if state is None:
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        hooked = state._pre_forward(module, args, kwargs)
+        if hooked is not None:
+            args, kwargs = hooked
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _route_torch_register() -> None:
+    """torch's ``register_fsdp_forward_method`` returns silently for modules that are not
+    FSDP2's; make it hand raggedfsdp's modules to :func:`register_fsdp_forward_method` (and the
+    rest to torch's, unchanged), where torch exports it. Idempotent."""
+    torch_register = torch_fsdp.register_fsdp_forward_method
+    if getattr(torch_register, "_raggedfsdp", False):
+        return
+
+    @functools.wraps(torch_register)
+    def route(module: nn.Module, method_name: str) -> None:
+        if state_of(module) is not None:
+            return register_fsdp_forward_method(module, method_name)
+        return torch_register(module, method_name)
+
+    route._raggedfsdp = True  # type: ignore[attr-defined]
+    for exporter in (torch_fsdp, torch_fsdp._fully_shard):
+        exporter.register_fsdp_forward_method = route
+
+
+_route_torch_register()
+
+
 def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
     """``id(sharded parameter) -> full parameter on CPU`` for every unit under ``model``; a
     collective (every rank calls it, between steps)."""
@@ -128,10 +327,65 @@ def _resolve_planner(
     return planner
 
 
-def _registrations(module: nn.Module) -> list[Registration]:
-    """Parameters of ``module`` not managed by an inner unit, each with every place it is
-    registered (tied parameters have several), in model order."""
-    managed: set[int] = set()
+def _check_fsdp2_arguments(
+    module: object, reshard_after_forward: object, offload_policy: object
+) -> None:
+    """FSDP2's arguments that have no meaning here: a clear error, before any collective."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"rf.fully_shard takes one nn.Module, got {type(module).__name__} (FSDP2's list of "
+            f"modules sharing one group is not supported: shard their parent, or each)"
+        )
+    _check_reshard_after_forward(reshard_after_forward)
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be a torch.distributed.fsdp OffloadPolicy, got "
+            f"{type(offload_policy).__name__}"
+        )
+
+
+def _check_offload(offload_policy: OffloadPolicy | None, device: torch.device) -> None:
+    """A ``CPUOffloadPolicy`` is what a CPU device does anyway; on an accelerator it is not
+    implemented."""
+    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+        _unsupported(
+            "offload_policy=CPUOffloadPolicy() on an accelerator",
+            "sharded parameters, gradients and optimizer state live on the device; shard over "
+            "more ranks or use a CPU mesh",
+        )
+
+
+def _check_reshard_after_forward(value: object) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"reshard_after_forward={value!r}: raggedfsdp takes True, False or None; FSDP2's "
+            f"int (reshard to a smaller world) has no equivalent, since a ragged plan is made "
+            f"for one world size; use a 2-D mesh (HSDP) to keep all-gathers within a node"
+        )
+
+
+def _check_placements(
+    registrations: list[Registration],
+    placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+) -> None:
+    """``shard_placement_fn`` may only ask for what ragged shards are: dim 0, row-major."""
+    if placement_fn is None:
+        return
+    for registration in registrations:
+        placement = placement_fn(registration.param)
+        if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
+            raise ValueError(
+                f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} "
+                f"of shape {list(registration.param.shape)}: raggedfsdp shards every parameter "
+                f"as runs of whole units in row-major order (Shard(0)); choose the units with "
+                f"shard_policy=rf.RaggedShard(block_size=...) instead"
+            )
+
+
+def _registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Registration]:
+    """Parameters of ``module`` not managed by an inner unit nor ignored, each with every place
+    it is registered (tied parameters have several), in model order."""
+    managed: set[int] = {id(p) for p in ignored}
     for sub in module.modules():
         state = state_of(sub)
         if sub is not module and state is not None:
@@ -158,8 +412,11 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
     shard_policy: RaggedShard | None = None,
     planner: StructAwarePlanner | None = None,
     dbuffer_config: DBufferConfig | None = None,
@@ -167,11 +424,17 @@ def fully_shard(
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`.
 
-    Apply it bottom-up: to each block, then to the root. ``reshard_after_forward`` frees the
-    unsharded parameters after forward (the root never does, as in FSDP2); the unit that runs
-    forward last keeps them into backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D
-    (replicate, shard: HSDP); ``None`` shards over the whole default group.
+    Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's
+    meanings (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded
+    parameters after forward (``None``: yes, but not the root's); the unit that runs forward last
+    keeps them into backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate,
+    shard: HSDP); ``None`` shards over the whole default group. ``shard_placement_fn`` may only
+    ask for ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order;
+    choose the units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as
+    is on CPU devices and not supported on accelerators. ``ignored_params`` stay unsharded and
+    unmanaged (their gradients are not reduced), as in FSDP2.
     """
+    _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
             f"{type(module).__name__} is already sharded by raggedfsdp (fully_shard was "
@@ -179,14 +442,17 @@ def fully_shard(
         )
     info = mesh_info(mesh)
     planner = _resolve_planner(shard_policy, planner)
-    registrations = _registrations(module)
+    registrations = _registrations(module, ignored_params or set())
+    _check_placements(registrations, shard_placement_fn)
+    device = device_for([r.param for r in registrations], mesh)
+    _check_offload(offload_policy, device)
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
         planner=planner,
         config=dbuffer_config or DBufferConfig(),
-        mp_policy=mp_policy,
-        device=device_for([r.param for r in registrations], mesh),
+        mp_policy=MixedPrecisionPolicy.of(mp_policy),
+        device=device,
         label=type(module).__name__,
     )
     FSDPState(module, group, reshard_after_forward)
@@ -208,8 +474,8 @@ def FSDPBackend(
     dbuffer_config: DBufferConfig | None = None,
     planner: StructAwarePlanner | None = None,
     mesh: DeviceMesh | None = None,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = True,
     wrap: WrapPolicy = None,
 ) -> FSDPModule:
     """Shard a whole model: every block (each element of an ``nn.ModuleList``, or each module
