@@ -15,9 +15,17 @@ from .clip import clip_grad_norm_
 from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
 from .materialize import init_sharded_
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
-from .runtime import DBufferConfig, FSDPBackend, FSDPModule, MixedPrecisionPolicy, fully_shard
+from .runtime import (
+    CommCompression,
+    DBufferConfig,
+    FSDPBackend,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+)
 
 __all__ = [
+    "CommCompression",
     "DBufferConfig",
     "FSDPBackend",
     "FSDPModule",

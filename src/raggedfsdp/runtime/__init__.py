@@ -2,21 +2,23 @@
 buffer per bucket, so the all-gather and the reduce-scatter run in place.
 
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
-get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`); the counters
-(:class:`RuntimeStats`); and, for the checkpoint layer, :func:`full_parameters` and
-:func:`to_sharded_tensor` (DCP's container of a ragged shard). Everything else is private:
-buffers (``_dbuffer``), scratch pool (``_pool``), collectives (``_collectives``), one
-parameter's record (``_param``), a unit's group (``_param_group``), reductions in flight
-(``_reduce``), hooks (``_state``), state machines (``_states``) and state dicts
-(``_state_dict``).
+get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
+:class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint
+layer, :func:`full_parameters` and :func:`to_sharded_tensor` (DCP's container of a ragged
+shard). Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``),
+collectives (``_collectives``), block quantization (``_quant``), one bucket's quantized
+messages (``_codec``), one parameter's record (``_param``), a unit's group (``_param_group``),
+reductions in flight (``_reduce``), hooks (``_state``), state machines (``_states``) and state
+dicts (``_state_dict``).
 """
 
 from ._metrics import RuntimeStats
 from ._state_dict import to_sharded_tensor
-from .api import DBufferConfig, MixedPrecisionPolicy
+from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import FSDPBackend, FSDPModule, full_parameters, fully_shard
 
 __all__ = [
+    "CommCompression",
     "DBufferConfig",
     "FSDPBackend",
     "FSDPModule",
