@@ -188,3 +188,43 @@ def test_codec_rejects_a_plan_that_cuts_a_block():
     plan = rf.StructAwarePlanner().plan({"w": torch.empty(64, 47)}, 3)  # element units
     with pytest.raises(ValueError, match=r"'w'.*inside a quantization block.*compression="):
         BucketCodec(plan, rf.RaggedShard(), None)
+
+
+def test_128x128_tiles_move_a_quarter_of_fp32():
+    policy = rf.RaggedShard(block_size=128)
+    comp = rf.CommCompression(all_gather=torch.int8)
+    plan = rf.StructAwarePlanner(shard_policy=policy, compression=comp).plan({"w": (1024, 1024)}, 2)
+    codec = BucketCodec(plan, policy, None)
+    assert codec.scale_counts == [4 * 8, 4 * 8]  # 4 tile rows of 8 tiles per rank
+    assert codec.message_bytes == 512 * 1024 + 4 * 32
+    assert codec.message_bytes / (4 * plan.shard_numel) == pytest.approx(0.25, rel=1e-3)
+
+
+def accumulated_error(storage: str | None, steps: int, dtype=torch.float8_e5m2) -> float:
+    """Sum of ``steps`` quantized copies of one fixed gradient against the true sum, through a
+    bucket's reduce-scatter quantization (one rank) with residuals stored as ``storage``."""
+    from raggedfsdp.runtime._compressed import BucketCompression
+
+    comp = rf.CommCompression(reduce_scatter=dtype, error_feedback=storage is not None)
+    policy = rf.RaggedShard(block_size=(4, 8))
+    plan = rf.StructAwarePlanner(shard_policy=policy, compression=comp).plan({"w": (16, 24)}, 1)
+    BucketCompression.residual_storage = storage or "fp32"
+    try:
+        bucket = BucketCompression(plan, policy, comp, torch.device("cpu"))
+    finally:
+        BucketCompression.residual_storage = "int8"
+    gradient = torch.randn(plan.total_numel, generator=torch.Generator().manual_seed(0))
+    message = torch.empty(bucket.codec.message_bytes, dtype=torch.uint8)
+    total = torch.zeros(plan.total_numel)
+    for _ in range(steps):
+        bucket._quantize_gradient(gradient, message)
+        bucket.codec.decode(message, 0, total, dtype, accumulate=True)
+    return (total - steps * gradient).abs().max().item()
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16", "int8"])
+def test_error_feedback_drives_the_accumulated_error_towards_zero(storage):
+    one_step = accumulated_error(None, 1)
+    assert accumulated_error(None, 64) > 30 * one_step  # without: the bias adds up
+    # With it the sum's error stays about one step's, so the mean's goes to zero as 1/steps.
+    assert accumulated_error(storage, 64) <= 1.5 * one_step
