@@ -3,19 +3,21 @@ buffer per bucket, so the all-gather and the reduce-scatter run in place.
 
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
-:class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint
-layer, :func:`full_parameters` and :func:`to_sharded_tensor` (DCP's container of a ragged
-shard). Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``),
-collectives (``_collectives``), block quantization (``_quant``), one bucket's quantized
-messages (``_codec``), one parameter's record (``_param``), a unit's group (``_param_group``),
-reductions in flight (``_reduce``), hooks (``_state``), state machines (``_states``) and state
-dicts (``_state_dict``).
+:class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint layer,
+:func:`full_parameters` and :func:`to_sharded_tensor` (DCP's container of a ragged shard), and
+:func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
+reduce-scatters, per rank). Everything else is private: buffers (``_dbuffer``), scratch pool
+(``_pool``), collectives (``_collectives``), block quantization (``_quant``), one bucket's
+quantized messages (``_codec``), one parameter's record (``_param``), a unit's group
+(``_param_group``), reductions in flight (``_reduce``), hooks (``_state``), state machines
+(``_states``) and state dicts (``_state_dict``).
 """
 
 from ._metrics import RuntimeStats
 from ._state_dict import to_sharded_tensor
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import FSDPBackend, FSDPModule, full_parameters, fully_shard
+from .residuals import error_feedback_state, load_error_feedback_state
 
 __all__ = [
     "CommCompression",
@@ -24,7 +26,9 @@ __all__ = [
     "FSDPModule",
     "MixedPrecisionPolicy",
     "RuntimeStats",
+    "error_feedback_state",
     "full_parameters",
     "fully_shard",
+    "load_error_feedback_state",
     "to_sharded_tensor",
 ]

@@ -103,7 +103,8 @@ class Residual:
 
 class BucketCompression:
     """One bucket's compressed collectives, and what they keep between calls: the quantized
-    shard of the all-gather and the error-feedback residual (module doc)."""
+    shard of the all-gather and, for a ``trainable`` bucket, the error-feedback residual
+    (module doc)."""
 
     residual_storage: ResidualStorage = "int8"
 
@@ -113,6 +114,8 @@ class BucketCompression:
         policy: RaggedShard,
         compression: CommCompression,
         device: torch.device,
+        *,
+        trainable: bool = True,
     ) -> None:
         self.config = compression
         self.codec = BucketCodec(plan, policy, compression.block_size)
@@ -123,7 +126,7 @@ class BucketCompression:
         self._quantized_version = -1
         self.residual = (
             Residual(self.codec, self.residual_storage, device)
-            if compression.error_feedback
+            if compression.error_feedback and trainable
             else None
         )
 

@@ -451,8 +451,19 @@ class FSDPParamGroup:
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of each bucket that keeps one, by bucket name:
+        the tensors themselves (loading copies into them)."""
+        out = {}
+        for bucket in self.buckets:
+            compressed = self._compressed.get(id(bucket))
+            if compressed is not None and compressed.residual is not None:
+                out[bucket.plan.name] = compressed.residual.data
+        return out
+
     def persistent_bytes(self) -> int:
-        return sum(bucket.persistent_bytes() for bucket in self.buckets)
+        residuals = sum(r.numel() * r.element_size() for r in self.residuals().values())
+        return residuals + sum(bucket.persistent_bytes() for bucket in self.buckets)
 
 
 def _compressions(
@@ -471,7 +482,10 @@ def _compressions(
                 f"communication quantizes floating-point parameters only; make it a buffer or "
                 f"shard it without compression"
             )
-    return {id(b): BucketCompression(b.plan, policy, compression, device) for b in buckets}
+    return {
+        id(b): BucketCompression(b.plan, policy, compression, device, trainable=b.requires_grad)
+        for b in buckets
+    }
 
 
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
