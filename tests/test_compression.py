@@ -1,137 +1,60 @@
-"""Compressed communication on real Gloo groups (W = 1..4): the parameters forward sees equal
-the single-process quantize-dequantize bit for bit, codes and scales do not depend on W, the
-reduce-scatter is within the quantizer's bound (exact on representable blocks), and the bytes
-on the wire are exactly codes plus scales."""
+"""Compressed communication on real Gloo groups, one launch per world size W = 1..4 running every
+case (the cases are in ``compression_gather.py``, ``compression_reduce.py`` and
+``compression_everywhere.py``): the parameters forward sees equal the single-process
+quantize-dequantize bit for bit, codes and scales do not depend on W, the reduce-scatter is
+within the quantizer's bound per element and exact on representable blocks, the bytes on the wire
+are exactly codes plus scales, error feedback drives the accumulated error down, and everything
+works under HSDP, no_sync, bf16, meta init and AdamW8bit, with bad input refused."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
-from torch import nn
 
-import raggedfsdp as rf
+from compression_everywhere import everywhere
+from compression_gather import gather_grid, quant_dequant
+from compression_reduce import reduce_grid
 from harness import run_distributed
-from parity_models import OddModel
-from raggedfsdp.planner import QuantBlock, quant_block
-from raggedfsdp.runtime._quant import dequantize, quantize
+from raggedfsdp.planner import QuantBlock
 
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-POLICIES = {"element": None, "rows4": 4, "tiles4x8": (4, 8), "whole": "whole"}
+pytestmark = pytest.mark.slow
 
-
-def quant_dequant(x: torch.Tensor, block: QuantBlock, dtype: torch.dtype):
-    """Single process: the full tensor quantized and dequantized; also each element's scale."""
-    flat = x.detach().reshape(-1).float()
-    codes = torch.empty(flat.numel(), dtype=dtype)
-    scales = torch.empty(block.num_blocks(flat.numel()))
-    quantize(flat, block, codes, scales)
-    deq, scale_of = torch.empty_like(flat), torch.empty_like(flat)
-    dequantize(codes, scales, block, deq)
-    dequantize(torch.ones_like(flat, dtype=torch.int8), scales, block, scale_of)
-    return deq.view(x.shape), scale_of.view(x.shape)
+WORLDS = (1, 2, 3, 4)
 
 
-def _unsharded_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What forward sees: every unit unsharded (the root first: it initialises them all)."""
-    units = [m for m in model.modules() if isinstance(m, rf.FSDPModule)]
-    for unit in units:  # model.modules() order: the root first
-        unit.unshard()
-    seen = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    for unit in units:
-        unit.reshard()
-    return seen
-
-
-def _compressions(model: nn.Module) -> list:
-    from raggedfsdp.runtime._state import states_under
-
-    return [s.group._compressed[id(b)] for s in states_under(model) for b in s.group.buckets]
-
-
-def _messages(model: nn.Module) -> dict[str, tuple[bytes, list[float]]]:
-    """This rank's codes and scales of each of its pieces, from the quantized shards the
-    all-gathers sent (for the comparison across world sizes)."""
-    from raggedfsdp.runtime._state import states_under
-
-    out = {}
-    for state in states_under(model):
-        group = state.group
-        for bucket in group.buckets:
-            compressed = group._compressed[id(bucket)]
-            codec, message = compressed.codec, compressed._quantized
-            assert message is not None
-            for piece in codec.pieces[bucket.rank]:
-                codes = codec.codes(message, torch.uint8)[piece.elements]
-                out[piece.name] = (bytes(codes.tolist()), codec.scales(message)[piece.scales])
+def _all_cases(rank: int, world: int) -> dict:
+    out = {"gather": gather_grid(rank, world), "reduce": reduce_grid(rank, world)}
+    if world == 4:  # HSDP needs a 2 x 2 mesh
+        out["everywhere"] = everywhere(rank, world)
     return out
 
 
-def _all_gather_case(rank, world, policy, dtype, mp):
-    torch.manual_seed(0)
-    base = OddModel()
-    model = copy.deepcopy(base)
-    comp = rf.CommCompression(all_gather=dtype)
-    rf.FSDPBackend(
-        model, shard_policy=rf.RaggedShard(block_size=policy), compression=comp, mp_policy=mp
-    )
-    seen = _unsharded_parameters(model)
-    messages = _messages(model)
-    failures = []
-    if _messages(model) is None or messages.keys() != _messages(model).keys():
-        failures.append("no quantized shards")
-    kept = [c._quantized for c in _compressions(model)]
-    _unsharded_parameters(model)  # gathers again: the quantized shards are reused, not remade
-    if any(a is not c._quantized for a, c in zip(kept, _compressions(model), strict=True)):
-        failures.append("quantized again within one iteration")
-    full = rf.full_state_dict(model)
-    for name, got in seen.items():
-        block = quant_block(name, got.shape, rf.RaggedShard(block_size=policy))
-        want, _ = quant_dequant(full[name], block, dtype)
-        if mp is not None:
-            want = want.to(mp.param_dtype)
-        if got.dtype != want.dtype or not torch.equal(got, want):
-            failures.append((name, (got.float() - want.float()).abs().max().item()))
-    return failures, messages
-
-
-def _gather_grid(rank: int, world: int):
-    results = {}
-    bf16 = rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-    for pname, policy in POLICIES.items():
-        for dtype in (torch.int8, E4M3):
-            results[(pname, str(dtype))] = _all_gather_case(rank, world, policy, dtype, None)
-    results[("tiles4x8-bf16", "e4m3")] = _all_gather_case(rank, world, (4, 8), E4M3, bf16)
-    return results
-
-
 @pytest.fixture(scope="module")
-def gathered():
-    return {w: run_distributed(_gather_grid, w) for w in (1, 2, 3, 4)}
+def grid() -> dict[int, list[dict]]:
+    return {w: run_distributed(_all_cases, w) for w in WORLDS}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_all_gather_equals_single_process_quantize_dequantize(gathered, world):
-    for rank, results in enumerate(gathered[world]):
-        for case, (failures, _) in results.items():
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_gather_equals_single_process_quantize_dequantize(grid, world):
+    for rank, results in enumerate(grid[world]):
+        for case, (failures, _) in results["gather"].items():
             assert failures == [], f"W={world} rank {rank} {case}: {failures}"
 
 
-def test_codes_and_scales_do_not_depend_on_world_size(gathered):
+def test_codes_and_scales_do_not_depend_on_world_size(grid):
     def whole(world, case):
         pieces: dict[str, list] = {}
-        for results in gathered[world]:  # rank order
-            for name, piece in results[case][1].items():
+        for results in grid[world]:  # rank order
+            for name, piece in results["gather"][case][1].items():
                 pieces.setdefault(name, []).append(piece)
         return {
             n: (b"".join(c for c, _ in ps), torch.cat([s for _, s in ps]))
             for n, ps in pieces.items()
         }
 
-    for case in gathered[1][0]:
+    for case in grid[1][0]["gather"]:
         one = whole(1, case)
-        for world in (2, 3, 4):
+        for world in WORLDS[1:]:
             other = whole(world, case)
             assert one.keys() == other.keys()
             for name in one:
@@ -152,3 +75,33 @@ def test_negative_control_flat_groups_cut_across_ranks_differ():
     assert torch.equal(flat_groups(1), quant_dequant(x, run, torch.int8)[0].reshape(-1))
     for world in (2, 3, 4):
         assert not torch.equal(flat_groups(world), flat_groups(1))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_bound_exactness_and_bytes(grid, world):
+    for rank, results in enumerate(grid[world]):
+        for case, failures in results["reduce"].items():
+            if case == "error_feedback":
+                # An error that grows with the steps, against one bounded by a single step's.
+                assert failures["True"] < failures["False"] / 4, failures
+                continue
+            assert failures == [], f"W={world} rank {rank} {case}: {failures}"
+
+
+def test_compression_everywhere(grid):
+    for rank, results in enumerate(grid[4]):
+        result = results["everywhere"]
+        training = result["training"]
+        for name in ("flat", "no_sync", "bf16", "error_feedback", "adamw8bit"):
+            close, losses, plain, _ = training[name]
+            assert close, f"rank {rank} {name}: losses {losses} vs uncompressed {plain}"
+        # no_sync: only the reduce that happens is compressed (one per bucket per step).
+        assert training["no_sync"][3] == training["flat"][3]
+        close, all_reduce_bytes, full_precision = training["hsdp"]
+        assert close and all_reduce_bytes == full_precision
+        assert training["hsdp_forward"] == [] and result["meta"] == []
+        bad = result["bad"]
+        assert "'count'" in bad["non_floating"] and "floating-point" in bad["non_floating"]
+        assert "StructAwarePlanner(..., compression=...)" in bad["planner"]
+        assert "block_size 8 does not divide the policy's tile 4" in bad["tile"]
+        assert "'blocks.0.fc1.weight' has a non-finite value" in bad["non_finite"], bad
