@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         command = "PYTHONPATH=src python3 benchmarks/bench_slow_link.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        write_section(args.write_docs, "compression_speed", f"`{command}`\n\n{text}")
+        write_section(
+            args.write_docs, "compression_speed", f"`{command}`\n\n{text}", "bench_slow_link"
+        )
     return 0
 
 
