@@ -15,7 +15,7 @@ from raggedfsdp.planner import QuantBlock, quant_block
 from raggedfsdp.runtime._quant import dequantize, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-POLICIES = {"element": None, "rows4": 4, "tiles4x8": (4, 8), "whole": "whole"}
+POLICIES = {"element": None, "tiles4x8": (4, 8), "whole": "whole"}  # rows: rows4-copy
 
 
 def quant_dequant(x: torch.Tensor, block: QuantBlock, dtype: torch.dtype):
@@ -65,13 +65,17 @@ def _messages(model: nn.Module) -> dict[str, tuple[bytes, list[float]]]:
     return out
 
 
-def _all_gather_case(rank, world, policy, dtype, mp):
+def _all_gather_case(rank, world, policy, dtype, mp, zero_copy=True):
     torch.manual_seed(0)
     base = OddModel()
     model = copy.deepcopy(base)
     comp = rf.CommCompression(all_gather=dtype)
     rf.FSDPBackend(
-        model, shard_policy=rf.RaggedShard(block_size=policy), compression=comp, mp_policy=mp
+        model,
+        shard_policy=rf.RaggedShard(block_size=policy),
+        compression=comp,
+        mp_policy=mp,
+        dbuffer_config=rf.DBufferConfig(zero_copy=zero_copy, group_level=zero_copy),
     )
     seen = _unsharded_parameters(model)
     messages = _messages(model)
@@ -100,4 +104,6 @@ def gather_grid(rank: int, world: int):
         for dtype in (torch.int8, E4M3):
             results[(pname, str(dtype))] = _all_gather_case(rank, world, policy, dtype, None)
     results[("tiles4x8-bf16", "e4m3")] = _all_gather_case(rank, world, (4, 8), E4M3, bf16)
+    # The FSDP2-style copy path with a storage per bucket (scratch blocks not pooled).
+    results[("rows4-copy", "int8")] = _all_gather_case(rank, world, 4, torch.int8, None, False)
     return results
