@@ -3,8 +3,9 @@
 A piece of a parameter is viewed as a 2-D matrix (``QuantBlock.view_shape``) cut into tiles of
 ``rows x cols``; partial tiles at the right and bottom edges are blocks of their own. The tiles
 of one size form at most four rectangular regions (body, right edge, bottom edge, corner), and
-each region is a strided 4-D view ``[tiles down, rows, tiles across, cols]`` of the matrix, so
-every formula below is a handful of tensor operations per piece, never a loop over blocks.
+each region is a strided 3-D view ``[rows, tiles across, cols]`` of the matrix with its scales
+repeated per row, so every formula below is a handful of tensor operations per piece, never a
+loop over blocks.
 
 Per block, in fp32: ``amax = max|x|``; ``s = 1`` when ``amax == 0``, else ``amax / code_max``;
 codes ``clamp(round(x / s), -127, 127)`` (int8) or ``(x / s).to(fp8)``; dequantized ``q.float()
@@ -51,17 +52,42 @@ def _spans(length: int, step: int) -> list[tuple[slice, slice, int]]:
     return spans
 
 
-def _tiles(matrix: torch.Tensor, region: _Region) -> torch.Tensor:
-    """The region of ``matrix`` as a 4-D view ``[tiles down, r, tiles across, c]``."""
-    rs, cs, _, _, r, c = region
+def _bands(matrix: torch.Tensor, region: _Region) -> torch.Tensor:
+    """The region of ``matrix`` as a 3-D view ``[rows, tiles across, c]``: every operation then
+    broadcasts a per-row scale over the last dimension only, which is several times faster on
+    CPU than broadcasting over ``[tiles down, r, tiles across, c]``."""
+    rs, cs, _, _, _, c = region
     part = matrix[rs, cs]
-    return part.view(part.shape[0] // r, r, part.shape[1] // c, c)
+    return part.view(part.shape[0], part.shape[1] // c, c)
+
+
+def _per_row(grid: torch.Tensor, region: _Region) -> torch.Tensor:
+    """The region's scales ``[tiles down, tiles across]`` repeated for each row of its tiles:
+    ``[rows, tiles across, 1]`` (1/c of the data)."""
+    _, _, ts, us, r, _ = region
+    return grid[ts, us].repeat_interleave(r, dim=0)[:, :, None]
 
 
 @functools.cache
 def _code_max(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``CODE_MAX[dtype]`` as a 0-d fp32 tensor on ``device`` (see the module doc)."""
     return torch.tensor(CODE_MAX[dtype], dtype=torch.float32, device=device)
+
+
+@functools.cache
+def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The fp32 value of each of the 256 codes of an fp8 dtype: indexing this table gives
+    ``codes.float()`` bit for bit, ~7x faster on CPU than the element-wise conversion."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
+
+
+def _values(codes: torch.Tensor) -> torch.Tensor:
+    """``codes.float()`` (same shape)."""
+    if codes.dtype == torch.int8:
+        return codes.float()
+    table = _fp8_values(codes.dtype, codes.device)
+    index = codes.reshape(-1).view(torch.uint8).int()
+    return torch.index_select(table, 0, index).view(codes.shape)
 
 
 def _encode(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,19 +110,20 @@ def quantize(
     A non-finite value leaves a non-finite scale (the caller names the parameter)."""
     shape = block.view_shape(x.numel())
     matrix = x.view(shape)
-    code_matrix = codes.view(shape)
-    down, across = block.grid(x.numel())
-    scale_grid = scales.view(down, across)
+    scale_grid = scales.view(block.grid(x.numel()))
     for region in _regions(shape, block):
-        tiles = _tiles(matrix, region).float()
-        amax = tiles.abs().amax(dim=(1, 3))
-        scale = torch.where(amax == 0, 1.0, amax / _code_max(codes.dtype, x.device))
-        s = scale[:, None, :, None]
-        q = _encode(tiles / s, codes.dtype)
-        _tiles(code_matrix, region).copy_(q)
-        scale_grid[region[2], region[3]] = scale
+        bands = _bands(matrix, region).float()  # [rows, tiles across, c]
+        row_amax = bands.abs().amax(dim=2)  # [rows, tiles across]
+        r = region[4]
+        amax = row_amax.view(-1, r, row_amax.shape[1]).amax(dim=1)
+        scale_grid[region[2], region[3]] = torch.where(
+            amax == 0, 1.0, amax / _code_max(codes.dtype, x.device)
+        )
+        s = _per_row(scale_grid, region)
+        q = _encode(bands / s, codes.dtype)
+        _bands(codes.view(shape), region).copy_(q)
         if residual is not None:
-            _tiles(residual.view(shape), region).copy_(tiles - q.float() * s)
+            torch.sub(bands, _values(q) * s, out=_bands(residual.view(shape), region))
 
 
 def dequantize(
@@ -114,11 +141,9 @@ def dequantize(
     code_matrix, out_matrix = codes.view(shape), out.view(shape)
     scale_grid = scales.view(block.grid(codes.numel()))
     for region in _regions(shape, block):
-        values = (
-            _tiles(code_matrix, region).float() * scale_grid[region[2], region[3]][:, None, :, None]
-        )
-        target = _tiles(out_matrix, region)
+        target = _bands(out_matrix, region)
+        values = _values(_bands(code_matrix, region))
         if accumulate:
-            target.add_(values)
+            target.add_(values.mul_(_per_row(scale_grid, region)))
         else:
-            target.copy_(values)
+            torch.mul(values, _per_row(scale_grid, region), out=target)
