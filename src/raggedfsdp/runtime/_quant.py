@@ -90,10 +90,13 @@ def _values(codes: torch.Tensor) -> torch.Tensor:
     return torch.index_select(table, 0, index).view(codes.shape)
 
 
-def _encode(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.int8:
-        return torch.round(y).clamp_(-127, 127).to(torch.int8)
-    return y.to(dtype)
+def _encode_into(codes: torch.Tensor, y: torch.Tensor) -> None:
+    """``codes`` = ``y`` (scaled values, fp32, overwritten) encoded in ``codes``' dtype. In
+    place: each full-size temporary costs a pass and page faults on CPU. ``copy_`` casts as
+    ``.to`` does (int8: exact on integers in range; fp8: the same rounding)."""
+    if codes.dtype == torch.int8:
+        torch.round(y, out=y).clamp_(-127, 127)
+    codes.copy_(y)
 
 
 def quantize(
@@ -113,17 +116,18 @@ def quantize(
     scale_grid = scales.view(block.grid(x.numel()))
     for region in _regions(shape, block):
         bands = _bands(matrix, region).float()  # [rows, tiles across, c]
-        row_amax = bands.abs().amax(dim=2)  # [rows, tiles across]
+        low, high = torch.aminmax(bands, dim=2)  # [rows, tiles across]: max|x| without |x|
+        row_amax = torch.maximum(low.neg_(), high)
         r = region[4]
         amax = row_amax.view(-1, r, row_amax.shape[1]).amax(dim=1)
         scale_grid[region[2], region[3]] = torch.where(
             amax == 0, 1.0, amax / _code_max(codes.dtype, x.device)
         )
         s = _per_row(scale_grid, region)
-        q = _encode(bands / s, codes.dtype)
-        _bands(codes.view(shape), region).copy_(q)
+        code_bands = _bands(codes.view(shape), region)
+        _encode_into(code_bands, bands / s)
         if residual is not None:
-            torch.sub(bands, _values(q) * s, out=_bands(residual.view(shape), region))
+            torch.sub(bands, _values(code_bands) * s, out=_bands(residual.view(shape), region))
 
 
 def dequantize(
