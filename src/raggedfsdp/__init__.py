@@ -16,6 +16,7 @@ from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded
 from .materialize import init_sharded_
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
 from .runtime import (
+    CommCompression,
     DBufferConfig,
     FSDPBackend,
     FSDPModule,
@@ -26,6 +27,7 @@ from .runtime import (
 )
 
 __all__ = [
+    "CommCompression",
     "DBufferConfig",
     "FSDPBackend",
     "FSDPModule",

@@ -35,13 +35,16 @@ def run_on_ranks(
     pg_timeout: float | None = None,
     env: dict[str, str] | None = None,
     backend: str | None = None,
+    netns: str | None = None,
 ) -> list[Any]:
     """``[fn(rank, world_size, *args) for every rank]``, each run on its own process.
 
     ``fn`` must be importable by module and name (spawned processes import it). ``pg_timeout``
     (seconds) is the process group's collective timeout; ``env`` is added to each rank's
     environment; ``backend`` forces ``"gloo"`` or ``"nccl"`` (default: NCCL when every rank can
-    have its own GPU, else Gloo).
+    have its own GPU, else Gloo). ``netns`` names a network namespace (``ip netns add``) that
+    every rank joins before the process group exists, so their traffic crosses its loopback
+    (the slow-link bed of ``raggedfsdp bench --link-gbit``; needs root).
     """
     import torch.multiprocessing as mp
 
@@ -50,7 +53,7 @@ def run_on_ranks(
         procs = [
             ctx.Process(
                 target=_rank_entry,
-                args=(fn, rank, world_size, args, tmp, env or {}, pg_timeout, backend),
+                args=(fn, rank, world_size, args, tmp, env or {}, pg_timeout, backend, netns),
             )
             for rank in range(world_size)
         ]
@@ -91,6 +94,7 @@ def _rank_entry(
     env: dict[str, str],
     pg_timeout: float | None,
     backend: str | None,
+    netns: str | None = None,
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
@@ -98,6 +102,8 @@ def _rank_entry(
         torch.set_num_interop_threads(1)
     out = Path(tmp) / f"rank{rank}.pt"
     try:
+        if netns is not None:
+            _enter_netns(netns)
         if backend is None:
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
             backend = "nccl" if enough else "gloo"
@@ -119,3 +125,16 @@ def _rank_entry(
                 dist.destroy_process_group()
         finally:
             os._exit(0)
+
+
+def _enter_netns(name: str) -> None:
+    """Join network namespace ``name``; Gloo then talks over its loopback, the only device."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), clone_newnet) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"cannot join network namespace {name!r}: {os.strerror(errno)}")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"

@@ -7,7 +7,14 @@ from dataclasses import dataclass
 
 from ..models import GPT_CONFIGS
 
-__all__ = ["BENCH_MODELS", "SYSTEMS", "BenchOptions", "configure_parser", "options_from_args"]
+__all__ = [
+    "BENCH_MODELS",
+    "DEFAULT_SYSTEMS",
+    "SYSTEMS",
+    "BenchOptions",
+    "configure_parser",
+    "options_from_args",
+]
 
 SYSTEMS: dict[str, str] = {
     "raggedfsdp": "raggedfsdp (zero copy)",
@@ -16,8 +23,15 @@ SYSTEMS: dict[str, str] = {
     "fsdp2-last": "PyTorch FSDP2, last block kept unsharded (as torchtitan)",
     "ddp": "DDP",
     "floor": "compute floor (no comm)",
+    "fsdp2-bf16": "PyTorch FSDP2, bf16 mixed precision",
+    "raggedfsdp-fp8ag": "raggedfsdp, fp8 all-gather",
+    "raggedfsdp-int8rs": "raggedfsdp, int8 reduce-scatter",
+    "raggedfsdp-q": "raggedfsdp, fp8 all-gather + int8 reduce-scatter",
 }
 """Every system the bench knows, in report order."""
+
+DEFAULT_SYSTEMS = ("raggedfsdp", "raggedfsdp-copy", "fsdp2", "fsdp2-last", "ddp", "floor")
+"""What runs without ``--systems`` (the compressed and bf16 ones are for the slow-link bed)."""
 
 BENCH_MODELS = ("gpt-ref", "gpt-small", "gpt-tiny", "gpt-medium")
 """The GPT shapes ``--model`` accepts (names of :data:`raggedfsdp.models.GPT_CONFIGS`)."""
@@ -41,6 +55,8 @@ class BenchOptions:
         memory: run the per-system memory phase in fresh processes.
         top_ops: how many operators the per-system profile lists by self CPU time.
         timeout: seconds one phase may take before its processes are killed.
+        link_gbit: run the ranks in a network namespace whose loopback is limited to this many
+            Gbit/s (:mod:`.slow_link`); ``None``: unthrottled.
     """
 
     model: str = "gpt-ref"
@@ -48,7 +64,7 @@ class BenchOptions:
     steps: int = 4
     warmup: int = 2
     batch_size: int = 4
-    systems: tuple[str, ...] = tuple(SYSTEMS)
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
     seed: int = 0
     lr: float = 1e-4
     profile: bool = True
@@ -56,6 +72,7 @@ class BenchOptions:
     memory: bool = True
     top_ops: int = 12
     timeout: float = 1200.0
+    link_gbit: float | None = None
 
     def __post_init__(self) -> None:
         if self.model not in GPT_CONFIGS:
@@ -69,6 +86,8 @@ class BenchOptions:
                 )
         if self.profile_rounds < 1:
             raise ValueError(f"--profile-rounds must be >= 1, got {self.profile_rounds}")
+        if self.link_gbit is not None and not self.link_gbit > 0:
+            raise ValueError(f"--link-gbit must be > 0, got {self.link_gbit}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -125,9 +144,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--systems",
         type=_parse_systems,
-        default=tuple(SYSTEMS),
+        default=DEFAULT_SYSTEMS,
         metavar="S[,S...]",
-        help=f"systems to run (default: all of {','.join(SYSTEMS)})",
+        help=f"systems to run, of {','.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})",
     )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
     parser.add_argument(
@@ -163,6 +182,14 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="limit per phase before the rank processes are killed (default: 1200)",
     )
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="throttle the ranks' traffic to RATE Gbit/s: run them in a network namespace whose "
+        "loopback is rate-limited by tc (needs root and iproute2; always removed)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -181,4 +208,5 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         memory=args.memory,
         top_ops=args.top_ops,
         timeout=args.timeout,
+        link_gbit=args.link_gbit,
     )

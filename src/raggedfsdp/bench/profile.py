@@ -57,6 +57,8 @@ _COLLECTIVE_KINDS = {
 _P2P_RANGES = {
     "raggedfsdp::all_gather": "all_gather",
     "raggedfsdp::reduce_scatter": "reduce_scatter",
+    "raggedfsdp::quantized_all_gather": "all_gather",
+    "raggedfsdp::quantized_reduce_scatter": "reduce_scatter",
 }
 #: The range around each benchmarked step (the memory phase finds its steps by it too).
 STEP_RANGE = "bench::step"

@@ -67,9 +67,10 @@ from .._host import default_device
 from ..models import GPT, GPT_CONFIGS
 from ..spawn import run_on_ranks
 from .memory import memory_phase
-from .options import SYSTEMS, BenchOptions, options_from_args
+from .options import DEFAULT_SYSTEMS, SYSTEMS, BenchOptions, options_from_args
 from .profile import profile_step
 from .report import render
+from .slow_link import throttled_loopback
 from .systems import STEP_KEYS, build, make_batches
 
 __all__ = ["run", "run_bench"]
@@ -110,7 +111,10 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         f"{options.warmup} warm-up + {options.steps} measured steps each, interleaved"
     )
     load_before = _loadavg()
-    ranks = run_on_ranks(_timing_phase, options.world, options, timeout=options.timeout)
+    with throttled_loopback(options.link_gbit) as netns:  # the timing phase only
+        ranks = run_on_ranks(
+            _timing_phase, options.world, options, timeout=options.timeout, netns=netns
+        )
     load_after = _loadavg()
     systems = _merge_timing(options, ranks)
     memory_note = _run_memory_phases(options, systems, note)
@@ -192,8 +196,10 @@ def _command_line(options: BenchOptions) -> str:
         f"--warmup {options.warmup}",
         f"--batch-size {options.batch_size}",
     ]
-    if options.systems != tuple(SYSTEMS):
+    if options.systems != DEFAULT_SYSTEMS:
         parts.append(f"--systems {','.join(options.systems)}")
+    if options.link_gbit is not None:
+        parts.append(f"--link-gbit {options.link_gbit:g}")
     if options.seed:
         parts.append(f"--seed {options.seed}")
     return " ".join(parts)
@@ -222,6 +228,12 @@ def _notes(options: BenchOptions, memory_note: str | None) -> list[str]:
         "allocation sum (all tensors this system allocated, from model construction on) during "
         "the last step; peak RSS includes the Python/torch runtime and the profiler's records",
     ]
+    if options.link_gbit is not None:
+        notes.append(
+            f"link: the timing phase's ranks talked over a loopback rate-limited to "
+            f"{options.link_gbit:g} Gbit/s (tc tbf in a network namespace); memory phases "
+            f"unthrottled"
+        )
     if memory_note:
         notes.append(memory_note)
     return notes

@@ -20,7 +20,7 @@ from torch import nn
 from .._host import synchronize
 from ..data import sample_batch
 from ..models import GPT, GPT_CONFIGS
-from ..runtime import DBufferConfig, FSDPBackend
+from ..runtime import CommCompression, DBufferConfig, FSDPBackend
 
 if TYPE_CHECKING:
     from .options import BenchOptions
@@ -123,19 +123,25 @@ def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
     model = GPT(GPT_CONFIGS[options.model], device=device)
     originals = [weakref.ref(p) for p in model.parameters()]
     stats = reset = None
-    if name in ("raggedfsdp", "raggedfsdp-copy"):
-        FSDPBackend(model, dbuffer_config=DBufferConfig(zero_copy=name == "raggedfsdp"))
+    if name.startswith("raggedfsdp"):
+        FSDPBackend(
+            model,
+            dbuffer_config=DBufferConfig(zero_copy=name != "raggedfsdp-copy"),
+            compression=_COMPRESSION.get(name),
+        )
         stats, reset = model.stats, model.reset_stats  # type: ignore[attr-defined]
-    elif name in ("fsdp2", "fsdp2-last"):
+    elif name.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mesh": mesh, "mp_policy": mp} if name == "fsdp2-bf16" else {"mesh": mesh}
         blocks = list(model.blocks)  # type: ignore[attr-defined]
         for i, block in enumerate(blocks):
             keep = name == "fsdp2-last" and i == len(blocks) - 1
-            fully_shard(block, mesh=mesh, reshard_after_forward=not keep)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, reshard_after_forward=not keep, **kwargs)
+        fully_shard(model, **kwargs)
     elif name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -152,6 +158,15 @@ def build(name: str, options: BenchOptions, device: torch.device) -> Runner:
     own = {id(p) for p in model.parameters()}
     retained = sum(p.numel() * p.element_size() for p in alive if id(p) not in own)
     return Runner(name, model, optimizer, device, stats, reset, retained)
+
+
+_COMPRESSION = {
+    "raggedfsdp-fp8ag": CommCompression(all_gather=torch.float8_e4m3fn),
+    "raggedfsdp-int8rs": CommCompression(reduce_scatter=torch.int8),
+    "raggedfsdp-q": CommCompression(all_gather=torch.float8_e4m3fn, reduce_scatter=torch.int8),
+}
+"""The compressed systems' :class:`CommCompression` (blocks: the default policy's 256-element
+runs)."""
 
 
 def make_batches(

@@ -3,7 +3,9 @@
 Offers :class:`StructAwarePlanner` (each parameter's unit, the plan of a bucket or a model),
 the frozen :class:`ShardPlan` it returns, the provable lower bound
 (:func:`shard_size_lower_bound`), and the one bucketing that the planner, the ``plan`` command,
-``train --dry-run`` and the runtime share (:mod:`raggedfsdp.planner.bucketing`).
+``train --dry-run`` and the runtime share (:mod:`raggedfsdp.planner.bucketing`), and each
+parameter's quantization block under compressed communication
+(:mod:`raggedfsdp.planner.quant_blocks`).
 :mod:`raggedfsdp.planner.report` (the ``plan`` command's figures) is imported on demand.
 """
 
@@ -20,18 +22,21 @@ from .bucketing import (
     unit_buckets,
     wrap_units,
 )
+from .quant_blocks import QuantBlock, quant_block
 
 __all__ = [
     "OPTIMIZER_TYPES",
     "Bucket",
     "OptimizerType",
     "PlanEntry",
+    "QuantBlock",
     "ShardPlan",
     "StructAwarePlanner",
     "WrapPolicy",
     "model_buckets",
     "parse_buffer_size",
     "post_order",
+    "quant_block",
     "shard_size_lower_bound",
     "split_by_bytes",
     "unit_buckets",

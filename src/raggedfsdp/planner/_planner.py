@@ -17,6 +17,7 @@ from ._placement import Item, lower_bound, place
 from ._plan import PlanEntry, ShardPlan
 from ._search import search
 from .bucketing import Bucket, WrapPolicy, model_buckets
+from .quant_blocks import Compression, quant_block
 
 __all__ = ["OPTIMIZER_TYPES", "OptimizerType", "StructAwarePlanner"]
 
@@ -36,6 +37,8 @@ class StructAwarePlanner:
             rows when the policy gives a block).
         shard_policy: the :class:`RaggedShard` policy (default: element granularity).
         alignment_bytes: every offset and the shard size are multiples of this many bytes.
+        compression: a :class:`raggedfsdp.CommCompression`; every unit is then also a multiple
+            of the parameter's quantization block (:mod:`.quant_blocks`).
         **optimizer_options: ``max_preconditioner_dim`` (shampoo), ``block_numel`` (adamw8bit).
     """
 
@@ -44,6 +47,7 @@ class StructAwarePlanner:
         optimizer_type: OptimizerType | None = None,
         shard_policy: RaggedShard | None = None,
         alignment_bytes: int = 16,
+        compression: Compression | None = None,
         **optimizer_options: int,
     ) -> None:
         if optimizer_type is not None and optimizer_type not in OPTIMIZER_TYPES:
@@ -69,6 +73,7 @@ class StructAwarePlanner:
         self.alignment_bytes = alignment_bytes
         self.max_preconditioner_dim = optimizer_options.get("max_preconditioner_dim", 1024)
         self.block_numel = optimizer_options.get("block_numel", 256)
+        self.compression = compression if compression is not None and compression.enabled else None
         self._cache: dict[tuple, ShardPlan] = {}
         # shape -> unit, while the policy has no per-name overrides (the unit then depends on
         # the shape alone): a layer of hundreds of experts repeats a few shapes.
@@ -101,6 +106,10 @@ class StructAwarePlanner:
         policy_unit = self.shard_policy.unit_numel(name, shape)
         optimizer_unit, described = self._optimizer_unit(name, shape)
         unit = math.lcm(policy_unit, optimizer_unit)
+        if self.compression is not None:
+            block = quant_block(name, shape, self.shard_policy, self.compression.block_size)
+            unit = math.lcm(unit, block.unit_numel)
+            described = f"{described or '1 element'} and quantization block {block}"
         if self.shard_policy.padding_strategy == "error" and numel and numel % unit:
             raise ValueError(
                 f"parameter {name!r} of shape {list(shape)}: policy block "

@@ -81,6 +81,7 @@ def all_gather(
     with record_function("raggedfsdp::all_gather"):
         stats.all_gather_calls += 1
         stats.all_gather_bytes += shard.numel() * shard.element_size()
+        stats.all_gather_uncompressed_bytes += shard.numel() * shard.element_size()
         if _is_gloo(group):
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
@@ -132,6 +133,7 @@ def reduce_scatter(
     with record_function("raggedfsdp::reduce_scatter"):
         stats.reduce_scatter_calls += 1
         stats.reduce_scatter_bytes += full.numel() * full.element_size()
+        stats.reduce_scatter_uncompressed_bytes += full.numel() * full.element_size()
         if _is_gloo(group):
             pending = _gloo_reduce_scatter(output, full, group, stats, scratch)
         else:

@@ -20,12 +20,17 @@ __all__ = ["RuntimeStats"]
 @dataclass
 class RuntimeStats:
     """Counters since the last reset. Bytes are per rank: what this rank sends into a
-    collective's input (all-gather: its shard; reduce-scatter: the whole unsharded gradient)."""
+    collective's input (all-gather: its shard; reduce-scatter: the whole unsharded gradient;
+    compressed: their messages of codes and scales)."""
 
     all_gather_calls: int = 0
     all_gather_bytes: int = 0
     reduce_scatter_calls: int = 0
     reduce_scatter_bytes: int = 0
+    #: what the all-gathers and reduce-scatters would have moved uncompressed (equal to the
+    #: bytes above without compression): the compression ratio is bytes / uncompressed bytes
+    all_gather_uncompressed_bytes: int = 0
+    reduce_scatter_uncompressed_bytes: int = 0
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
     #: seconds the compute thread spent blocked in ``Work.wait()`` (exposed communication)

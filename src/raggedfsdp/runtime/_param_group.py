@@ -13,8 +13,10 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
+from ..layout import RaggedShard
 from ..planner import StructAwarePlanner, unit_buckets
 from ._collectives import Pending, all_gather, all_reduce, reduce_scatter
+from ._compressed import BucketCompression
 from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
@@ -22,7 +24,7 @@ from ._param import FSDPParam, Registration
 from ._pool import BufferPool
 from ._reduce import BucketReduce, ReduceQueue
 from ._states import ShardedState, TrainingState, check_state
-from .api import DBufferConfig, MixedPrecisionPolicy
+from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = ["FSDPParamGroup", "SharedResources"]
 
@@ -55,6 +57,7 @@ class FSDPParamGroup:
         mp_policy: MixedPrecisionPolicy | None,
         device: torch.device,
         label: str,
+        compression: CommCompression | None = None,
     ) -> None:
         self.mesh_info = mesh_info
         self.config = config
@@ -69,6 +72,9 @@ class FSDPParamGroup:
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._reduces: list[BucketReduce] = []  # this unit's reductions, from issue to finish
         self.buckets = self._build_buckets(registrations, planner)
+        self._compression = (planner.shard_policy, compression)
+        #: each bucket's compressed collectives, by id(bucket); none without compression
+        self._compressed = _compressions(self.buckets, *self._compression, device)
         #: every parameter of the unit, bucket by bucket in buffer order
         self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
         # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
@@ -80,7 +86,12 @@ class FSDPParamGroup:
         gathered = _views(self._gather_storage)
         param_buffers = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
-            whole_from_local = config.zero_copy and bucket.comm_dtype == bucket.dtype
+            # A compressed all-gather dequantizes every parameter, the rank's own ones too.
+            whole_from_local = (
+                config.zero_copy
+                and bucket.comm_dtype == bucket.dtype
+                and self._compressed_gather(bucket) is None
+            )
             bucket.bind_full(full, param_buffer, whole_from_local=whole_from_local)
         for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
@@ -137,6 +148,8 @@ class FSDPParamGroup:
             bucket.plan = bucket.plan.renamed(names, _repath_bucket(bucket.plan.name, path))
         for param in self.params:
             param.fqn = _repath(param.fqn, old, path)
+        # Named as the plans now are (nothing is quantized before the first forward).
+        self._compressed = _compressions(self.buckets, *self._compression, self.device)
         self.path = path
         self.label = path or "<root>"
 
@@ -212,9 +225,21 @@ class FSDPParamGroup:
                 self._pending_unshard.append(self._all_gather(bucket))
         self.sharded_state = ShardedState.UNSHARDING
 
+    def _compressed_gather(self, bucket: DBuffer) -> BucketCompression | None:
+        compressed = self._compressed.get(id(bucket))
+        return compressed if compressed and compressed.config.all_gather else None
+
+    def _compressed_scatter(self, bucket: DBuffer) -> BucketCompression | None:
+        compressed = self._compressed.get(id(bucket))
+        return compressed if compressed and compressed.config.reduce_scatter else None
+
     def _all_gather(self, bucket: DBuffer) -> Pending:
         full = bucket.full
         assert full is not None
+        compressed = self._compressed_gather(bucket)
+        if compressed is not None:
+            group = self.mesh_info.shard_group
+            return compressed.all_gather(full, bucket.local, group, self.stats, self._pool)
         rank, size = bucket.rank, bucket.shard_numel
         if full.dtype != bucket.dtype:
             # Mixed precision: cast the fp32 shard into its slot of the bf16 buffer; this cast
@@ -335,6 +360,15 @@ class FSDPParamGroup:
         for bucket in self._trainable:
             full_grad = bucket.full_grad
             assert full_grad is not None
+            compressed = self._compressed_scatter(bucket)
+            if compressed is not None:
+                # Summed in fp32 whatever reduce_dtype says: the codes are what travels.
+                output = torch.empty(bucket.shard_numel, dtype=torch.float32, device=self.device)
+                scatter = compressed.reduce_scatter(
+                    output, full_grad, self.mesh_info.shard_group, self.stats, self._pool
+                )
+                self._reduces.append(BucketReduce(bucket, scatter, output, full_grad))
+                continue
             reduce_dtype = self.reduce_dtype(bucket)
             scatter_input = full_grad
             if reduce_dtype != full_grad.dtype:
@@ -397,6 +431,8 @@ class FSDPParamGroup:
         gradient buffers stay, to keep accumulating."""
         self.post_backward()
         self.reshard()
+        for compressed in self._compressed.values():
+            compressed.drop_quantized_shard()
         self.training_state = TrainingState.IDLE
 
     # -- state outside a step ------------------------------------------------------------------
@@ -415,8 +451,41 @@ class FSDPParamGroup:
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of each bucket that keeps one, by bucket name:
+        the tensors themselves (loading copies into them)."""
+        out = {}
+        for bucket in self.buckets:
+            compressed = self._compressed.get(id(bucket))
+            if compressed is not None and compressed.residual is not None:
+                out[bucket.plan.name] = compressed.residual.data
+        return out
+
     def persistent_bytes(self) -> int:
-        return sum(bucket.persistent_bytes() for bucket in self.buckets)
+        residuals = sum(r.numel() * r.element_size() for r in self.residuals().values())
+        return residuals + sum(bucket.persistent_bytes() for bucket in self.buckets)
+
+
+def _compressions(
+    buckets: list[DBuffer],
+    policy: RaggedShard,
+    compression: CommCompression | None,
+    device: torch.device,
+) -> dict[int, BucketCompression]:
+    """Each bucket's :class:`BucketCompression` (by ``id``); floating parameters only."""
+    if compression is None or not compression.enabled:
+        return {}
+    for bucket in buckets:
+        if not bucket.dtype.is_floating_point:
+            raise ValueError(
+                f"parameter {bucket.params[0].fqn!r} is {bucket.dtype}: compressed "
+                f"communication quantizes floating-point parameters only; make it a buffer or "
+                f"shard it without compression"
+            )
+    return {
+        id(b): BucketCompression(b.plan, policy, compression, device, trainable=b.requires_grad)
+        for b in buckets
+    }
 
 
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:

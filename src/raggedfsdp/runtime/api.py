@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-__all__ = ["DBufferConfig", "MixedPrecisionPolicy"]
+__all__ = ["CommCompression", "DBufferConfig", "MixedPrecisionPolicy"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,3 +84,89 @@ class MixedPrecisionPolicy:
             f"mp_policy must be rf.MixedPrecisionPolicy or torch.distributed.fsdp."
             f"MixedPrecisionPolicy, got {type(policy).__name__}"
         )
+
+
+def _dtypes(*names: str) -> tuple[torch.dtype, ...]:
+    """The named dtypes this torch has (the fp8 ones only exist from torch 2.1)."""
+    return tuple(getattr(torch, n) for n in names if hasattr(torch, n))
+
+
+#: The code dtypes each direction supports, as DESIGN.md's quantization contract defines them.
+ALL_GATHER_DTYPES = _dtypes("float8_e4m3fn", "int8")
+REDUCE_SCATTER_DTYPES = _dtypes("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommCompression:
+    """Block-quantized communication: 8-bit codes plus one fp32 scale per quantization block
+    travel instead of the parameters (all-gather) or the gradients (reduce-scatter).
+
+    A parameter's block is a tile of its 2-D view (or a run of its flattened elements) that the
+    planner never splits across ranks, so each rank quantizes its own whole blocks with local
+    scales: the numbers do not depend on the world size and no extra collective (no amax
+    all-reduce) is needed. Master weights, optimizer states and the optimizer's arithmetic are
+    unchanged. Formulas: DESIGN.md, "Compressed communication".
+
+    Attributes:
+        all_gather: code dtype of the parameters' all-gather (``torch.float8_e4m3fn`` or
+            ``torch.int8``); ``None`` gathers them uncompressed.
+        reduce_scatter: code dtype of the gradients' reduce-scatter (``torch.int8``,
+            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``); ``None``: uncompressed. The owner
+            of a shard sums the dequantized contributions in fp32, in rank order.
+        block_size: the quantization block: ``b`` (``b x b`` tiles; runs of ``b`` for 1-D
+            parameters) or ``(rows, cols)``; ``None`` follows the shard policy (``b`` -> ``b x b``,
+            ``"whole"`` -> ``128 x 128``, element -> runs of 256 elements). It must divide the
+            policy's tiles.
+        error_feedback: each rank keeps what quantizing its gradient dropped and adds it to its
+            next gradient before quantizing (needs ``reduce_scatter``).
+    """
+
+    all_gather: torch.dtype | None = None
+    reduce_scatter: torch.dtype | None = None
+    block_size: int | tuple[int, int] | None = None
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        _check_code_dtype("all_gather", self.all_gather, ALL_GATHER_DTYPES)
+        _check_code_dtype("reduce_scatter", self.reduce_scatter, REDUCE_SCATTER_DTYPES)
+        block = self.block_size
+        if isinstance(block, list):
+            block = tuple(block)
+            object.__setattr__(self, "block_size", block)
+        if block is not None and not (
+            _positive_int(block)
+            or (isinstance(block, tuple) and len(block) == 2 and all(map(_positive_int, block)))
+        ):
+            raise ValueError(
+                f"CommCompression.block_size must be None, a positive int or (rows, cols) of "
+                f"positive ints, got {self.block_size!r}"
+            )
+        if not isinstance(self.error_feedback, bool):
+            raise ValueError(
+                f"CommCompression.error_feedback must be a bool, got {self.error_feedback!r}"
+            )
+        if self.error_feedback and self.reduce_scatter is None:
+            raise ValueError(
+                "CommCompression(error_feedback=True) needs reduce_scatter compression: error "
+                "feedback keeps what quantizing the gradients drops, and reduce_scatter=None "
+                "drops nothing"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any collective is compressed."""
+        return self.all_gather is not None or self.reduce_scatter is not None
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_code_dtype(field: str, dtype: object, supported: tuple[torch.dtype, ...]) -> None:
+    if dtype is None or dtype in supported:
+        return
+    raise ValueError(
+        f"CommCompression.{field}={dtype!r} is not supported; expected one of "
+        f"{[str(d) for d in supported]} or None (torch {torch.__version__}: codes travel as "
+        f"bytes, so any backend that moves uint8 moves them)"
+    )

@@ -29,7 +29,7 @@ from ._metrics import RuntimeStats
 from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, state_of, states_under
-from .api import DBufferConfig, MixedPrecisionPolicy
+from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
     "FSDPBackend",
@@ -315,14 +315,22 @@ def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
 
 
 def _resolve_planner(
-    shard_policy: RaggedShard | None, planner: StructAwarePlanner | None
+    shard_policy: RaggedShard | None,
+    planner: StructAwarePlanner | None,
+    compression: CommCompression | None = None,
 ) -> StructAwarePlanner:
     if planner is None:
-        return StructAwarePlanner(shard_policy=shard_policy)
+        return StructAwarePlanner(shard_policy=shard_policy, compression=compression)
     if shard_policy is not None and shard_policy != planner.shard_policy:
         raise ValueError(
             f"shard_policy={shard_policy!r} differs from the planner's policy "
             f"{planner.shard_policy!r}; pass one of them"
+        )
+    if compression is not None and compression.enabled and compression != planner.compression:
+        # The planner's units must keep this compression's blocks whole.
+        raise ValueError(
+            f"compression={compression!r} differs from the planner's "
+            f"({planner.compression!r}); pass StructAwarePlanner(..., compression=...) too"
         )
     return planner
 
@@ -420,6 +428,7 @@ def fully_shard(
     shard_policy: RaggedShard | None = None,
     planner: StructAwarePlanner | None = None,
     dbuffer_config: DBufferConfig | None = None,
+    compression: CommCompression | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`.
@@ -433,6 +442,8 @@ def fully_shard(
     choose the units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as
     is on CPU devices and not supported on accelerators. ``ignored_params`` stay unsharded and
     unmanaged (their gradients are not reduced), as in FSDP2.
+    ``compression`` quantizes the all-gather and/or the reduce-scatter block by block
+    (:class:`CommCompression`; a ``planner`` given too must carry the same one).
     """
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
@@ -441,7 +452,7 @@ def fully_shard(
             f"applied to it twice)"
         )
     info = mesh_info(mesh)
-    planner = _resolve_planner(shard_policy, planner)
+    planner = _resolve_planner(shard_policy, planner, compression)
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
@@ -454,6 +465,7 @@ def fully_shard(
         mp_policy=MixedPrecisionPolicy.of(mp_policy),
         device=device,
         label=type(module).__name__,
+        compression=planner.compression,
     )
     FSDPState(module, group, reshard_after_forward)
     # Units take their names from the outermost module sharded so far, as plan_model names them.
@@ -477,12 +489,13 @@ def FSDPBackend(
     mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
     reshard_after_forward: bool | None = True,
     wrap: WrapPolicy = None,
+    compression: CommCompression | None = None,
 ) -> FSDPModule:
     """Shard a whole model: every block (each element of an ``nn.ModuleList``, or each module
     for which ``wrap(module)`` is true) bottom-up, then the root. Returns the same object; its
     buckets are exactly ``planner.plan_model(module, W, buffer_size=..., dtype=param_dtype,
-    wrap=wrap)``."""
-    planner = _resolve_planner(shard_policy, planner)
+    wrap=wrap)``; ``compression`` as in :func:`fully_shard`."""
+    planner = _resolve_planner(shard_policy, planner, compression)
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,

@@ -32,13 +32,15 @@ BETAS = (0.9, 0.95)
 
 
 def build_planner(cfg: TrainConfig) -> StructAwarePlanner:
-    """The shard planner: the user's block policy, plus the optimizer's blocks kept whole."""
+    """The shard planner: the user's block policy, plus the optimizer's and the compression's
+    blocks kept whole."""
     options = (
         {"max_preconditioner_dim": cfg.max_preconditioner_dim} if cfg.optimizer == "shampoo" else {}
     )
     return StructAwarePlanner(
         optimizer_type=cfg.optimizer,
         shard_policy=RaggedShard(block_size=cfg.parsed_block_size()),
+        compression=cfg.comm_compression(),
         **options,
     )
 

@@ -3,7 +3,8 @@ any world size and shard policy, exportable to a plain ``state_dict``.
 
 [Note: the life of a checkpoint]
 ``save_checkpoint`` writes into ``OUT/checkpoints/step_000123.tmp/``: DCP's files (model and
-optimizer, one file per rank plus ``.metadata``) and one ``rng/rank_00000.pt`` per rank. After a
+optimizer, one file per rank plus ``.metadata``), one ``rng/rank_00000.pt`` per rank and, under
+compression with error feedback, one ``residuals/rank_00000.pt`` per rank. After a
 barrier (every rank has written), rank 0 writes ``COMPLETE.json`` (step, world size, config, data
 position, and the size and sha256 of every other file of the folder: the files of all ranks are
 on a shared file system, so rank 0 reads them), then renames the folder to ``step_000123/`` and
@@ -43,6 +44,7 @@ from ..checkpoint import (
     load_optim_state_dict,
     optim_state_dict,
 )
+from ..runtime import error_feedback_state, load_error_feedback_state
 from .run_dir import (
     COMPLETE,
     COMPLETE_KEYS,
@@ -207,6 +209,7 @@ def save_checkpoint(
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
     _write_rng_state(tmp / "rng" / f"rank_{rank:05d}.pt")
+    _write_residuals(tmp, model, rank)
     if before_commit is not None:
         before_commit()
     _barrier()  # every rank's files are on disk
@@ -256,7 +259,39 @@ def load_checkpoint(
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
     if meta["world_size"] == world and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
+    _load_residuals(path, model, meta["world_size"], world)
     return meta
+
+
+def _write_residuals(folder: Path, model: nn.Module, rank: int) -> None:
+    """This rank's error-feedback residuals, when it keeps any (they are per rank, like the
+    RNG states: what quantizing its own gradients dropped)."""
+    residuals = error_feedback_state(model)
+    if residuals:
+        (folder / "residuals").mkdir(exist_ok=True)
+        torch.save(residuals, folder / "residuals" / f"rank_{rank:05d}.pt")
+
+
+def _load_residuals(path: Path, model: nn.Module, saved_world: int, world: int) -> None:
+    """Resume the residuals at the world size they were saved at; elsewhere they describe
+    other ranks' gradients, so they restart from zero, with a warning."""
+    if not error_feedback_state(model):
+        return
+    file = path / "residuals" / f"rank_{_rank():05d}.pt"
+    if saved_world != world:
+        warnings.warn(
+            f"checkpoint {str(path)!r} was saved at world size {saved_world}; resuming at "
+            f"{world}, the error-feedback residuals are dropped and restart from zero",
+            stacklevel=2,
+        )
+    elif not file.is_file():
+        warnings.warn(
+            f"checkpoint {str(path)!r} has no error-feedback residuals (saved without error "
+            f"feedback); they start from zero",
+            stacklevel=2,
+        )
+    else:
+        load_error_feedback_state(model, torch.load(file, weights_only=True))
 
 
 def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:

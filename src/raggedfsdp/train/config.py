@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS
 from ..planner import OptimizerType
+from ..runtime import CommCompression
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +42,14 @@ __all__ = [
     "load_toml",
     "train_argv",
 ]
+
+#: The code dtype of each --compress-* choice.
+_CODE_DTYPES = {
+    "none": None,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 
 # Test-only fields: accepted on the command line but left out of --help.
 _HIDDEN = {"hidden": True}
@@ -103,6 +114,18 @@ class TrainConfig:
 
     activation_checkpointing: bool = False
     """Recompute each block's activations in backward instead of storing them."""
+
+    compress_all_gather: Literal["none", "fp8", "int8"] = "none"
+    """Quantize the parameters' all-gather to fp8 (e4m3) or int8 codes plus one fp32 scale per
+    block of the shard policy (docs/compression.md); masters and optimizer stay fp32."""
+
+    compress_reduce_scatter: Literal["none", "int8", "fp8", "fp8_e5m2"] = "none"
+    """Quantize the gradients' reduce-scatter (an all-to-all of codes and scales; each shard's
+    owner sums the ranks' contributions in fp32)."""
+
+    error_feedback: bool = False
+    """Keep what quantizing each gradient dropped and add it to the next (needs
+    --compress-reduce-scatter)."""
 
     seed: int = 0
     """Seed of the model initialisation and of the data order (which depends only on seed and
@@ -230,6 +253,10 @@ class TrainConfig:
             self.parsed_block_size()
         except ValueError as err:
             raise ValueError(f"block_size: {err}") from None
+        try:
+            self.comm_compression()
+        except ValueError as err:
+            raise ValueError(f"error_feedback: {err}") from None
 
     @property
     def tokens_per_seq(self) -> int:
@@ -239,6 +266,15 @@ class TrainConfig:
     def parsed_block_size(self) -> BlockSize:
         """``block_size`` as a :data:`raggedfsdp.layout.BlockSize`."""
         return parse_block_size(self.block_size)
+
+    def comm_compression(self) -> CommCompression | None:
+        """The compression options as a :class:`raggedfsdp.CommCompression` (``None``: off)."""
+        compression = CommCompression(
+            all_gather=_CODE_DTYPES[self.compress_all_gather],
+            reduce_scatter=_CODE_DTYPES[self.compress_reduce_scatter],
+            error_feedback=self.error_feedback,
+        )
+        return compression if compression.enabled else None
 
     def check_world(self, world_size: int) -> None:
         """Raise ``ValueError`` unless the batch splits evenly over ranks and micro-batches."""

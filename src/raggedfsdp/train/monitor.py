@@ -14,7 +14,9 @@ peak memory is the maximum over ranks); only rank 0 prints and writes. A record 
   ``optimizer_s`` (clipping and the optimizer step), ``other_s``; ``comm_fraction`` =
   ``comm_exposed_s / step_s``;
 - bytes this rank sent into collectives per step (``all_gather_bytes``,
-  ``reduce_scatter_bytes``, ``all_reduce_bytes``), ``padding_ratio`` of the shard plan;
+  ``reduce_scatter_bytes``, ``all_reduce_bytes``; compressed: codes and scales), their sum
+  ``wire_bytes``, ``compression_ratio`` (``wire_bytes`` over what the same collectives would move
+  uncompressed: 1 without compression), ``padding_ratio`` of the shard plan;
 - peak memory, maximum over ranks: ``peak_rss_bytes`` (the process), ``framework_bytes``
   (sharded parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
   ``cuda_peak_bytes`` on GPUs.
@@ -45,6 +47,8 @@ __all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics"]
 METRICS = "metrics.jsonl"
 REPORT = "report.png"
 _MIB = 1024 * 1024
+#: The per-step byte counters whose sum is what a rank puts on the wire.
+_WIRE = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,9 @@ class Monitor:
                 "all_gather_bytes": stats.get("all_gather_bytes", 0),
                 "reduce_scatter_bytes": stats.get("reduce_scatter_bytes", 0),
                 "all_reduce_bytes": stats.get("all_reduce_bytes", 0),
+                "uncompressed_bytes": stats.get("all_gather_uncompressed_bytes", 0)
+                + stats.get("reduce_scatter_uncompressed_bytes", 0)
+                + stats.get("all_reduce_bytes", 0),
                 "framework_bytes": stats.get("persistent_bytes", 0)
                 + stats.get("peak_unsharded_bytes", 0),
             }
@@ -267,6 +274,9 @@ class Monitor:
         record["comm_fraction"] = record["comm_exposed_s"] / step_s
         for key in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes"):
             record[key] = round(mean(key))
+        record["wire_bytes"] = sum(record[k] for k in _WIRE)
+        # What the same collectives move compressed, over what they would move uncompressed.
+        record["compression_ratio"] = record["wire_bytes"] / max(1, mean("uncompressed_bytes"))
         record["padding_ratio"] = self.padding_ratio
         rss, framework, optimizer, cuda = peaks
         record["peak_rss_bytes"] = int(rss)
@@ -350,6 +360,11 @@ class Monitor:
                 "bytes sent / step / rank",
                 f"all-gather {format_bytes(median('all_gather_bytes'))}, reduce-scatter "
                 f"{format_bytes(median('reduce_scatter_bytes'))}",
+            ),
+            (
+                "bytes on the wire / step / rank",
+                f"{format_bytes(median('wire_bytes'))} (compression ratio "
+                f"{median('compression_ratio'):.3f})",
             ),
             ("padding ratio", f"{100 * self.padding_ratio:.3f}%"),
             ("peak RSS (max over ranks)", format_bytes(max(r["peak_rss_bytes"] for r in train))),

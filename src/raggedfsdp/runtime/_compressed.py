@@ -1,0 +1,249 @@
+"""Compressed collectives of one bucket: block-quantized all-gather and reduce-scatter.
+
+[Note: compressed all-gather] Each rank quantizes its master shard block by block into one
+message (codes, then scales: :mod:`._codec`) and the messages are all-gathered in ONE collective
+(codes and scales in two would pay the latency twice for a few hundred bytes of scales); every
+rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
+dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
+forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
+The message is kept until the iteration ends (or the shard changes): with
+``reshard_after_forward`` the second all-gather before backward does not quantize again. That
+costs one message per bucket, about a quarter of the fp32 shard, from the first all-gather of
+an iteration to the end of its backward.
+
+[Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
+one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
+precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
+rank order, adding, and divides by ``W``. With error feedback a rank adds what quantizing
+dropped last time (its residual, ``[W*S]``) to the gradient before quantizing, and keeps the new
+residual (:class:`Residual`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ..layout import RaggedShard
+from ..planner import ShardPlan
+from ._codec import BucketCodec
+from ._collectives import Pending, _all_gather_tensor, _exchange, _is_gloo, _peers, _world_tensor
+from ._metrics import RuntimeStats
+from ._pool import BufferPool
+from .api import CommCompression
+
+__all__ = ["BucketCompression", "Residual"]
+
+# Point-to-point tags (see _collectives.py): distinct from the uncompressed collectives', which
+# may be in flight at the same time for other buckets.
+_TAG_ALL_GATHER = 3
+_TAG_ALL_TO_ALL = 4
+
+#: How error-feedback residuals are stored. 8-bit (int8 codes of the residual, in the gradient's
+#: own blocks) keeps the error of a sum over 256 steps of a fixed gradient where fp32 keeps it,
+#: and bf16 lets it drift ~20% further, at 1/4 and 1/2 of fp32's memory (``tests/test_quant.py``,
+#: docs/compression.md).
+ResidualStorage = Literal["fp32", "bf16", "int8"]
+
+
+class Residual:
+    """What quantizing a rank's unsharded gradient dropped, kept for the next one: 1-D ``[W*S]``
+    in ``storage`` (``"int8"``: codes and scales in the codec's message layout, one message per
+    owner)."""
+
+    def __init__(self, codec: BucketCodec, storage: ResidualStorage, device: torch.device):
+        self.codec = codec
+        self.storage = storage
+        numel = codec.world_size * codec.shard_numel
+        if storage == "int8":
+            # Zeros are a valid message: codes 0 with scale 0 decode to 0.
+            self.data = torch.zeros(
+                codec.world_size * codec.message_bytes, dtype=torch.uint8, device=device
+            )
+        else:
+            dtype = torch.float32 if storage == "fp32" else torch.bfloat16
+            self.data = torch.zeros(numel, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def add_to(self, x: torch.Tensor) -> None:
+        """``x += residual`` (``x``: fp32 ``[W*S]``)."""
+        if self.storage != "int8":
+            x.add_(self.data)
+            return
+        size, message = self.codec.shard_numel, self.codec.message_bytes
+        for owner in range(self.codec.world_size):
+            self.codec.decode(
+                self.data[owner * message : (owner + 1) * message],
+                owner,
+                x[owner * size : (owner + 1) * size],
+                torch.int8,
+                accumulate=True,
+            )
+
+    def store(self, residual: torch.Tensor) -> None:
+        """Keep ``residual`` (fp32 ``[W*S]``)."""
+        if self.storage != "int8":
+            self.data.copy_(residual)
+            return
+        size, message = self.codec.shard_numel, self.codec.message_bytes
+        for owner in range(self.codec.world_size):
+            self.codec.encode(
+                residual[owner * size : (owner + 1) * size],
+                owner,
+                self.data[owner * message : (owner + 1) * message],
+                torch.int8,
+            )
+
+
+class BucketCompression:
+    """One bucket's compressed collectives, and what they keep between calls: the quantized
+    shard of the all-gather and, for a ``trainable`` bucket, the error-feedback residual
+    (module doc)."""
+
+    residual_storage: ResidualStorage = "int8"
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        policy: RaggedShard,
+        compression: CommCompression,
+        device: torch.device,
+        *,
+        trainable: bool = True,
+    ) -> None:
+        self.config = compression
+        self.codec = BucketCodec(plan, policy, compression.block_size)
+        self.rank: int | None = None  # set by the first collective
+        #: the quantized master shard ``[message_bytes]`` and the shard version it encodes;
+        #: held from the first all-gather of an iteration until :meth:`drop_quantized_shard`
+        self._quantized: torch.Tensor | None = None
+        self._quantized_version = -1
+        self.residual = (
+            Residual(self.codec, self.residual_storage, device)
+            if compression.error_feedback and trainable
+            else None
+        )
+
+    def drop_quantized_shard(self) -> None:
+        """The iteration ended: the optimizer may change the shard before the next all-gather."""
+        self._quantized = None
+
+    def _quantized_shard(self, local: torch.Tensor, rank: int) -> torch.Tensor:
+        # The version counter catches in-place changes made through the parameters (optimizer
+        # steps, load_state_dict); changes through .data are caught at the iteration's end.
+        if self._quantized is None or self._quantized_version != local._version:
+            message = torch.zeros(self.codec.message_bytes, dtype=torch.uint8, device=local.device)
+            dtype = self.config.all_gather
+            assert dtype is not None
+            self.codec.encode(local, rank, message, dtype)
+            self._quantized, self._quantized_version = message, local._version
+        return self._quantized
+
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        local: torch.Tensor,
+        group: dist.ProcessGroup,
+        stats: RuntimeStats,
+        pool: BufferPool,
+    ) -> Pending:
+        """Fill ``full`` (1-D ``[W*S]``, the unsharded parameter buffer) with every rank's
+        dequantized shard; ``local`` is this rank's master shard ``[S]``."""
+        codec, dtype = self.codec, self.config.all_gather
+        assert dtype is not None
+        size, nbytes, world = codec.shard_numel, codec.message_bytes, codec.world_size
+        with record_function("raggedfsdp::quantized_all_gather"):
+            rank, peers = _peers(group)
+            mine = self._quantized_shard(local, rank)
+            received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
+            messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
+            if _is_gloo(group):
+                works = _exchange([(p, mine, messages[p]) for p in peers], group, _TAG_ALL_GATHER)
+                messages[rank] = mine
+            else:
+                works = [_all_gather_tensor(received, mine, group=group, async_op=True)]
+            stats.all_gather_calls += 1
+            stats.all_gather_bytes += nbytes
+            stats.all_gather_uncompressed_bytes += size * full.element_size()
+
+        def dequantize() -> None:
+            with record_function("raggedfsdp::dequantize"):
+                for k, message in enumerate(messages):
+                    codec.check_finite(message, k, "the master weight")
+                    codec.decode(message, k, full[k * size : (k + 1) * size], dtype)
+            pool.give(received)
+
+        return Pending([w for w in works if w is not None], stats, dequantize)
+
+    def reduce_scatter(
+        self,
+        output: torch.Tensor,
+        full_grad: torch.Tensor,
+        group: dist.ProcessGroup,
+        stats: RuntimeStats,
+        pool: BufferPool,
+    ) -> Pending:
+        """``output`` (fp32 ``[S]``) = the mean over ranks of their dequantized messages for this
+        rank, from each rank's ``full_grad`` (1-D ``[W*S]``)."""
+        codec, dtype = self.codec, self.config.reduce_scatter
+        assert dtype is not None
+        nbytes, world = codec.message_bytes, codec.world_size
+        with record_function("raggedfsdp::quantized_reduce_scatter"):
+            rank, peers = _peers(group)
+            outgoing = pool.take(world * nbytes, torch.uint8, full_grad.device)
+            self._quantize_gradient(full_grad, outgoing)
+            incoming = pool.take(world * nbytes, torch.uint8, full_grad.device)
+            sent = [outgoing[k * nbytes : (k + 1) * nbytes] for k in range(world)]
+            received = [incoming[k * nbytes : (k + 1) * nbytes] for k in range(world)]
+            if _is_gloo(group):
+                transfers = [(p, sent[p], received[p]) for p in peers]
+                works = _exchange(transfers, group, _TAG_ALL_TO_ALL)
+                received[rank] = sent[rank]
+            else:
+                works = [dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)]
+            stats.reduce_scatter_calls += 1
+            stats.reduce_scatter_bytes += world * nbytes
+            stats.reduce_scatter_uncompressed_bytes += full_grad.numel() * full_grad.element_size()
+
+        def reduce() -> None:
+            with record_function("raggedfsdp::dequantize_sum"):
+                output.zero_()
+                for k, message in enumerate(received):  # in rank order, summed in fp32
+                    codec.check_finite(message, rank, f"the gradient from rank {k}")
+                    codec.decode(message, rank, output, dtype, accumulate=True)
+                output.div_(_world_tensor(world, output.dtype, output.device))
+            pool.give(outgoing)
+            pool.give(incoming)
+
+        return Pending([w for w in works if w is not None], stats, reduce)
+
+    def _quantize_gradient(self, full_grad: torch.Tensor, outgoing: torch.Tensor) -> None:
+        """One message per owner from this rank's unsharded gradient (plus its residual)."""
+        codec, dtype = self.codec, self.config.reduce_scatter
+        assert dtype is not None
+        size, nbytes = codec.shard_numel, codec.message_bytes
+        x, residual = full_grad, None
+        if self.residual is not None:
+            x = full_grad.float()  # a copy when full_grad is fp32 too: x is added to
+            if x.data_ptr() == full_grad.data_ptr():
+                x = x.clone()
+            self.residual.add_to(x)
+            residual = torch.zeros_like(x)  # padding between parameters stays 0
+        for owner in range(codec.world_size):
+            at = slice(owner * size, (owner + 1) * size)
+            codec.encode(
+                x[at],
+                owner,
+                outgoing[owner * nbytes : (owner + 1) * nbytes],
+                dtype,
+                residual=None if residual is None else residual[at],
+            )
+        if self.residual is not None:
+            assert residual is not None
+            self.residual.store(residual)
