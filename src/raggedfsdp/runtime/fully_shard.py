@@ -441,10 +441,9 @@ def fully_shard(
     ask for ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order;
     choose the units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as
     is on CPU devices and not supported on accelerators. ``ignored_params`` stay unsharded and
-    unmanaged (their gradients are not reduced), as in FSDP2.
-    ``compression`` quantizes the all-gather and/or the reduce-scatter block by block
-    (:class:`CommCompression`; a ``planner`` given too must carry the same one).
-    """
+    unmanaged (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the
+    all-gather and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given
+    too must carry the same one)."""
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
