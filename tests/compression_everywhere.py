@@ -9,6 +9,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from compression_gather import _unsharded_parameters, quant_dequant
+from harness import error_message
 from parity_models import OddModel, make_batches
 from raggedfsdp.materialize import init_sharded_
 from raggedfsdp.models import GPT, GPT_CONFIGS
@@ -113,12 +114,7 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     errors = {}
 
     def expect(name, fn):
-        try:
-            fn()
-        except (ValueError, RuntimeError) as e:
-            errors[name] = str(e)
-        else:
-            errors[name] = "no error"
+        errors[name] = error_message(fn)
 
     counted = OddModel()
     counted.count = nn.Parameter(torch.zeros(3, dtype=torch.int64), requires_grad=False)

@@ -70,3 +70,13 @@ def assert_no_failures(grid: Grid, world: int) -> None:
     for rank, result in enumerate(grid[world]):
         failures = result["failures"]
         assert failures == [], f"W={world} rank {rank}: {failures[:5]}"
+
+
+def error_message(fn: Callable[[], object]) -> str:
+    """The message of the ``ValueError`` or ``RuntimeError`` that ``fn()`` raises on this rank,
+    or ``"no error"`` (ranks collect these for the tests of bad input)."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return "no error"

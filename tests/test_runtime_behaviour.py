@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import error_message, run_distributed
 from parity_models import OddModel, make_batches
 from raggedfsdp.materialize import init_sharded_
 from raggedfsdp.models import GPT, GPT_CONFIGS
@@ -259,12 +259,7 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     errors = {}
 
     def expect(name, fn):
-        try:
-            fn()
-        except (ValueError, RuntimeError) as e:
-            errors[name] = str(e)
-        else:
-            errors[name] = "no error"
+        errors[name] = error_message(fn)
 
     model = OddModel()
     rf.fully_shard(model)
