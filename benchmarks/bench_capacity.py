@@ -3,12 +3,15 @@
 1. **memory**: ``raggedfsdp bench``'s memory phase (the profiler's allocation records; one fresh
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
    :func:`raggedfsdp.planner.cost.memory_breakdown`: persistent bytes and the tensor peak.
-2. **step time**, unthrottled: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor,
-   interleaved) at W=2; the compute efficiency of the ``cpu-gloo`` preset is fitted to the
-   floor's median step and nothing else, then raggedfsdp's and FSDP2's steps are predicted.
+2. **step time**: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor, interleaved)
+   at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``); the
+   compute efficiency of the ``cpu-gloo`` preset is fitted to the first run's floor and nothing
+   else is fitted to step times. Two predictions per run: the preset with the rate as its link
+   (``--link-gbit``), and the link as a probe measures it on the bed at that rate.
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
-    PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--out docs/capacity.json]
+    PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
+        [--rates none,0.25,1,2.5] [--out docs/capacity.json]
 """
 
 from __future__ import annotations
