@@ -3,27 +3,33 @@
 1. **memory**: ``raggedfsdp bench``'s memory phase (the profiler's allocation records; one fresh
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
    :func:`raggedfsdp.planner.cost.memory_breakdown`: persistent bytes and the tensor peak.
-2. **step time**, unthrottled: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor,
-   interleaved) at W=2; the compute efficiency of the ``cpu-gloo`` preset is fitted to the
-   floor's median step and nothing else, then raggedfsdp's and FSDP2's steps are predicted.
+2. **step time**: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor, interleaved)
+   at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``); the
+   compute efficiency of the ``cpu-gloo`` preset is fitted to the first run's floor and nothing
+   else is fitted to step times. Two predictions per run: the preset with the rate as its link
+   (``--link-gbit``), and the link as a probe measures it on the bed at that rate.
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
-    PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--out docs/capacity.json]
+    PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
+        [--rates none,0.25,1,2.5] [--out docs/capacity.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from raggedfsdp.bench import run_bench
 from raggedfsdp.bench.memory import memory_phase
 from raggedfsdp.bench.options import BenchOptions
+from raggedfsdp.bench.slow_link import throttled_loopback
 from raggedfsdp.bench.systems import build, raggedfsdp_with
 from raggedfsdp.models import GPT, GPT_CONFIGS, MODEL_NAMES
 from raggedfsdp.planner import ShardPlan, StructAwarePlanner
@@ -37,7 +43,7 @@ from raggedfsdp.planner.cost import (
 )
 from raggedfsdp.planner.hardware import HARDWARE, hardware
 from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.planner.steptime import step_time
+from raggedfsdp.planner.steptime import collective_bytes, step_time
 from raggedfsdp.spawn import run_on_ranks
 
 BATCH = 2
@@ -91,57 +97,134 @@ def memory_grid(worlds: tuple[int, ...]) -> list[dict[str, Any]]:
     return rows
 
 
-def step_times(model: str, world: int, steps: int) -> dict[str, Any]:
-    """Measured medians of raggedfsdp, FSDP2 and the floor; the efficiency fitted to the floor;
-    the predictions of the other two with it."""
+def _bench(model: str, world: int, steps: int, systems: tuple[str, ...], **kw: Any) -> Any:
     options = BenchOptions(
         model=model,
         world=world,
         steps=steps,
-        warmup=2,
         batch_size=BATCH,
-        systems=("raggedfsdp", "fsdp2", "floor"),
+        systems=systems,
         profile=False,
         memory=False,
+        **kw,
     )
     results = run_bench(options)
-    measured = {name: s["step_s"] for name, s in results["systems"].items()}
-    module, plans, units = _planned(model, "adamw", world)
-    shape = model_shape(module)
+    return {name: s["step_s"] for name, s in results["systems"].items()}, results["command"]
+
+
+def _fit_efficiency(model: str, floor_s: float) -> float:
+    """floor = compute / efficiency + optimizer (the W=1 plan: no communication): solved for
+    the ``cpu-gloo`` preset's efficiency."""
+    module, floor_plans, floor_units = _planned(model, "adamw", 1)
     step = StepShape(batch=BATCH, seq_len=GPT_CONFIGS[model].seq_len, gloo=True)
-    state = optimizer_state_bytes(plans, "adamw")
-    # The floor: the whole model on one rank, no communication (W=1's plan).
-    _, floor_plans, floor_units = _planned(model, "adamw", 1)
-    floor_state = optimizer_state_bytes(floor_plans, "adamw")
-    base = HARDWARE["cpu-gloo"]
     at_peak = step_time(
-        shape,
+        model_shape(module),
         floor_units,
         step,
         hardware("cpu-gloo", efficiency=1.0),
         1,
-        optimizer_bytes=floor_state,
+        optimizer_bytes=optimizer_state_bytes(floor_plans, "adamw"),
     )
-    # floor = compute / efficiency + optimizer: solve for the efficiency
-    efficiency = at_peak.compute_s / (measured["floor"] - at_peak.optimizer_s)
-    hw = hardware(base.name, efficiency=min(1.0, efficiency))
-    out: dict[str, Any] = {
-        "model": model,
-        "world": world,
-        "batch": BATCH,
-        "measured_s": measured,
-        "fitted_efficiency": efficiency,
-        "command": results["command"],
+    return at_peak.compute_s / (floor_s - at_peak.optimizer_s)
+
+
+def _predict(model: str, world: int, system: str, **figures: float) -> dict[str, float]:
+    """The model's step time on ``cpu-gloo`` with ``figures`` replaced, and its communication
+    split into all-gather, reduce-scatter and FSDP2's buffer copies (on ``cpu-gloo`` nothing
+    overlaps: every collective is exposed)."""
+    module, plans, units = _planned(model, "adamw", world)
+    step = StepShape(batch=BATCH, seq_len=GPT_CONFIGS[model].seq_len, gloo=True)
+    hw = hardware("cpu-gloo", **figures)
+    state = optimizer_state_bytes(plans, "adamw")
+    t = step_time(model_shape(module), units, step, hw, world, optimizer_bytes=state, system=system)
+    moved = collective_bytes(units, step, world, system)
+    hop, bw = hw.hop_latency_s(world), hw.link_bytes_per_s(world)
+    ag = (world - 1) * (moved.all_gather_calls * hop + moved.all_gather_bytes / bw)
+    rs_shard = moved.reduce_scatter_bytes / world
+    rs = (world - 1) * (moved.reduce_scatter_calls * hop + rs_shard / bw)
+    return {
+        **t.to_dict(),
+        "all_gather_s": ag,
+        "reduce_scatter_s": rs,
+        "copies_s": t.comm_s - ag - rs,
+        "link_bytes_per_s": bw,
+        "latency_s": hop,
+        "wire_bytes": moved.wire_bytes,
     }
-    for system in ("raggedfsdp", "fsdp2"):
-        t = step_time(shape, units, step, hw, world, optimizer_bytes=state, system=system)
-        out[system] = {
-            **t.to_dict(),
-            "measured_s": measured[system],
-            "error": t.total_s / measured[system] - 1,
-        }
-    print(json.dumps(out, indent=1), flush=True)
+
+
+def _link_probe(rank: int, world: int) -> dict[str, float]:
+    """What the link gives two ranks: one collective's fixed cost (a one-element all-gather),
+    and the bandwidth of a 4 MiB message one way (rank 0 to rank 1) and of two at once, one
+    each way (as a collective's exchanges run)."""
+    torch.set_num_threads(1)
+    send, receive = torch.zeros(1 << 20), torch.empty(1 << 20)
+    peer = 1 - rank
+
+    def one_way() -> None:
+        work = dist.isend(send, peer) if rank == 0 else dist.irecv(receive, peer)
+        work.wait()
+
+    def both_ways() -> None:
+        for work in [dist.isend(send, peer), dist.irecv(receive, peer)]:
+            work.wait()
+
+    ping, gathered = torch.zeros(1), torch.zeros(world)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(50):  # the fixed cost of one collective (calibrate_cpu_gloo.py's)
+        dist.all_gather_into_tensor(gathered, ping)
+    out = {"collective_s": (time.perf_counter() - start) / 50}
+    for name, fn in (("one_way", one_way), ("both_ways", both_ways)):
+        times = []
+        for _ in range(6):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = 4 * 2**20 / statistics.median(times[1:])  # bytes per second per rank
     return out
+
+
+def link_probe(rate: float | None) -> dict[str, float]:
+    """:func:`_link_probe` on the bed at ``rate`` Gbit/s (the slowest rank's figures)."""
+    with throttled_loopback(rate) as netns:
+        ranks = run_on_ranks(_link_probe, 2, timeout=300, netns=netns)
+    probe = {key: min(r[key] for r in ranks) for key in ranks[0]}
+    probe["collective_s"] = max(r["collective_s"] for r in ranks)
+    return probe
+
+
+def step_times(model: str, world: int, steps: int, rates: tuple[float | None, ...]) -> Any:
+    """Measured medians of raggedfsdp and FSDP2 at each link rate (``None``: unthrottled),
+    against the model's prediction with the efficiency fitted once, to the first run's floor
+    (every run also times the floor, to show how far the machine drifted)."""
+    runs = []
+    efficiency = None
+    for rate in rates:
+        systems = ("raggedfsdp", "fsdp2", "floor")
+        measured, command = _bench(model, world, steps, systems, warmup=2, link_gbit=rate)
+        if efficiency is None:
+            efficiency = _fit_efficiency(model, measured["floor"])
+        run: dict[str, Any] = {"link_gbit": rate, "command": command, "measured_s": measured}
+        run["link_probe"] = probe = link_probe(rate)
+        fitted = {"efficiency": min(1.0, efficiency)}
+        # as the issue asks: the preset, with the rate as the link bandwidth (--link-gbit)
+        preset = fitted if rate is None else {**fitted, "link_gbit": rate}
+        # the link as probed on the bed: both directions at once, one collective's fixed cost
+        probed = {**fitted, "intra_bytes_per_s": probe["both_ways"],
+                  "inter_bytes_per_s": probe["both_ways"], "intra_latency_s":
+                  probe["collective_s"], "inter_latency_s": probe["collective_s"]}  # fmt: skip
+        for system in ("raggedfsdp", "fsdp2"):
+            run[system] = {"measured_s": measured[system]}
+            for name, figures in (("preset", preset), ("probed_link", probed)):
+                want = _predict(model, world, system, **figures)
+                want["ratio"] = want["total_s"] / measured[system]
+                run[system][name] = want
+        print(json.dumps(run, indent=1), flush=True)
+        runs.append(run)
+    return {"model": model, "world": world, "batch": BATCH, "fitted_efficiency": efficiency,
+            "runs": runs}  # fmt: skip
 
 
 def scale() -> dict[str, float]:
@@ -154,20 +237,40 @@ def scale() -> dict[str, float]:
     return seconds
 
 
+def _rate(text: str) -> float | None:
+    return None if text == "none" else float(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="W=2 only, fewer steps")
+    parser.add_argument(
+        "--step-time-only",
+        action="store_true",
+        help="only the step-time validation; replaces its entry of --out, keeps the rest",
+    )
+    parser.add_argument(
+        "--rates",
+        default="none,0.25,1,2.5",
+        help="link rates in Gbit/s for the step-time validation ('none': unthrottled)",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per system")
     parser.add_argument("--out", default="docs/capacity.json")
     args = parser.parse_args()
     started = time.perf_counter()
-    result = {
-        "note": "this 2-core machine is shared with other engineers' work: timings are noisy",
-        "memory": memory_grid((2,) if args.quick else (2, 3, 4)),
-        "step_time": step_times("gpt-small", 2, 4 if args.quick else 8),
-        "scale_seconds_at_16384": scale(),
-    }
+    rates = tuple(_rate(r.strip()) for r in args.rates.split(","))
+    out = Path(args.out)
+    result: dict[str, Any] = (
+        json.loads(out.read_text()) if args.step_time_only and out.exists() else {}
+    )
+    result["note"] = "this 2-core machine is shared with other engineers' work: timings are noisy"
+    if not args.step_time_only:
+        result["memory"] = memory_grid((2,) if args.quick else (2, 3, 4))
+    result["step_time"] = step_times("gpt-small", 2, args.steps, rates)
+    if not args.step_time_only:
+        result["scale_seconds_at_16384"] = scale()
     result["wall_seconds"] = time.perf_counter() - started
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
