@@ -110,13 +110,15 @@ def test_gpt_num_params() -> None:
 
 
 # Public figures: Meta's model cards (8.03B, 70.6B, 405.9B), DeepSeek-V3's 671B main model
-# (685B on the hub includes the 14B MTP module), OpenAI's gpt-oss-120b card (116.8B).
+# (685B on the hub includes the 14B MTP module), OpenAI's gpt-oss-120b card (116.8B),
+# DeepSeek-V2-Lite's card (15.7B).
 PUBLIC_COUNTS = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
     "llama3-405b": 405.9e9,
     "deepseek-v3-671b": 671e9,
     "gpt-oss-120b": 116.8e9,
+    "deepseek-v2-lite": 15.7e9,
 }
 
 
@@ -127,6 +129,20 @@ def test_zoo_parameter_counts(name: str) -> None:
     assert all(p.is_meta for p in params)
     total = sum(p.numel() for p in params)
     assert abs(total - PUBLIC_COUNTS[name]) / PUBLIC_COUNTS[name] < 0.01, total
+
+
+@pytest.mark.parametrize(
+    ("separate", "fused"),
+    [("deepseek-v3-671b-experts", "deepseek-v3-671b"), ("gpt-oss-120b-experts", "gpt-oss-120b")],
+)
+def test_separate_experts_have_the_fused_models_parameters(separate: str, fused: str) -> None:
+    """The separate-expert layouts repeat their fused twins' shape defaults in a class of their
+    own: the counts must stay equal to the element."""
+
+    def count(name: str) -> int:
+        return sum(p.numel() for p in build_model(name).parameters())
+
+    assert count(separate) == count(fused)
 
 
 def test_zoo_shapes() -> None:
