@@ -3,9 +3,10 @@ launcher with ``--nnodes``, a c10d rendezvous on 127.0.0.1 and one worker. A nod
 SIGKILL to its launcher alone (its worker must not outlive it); a replacement or a late joiner
 is a new launcher with the lost node's command. Judged by the checkpoints and metrics the runs
 leave: a replaced node's run ends bit for bit where the uninterrupted run ends; an elastic run
-goes 2 -> 1 -> 2 ranks, each time from the newest checkpoint. The node lost is never the first
-one, which hosts the rendezvous (losing that one ends the job: docs/operations.md). Every launch
-runs under hard timeouts, and every process a test started is killed in its ``finally``.
+goes 2 -> 1 -> 2 ranks on two nodes and 3 -> 2 -> 3 on three, each time from the newest
+checkpoint. The node lost is never the first one, which hosts the rendezvous (losing that one
+ends the job: docs/operations.md). Every launch runs under hard timeouts, and every process a
+test started is killed in its ``finally``.
 """
 
 from __future__ import annotations
@@ -232,6 +233,68 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
 
 def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
+
+
+def test_three_nodes_lose_one_and_take_a_late_joiner(tmp_path, corpus):
+    """Three nodes in an elastic range of 2 to 3: one node is lost, the two survivors go on at
+    2 ranks from the newest checkpoint, and a late joiner brings the job back to 3."""
+    steps = 300
+    out = tmp_path / "run"
+    args = [*_args(corpus, out, steps=steps, batch=12), "--nnodes=2:3", "--nproc=1"]
+    with _cluster(tmp_path, [*args, "--max-restarts=4"]) as start:
+        a, b, c = start("a", 0), start("b", 1), start("c", 2)
+        # The job may start at 2 and grow when the third launcher is late: wait for 3 ranks,
+        # then for a checkpoint those 3 ranks saved.
+        at_three = _wait_for_step_at(out, world_size=3)
+        _wait_for("a checkpoint saved by 3 ranks", _complete(out, (at_three // 10 + 1) * 10))
+        before = _resumed(tmp_path)
+        _lose(c)
+        lost = time.monotonic()
+        _wait_for("the survivors to resume at 2", lambda: _resumed_since(tmp_path, before, 2))
+        survived = time.monotonic()
+        d = start("d", 2)  # a late joiner
+        _wait_for("the job to grow again", lambda: _resumed_since(tmp_path, before, 3))
+        print(
+            f"three nodes: {survived - lost:.1f} s to resume at 2 ranks, "
+            f"{time.monotonic() - survived:.1f} s from the joiner's start to 3 ranks"
+        )
+        _finish(tmp_path, ("a", a), ("b", b), ("d", d))
+    sizes = [r["world_size"] for r in _train_records(out)]
+    phases = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
+    assert phases[-3:] == [3, 2, 3], sizes
+    after = _resumed(tmp_path) - before
+    assert len(after) == 2, after  # one resume at 2 ranks, one at 3 (printed by rank 0)
+    assert any("saved on 3 rank(s), now 2)" in line for line in after), after
+    assert any("saved on 2 rank(s), now 3)" in line for line in after), after
+    records = _train_records(out)
+    assert records[-1]["step"] == steps and records[-1]["world_size"] == 3
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def _resumed(tmp: Path) -> set[str]:
+    """The resumes the nodes have printed so far (rank 0 prints each; it may be any node)."""
+    lines = (line for log in tmp.glob("*.txt") for line in _text(log).splitlines())
+    return {line for line in lines if line.startswith("resumed from")}
+
+
+def _resumed_since(tmp: Path, before: set[str], world_size: int) -> bool:
+    """Whether the job has resumed at ``world_size`` ranks since the resumes in ``before``."""
+    return any(f"now {world_size})" in line for line in _resumed(tmp) - before)
+
+
+def _wait_for_step_at(out: Path, *, world_size: int) -> int:
+    """The first logged step that ``world_size`` ranks trained (waiting for one)."""
+
+    def steps() -> list[int]:
+        if not (out / "metrics.jsonl").exists():
+            return []
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines if line.endswith("}")]
+        trained = (r for r in records if r["kind"] == "train")
+        return [r["step"] for r in trained if r["world_size"] == world_size]
+
+    _wait_for(f"a step at {world_size} ranks", lambda: bool(steps()))
+    return steps()[0]
 
 
 def test_a_node_alone_ends_in_one_line_within_the_startup_timeout(tmp_path, corpus):
