@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..models import GPT_CONFIGS
+from .slow_link import DEFAULT_BURST_KB, MIN_BURST_KB
 
 __all__ = [
     "BENCH_MODELS",
@@ -57,6 +58,8 @@ class BenchOptions:
         timeout: seconds one phase may take before its processes are killed.
         link_gbit: run the ranks in a network namespace whose loopback is limited to this many
             Gbit/s (:mod:`.slow_link`); ``None``: unthrottled.
+        link_burst_kb: the token bucket's size in KiB (with ``link_gbit``): what the link
+            lets through at once after an idle gap.
     """
 
     model: str = "gpt-ref"
@@ -73,6 +76,7 @@ class BenchOptions:
     top_ops: int = 12
     timeout: float = 1200.0
     link_gbit: float | None = None
+    link_burst_kb: int = DEFAULT_BURST_KB
 
     def __post_init__(self) -> None:
         if self.model not in GPT_CONFIGS:
@@ -88,6 +92,8 @@ class BenchOptions:
             raise ValueError(f"--profile-rounds must be >= 1, got {self.profile_rounds}")
         if self.link_gbit is not None and not self.link_gbit > 0:
             raise ValueError(f"--link-gbit must be > 0, got {self.link_gbit}")
+        if self.link_burst_kb < MIN_BURST_KB:
+            raise ValueError(f"--link-burst-kb must be >= {MIN_BURST_KB}, got {self.link_burst_kb}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -190,6 +196,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         help="throttle the ranks' traffic to RATE Gbit/s: run them in a network namespace whose "
         "loopback is rate-limited by tc (needs root and iproute2; always removed)",
     )
+    parser.add_argument(
+        "--link-burst-kb",
+        type=int,
+        default=DEFAULT_BURST_KB,
+        metavar="KIB",
+        help=f"with --link-gbit: the token bucket in KiB, what passes at once after an idle gap "
+        f"(default: {DEFAULT_BURST_KB}; from {MIN_BURST_KB}; below 128 the loopback's MTU is "
+        f"set to 9000 so that packets fit the bucket)",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
@@ -209,4 +224,5 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         top_ops=args.top_ops,
         timeout=args.timeout,
         link_gbit=args.link_gbit,
+        link_burst_kb=args.link_burst_kb,
     )

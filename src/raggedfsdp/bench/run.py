@@ -70,7 +70,7 @@ from .memory import memory_phase
 from .options import DEFAULT_SYSTEMS, SYSTEMS, BenchOptions, options_from_args
 from .profile import profile_step
 from .report import render
-from .slow_link import throttled_loopback
+from .slow_link import DEFAULT_BURST_KB, throttled_loopback
 from .systems import STEP_KEYS, build, make_batches
 
 __all__ = ["run", "run_bench"]
@@ -111,7 +111,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -
         f"{options.warmup} warm-up + {options.steps} measured steps each, interleaved"
     )
     load_before = _loadavg()
-    with throttled_loopback(options.link_gbit) as netns:  # the timing phase only
+    # the timing phase only
+    with throttled_loopback(options.link_gbit, options.link_burst_kb) as netns:
         ranks = run_on_ranks(
             _timing_phase, options.world, options, timeout=options.timeout, netns=netns
         )
@@ -200,6 +201,8 @@ def _command_line(options: BenchOptions) -> str:
         parts.append(f"--systems {','.join(options.systems)}")
     if options.link_gbit is not None:
         parts.append(f"--link-gbit {options.link_gbit:g}")
+        if options.link_burst_kb != DEFAULT_BURST_KB:
+            parts.append(f"--link-burst-kb {options.link_burst_kb}")
     if options.seed:
         parts.append(f"--seed {options.seed}")
     return " ".join(parts)
@@ -231,8 +234,9 @@ def _notes(options: BenchOptions, memory_note: str | None) -> list[str]:
     if options.link_gbit is not None:
         notes.append(
             f"link: the timing phase's ranks talked over a loopback rate-limited to "
-            f"{options.link_gbit:g} Gbit/s (tc tbf in a network namespace); memory phases "
-            f"unthrottled"
+            f"{options.link_gbit:g} Gbit/s with {options.link_burst_kb} KiB bursts (tc tbf in a "
+            f"network namespace), shared by all ranks: each gets the rate / W when all send "
+            f"at once; memory phases unthrottled"
         )
     if memory_note:
         notes.append(memory_note)

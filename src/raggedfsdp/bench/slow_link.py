@@ -15,11 +15,15 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 
-__all__ = ["throttled_loopback"]
+__all__ = ["DEFAULT_BURST_KB", "MIN_BURST_KB", "per_rank_gbit", "throttled_loopback"]
 
-# Token bucket: 256 KiB bursts, packets dropped after 50 ms in the queue (the issue's settings,
-# which measured 1.00 and 3.94 Gbit/s at 1 and 4 Gbit/s here).
-_BURST, _LATENCY = "256kb", "50ms"
+# Token bucket: 256 KiB bursts by default, packets dropped after 50 ms in the queue (the issue's
+# settings, which measured 1.00 and 3.94 Gbit/s at 1 and 4 Gbit/s here).
+DEFAULT_BURST_KB, _LATENCY = 256, "50ms"
+# tbf drops a packet larger than its bucket, and loopback's packets are up to 64 KiB: a smaller
+# bucket needs smaller packets. Jumbo frames keep the rate (measured at 1 and 2.5 Gbit/s with a
+# 32 KiB bucket: 98% and 94% of it, both ways at once); below 16 KiB the rate falls off.
+_SMALL_BURST_KB, _SMALL_BURST_MTU, MIN_BURST_KB = 128, 9000, 16
 
 
 def _check_can_throttle() -> None:
@@ -45,21 +49,35 @@ def _run(*argv: str) -> None:
 
 
 @contextlib.contextmanager
-def throttled_loopback(rate_gbit: float | None) -> Iterator[str | None]:
+def throttled_loopback(
+    rate_gbit: float | None, burst_kb: int = DEFAULT_BURST_KB
+) -> Iterator[str | None]:
     """The name of a fresh network namespace whose loopback is up and limited to
-    ``rate_gbit`` Gbit/s, deleted on exit whatever happens; ``None`` (no namespace) when
-    ``rate_gbit`` is ``None``."""
+    ``rate_gbit`` Gbit/s with bursts of ``burst_kb`` KiB, deleted on exit whatever happens;
+    ``None`` (no namespace) when ``rate_gbit`` is ``None``."""
     if rate_gbit is None:
         yield None
         return
+    if burst_kb < MIN_BURST_KB:
+        raise ValueError(f"--link-burst-kb must be >= {MIN_BURST_KB}, got {burst_kb}")
     _check_can_throttle()
     name = f"raggedfsdp-bench-{os.getpid()}"
     _run("ip", "netns", "add", name)
     try:
-        _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        mtu = ["mtu", str(_SMALL_BURST_MTU)] if burst_kb < _SMALL_BURST_KB else []
+        _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", *mtu, "up")
         rate = f"{rate_gbit * 1000:g}mbit"
         _run("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-             "rate", rate, "burst", _BURST, "latency", _LATENCY)  # fmt: skip
+             "rate", rate, "burst", f"{burst_kb}kb", "latency", _LATENCY)  # fmt: skip
         yield name
     finally:
         subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def per_rank_gbit(rate_gbit: float, world_size: int) -> float:
+    """The bandwidth each rank gets, each direction, when all ``world_size`` ranks send at once
+    (as every all-gather and reduce-scatter exchange does): the bucket on the one loopback is
+    shared by everything the ranks send, so ``rate_gbit / world_size`` (probed at W=2 within
+    2%: docs/capacity.md). A cluster's NIC gives each device its rate in each direction; this
+    is the figure of the bed that corresponds to it (``raggedfsdp plan --link-gbit``)."""
+    return rate_gbit / world_size

@@ -39,6 +39,10 @@ class Hardware:
         overlaps: whether communication runs beside the compute (GPUs: copy engines and
             NCCL's kernels on their own stream); on CPU Gloo's transfers and the
             reduce-scatter's sums take the cores the compute needs, so they add up.
+        native_reduce_scatter: whether the backend has a reduce-scatter of its own (NCCL).
+            Gloo's clones its input, all-reduces it (a ring all-reduce: twice the steps and
+            bytes of a ring reduce-scatter) and copies the rank's chunk out; FSDP2 runs it,
+            raggedfsdp replaces it on Gloo with point-to-point transfers of the ring's bytes.
     """
 
     name: str
@@ -52,11 +56,12 @@ class Hardware:
     intra_latency_s: float
     inter_latency_s: float
     overlaps: bool = True
+    native_reduce_scatter: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.name not in ("name", "overlaps") and not value > 0:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
                 raise ValueError(
                     f"hardware {self.name!r}: {field.name} must be positive, got {value!r}"
                 )
@@ -142,6 +147,7 @@ HARDWARE: dict[str, Hardware] = {
         intra_latency_s=2.4e-3,
         inter_latency_s=2.4e-3,
         overlaps=False,
+        native_reduce_scatter=False,
     ),
 }
 """The named presets of ``raggedfsdp plan --gpu``."""

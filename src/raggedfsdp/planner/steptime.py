@@ -18,7 +18,9 @@
   and reads the gradient.
 - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
   its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
-  critical path.
+  critical path. Where the backend has no reduce-scatter of its own
+  (:attr:`Hardware.native_reduce_scatter` off: Gloo), FSDP2's is an all-reduce of the whole
+  gradient: twice the ring's steps and bytes, and the clone of its input.
 """
 
 from __future__ import annotations
@@ -138,16 +140,18 @@ def step_time(
     rate = hw.peak_flops * hw.efficiency
     fsdp2 = system == "fsdp2"
 
-    def coll(unit: UnitBytes, numel: int) -> float:
+    def coll(unit: UnitBytes, numel: int, reduce: bool = False) -> float:
         seconds = _ring_s(hw, w, numel * comm, 1 if fsdp2 else unit.buckets)
         if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
             seconds += 2 * w * numel * comm / hw.memory_bytes_per_s
+            if reduce and not hw.native_reduce_scatter:  # an all-reduce, of a clone
+                seconds *= 2
         return seconds
 
     fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
     ag = [coll(u, _shard(u, system)) for u in units]
     rs = [
-        coll(u, u.fsdp2_shard_numel if fsdp2 else u.trainable_shard_numel)
+        coll(u, u.fsdp2_shard_numel if fsdp2 else u.trainable_shard_numel, reduce=True)
         if u.trainable_shard_numel
         else 0.0
         for u in units
