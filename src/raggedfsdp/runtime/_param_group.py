@@ -70,6 +70,7 @@ class FSDPParamGroup:
         self.requires_gradient_sync = True
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
+        self._gathered_versions: list[int] = []  # the shards' version counters when gathered
         self._reduces: list[BucketReduce] = []  # this unit's reductions, from issue to finish
         self.buckets = self._build_buckets(registrations, planner)
         self._compression = (planner.shard_policy, compression)
@@ -216,14 +217,27 @@ class FSDPParamGroup:
     # -- unshard / reshard ---------------------------------------------------------------------
 
     def unshard(self) -> None:
-        """Issue the all-gathers of every bucket (asynchronously); idempotent."""
+        """Issue the all-gathers of every bucket (asynchronously); idempotent while the shards
+        are unchanged."""
+        if self.sharded_state is ShardedState.UNSHARDED and self._stale():
+            # Kept unsharded (reshard_after_forward=False, a forward without gradients) across
+            # an optimizer step or a load: gather again rather than compute with old values.
+            # FSDP2 computes with the stale copy here.
+            self.reshard()
         if self.sharded_state is not ShardedState.SHARDED:
             return
         with record_function(f"raggedfsdp::unshard({self.label})"):
             self._allocate(self._gather_storage)
+            self._gathered_versions = [bucket.local._version for bucket in self.buckets]
             for bucket in self.buckets:
                 self._pending_unshard.append(self._all_gather(bucket))
         self.sharded_state = ShardedState.UNSHARDING
+
+    def _stale(self) -> bool:
+        """Whether a shard changed in place since it was gathered (its sharded parameters
+        are views of it, so every in-place update bumps its version counter)."""
+        versions = [bucket.local._version for bucket in self.buckets]
+        return versions != self._gathered_versions
 
     def _compressed_gather(self, bucket: DBuffer) -> BucketCompression | None:
         compressed = self._compressed.get(id(bucket))

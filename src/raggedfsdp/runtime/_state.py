@@ -131,6 +131,7 @@ class FSDPState:
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
         # torch marks state-dict hooks with an attribute, which a bound method cannot take.
+        module.register_state_dict_pre_hook(functools.partial(FSDPState._hold_sharded, self))
         module.register_state_dict_post_hook(
             functools.partial(FSDPState._state_dict_post_hook, self)
         )
@@ -253,9 +254,17 @@ class FSDPState:
     ) -> None:
         state_dict_post_hook(self.group.named_parameters_in(module, prefix), state_dict)
 
+    def _hold_sharded(self, *args: Any) -> None:
+        """Before a state dict is made or loaded: free an unsharded copy kept from a forward
+        (as FSDP2 does), so that the state dict holds the shards, never a copy an optimizer
+        step has left stale, and a load writes into the shards."""
+        if self.group.training_state is TrainingState.IDLE:
+            self.group.reshard()
+
     def _load_state_dict_pre_hook(
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
+        self._hold_sharded()
         load_state_dict_pre_hook(self.group.named_parameters_in(module, prefix), state_dict)
 
 
