@@ -269,6 +269,10 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     odd = nn.Linear(3, 4)
     odd.weight = nn.Parameter(torch.randn(3, 4).t())
     expect("contiguous", lambda: rf.fully_shard(odd))
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    tied[1].weight = tied[0].weight
+    rf.fully_shard(tied[0])
+    expect("tied_across_units", lambda: rf.fully_shard(tied[1]))
     expect(
         "policy_vs_planner",
         lambda: rf.fully_shard(
@@ -285,6 +289,8 @@ def test_bad_input_errors_before_any_collective():
         assert "applied to it twice" in errors["twice"]
         assert "1 ranks but the process group has 2" in errors["mesh"]
         assert "'weight'" in errors["contiguous"] and "not contiguous" in errors["contiguous"]
+        tied = errors["tied_across_units"]
+        assert "'weight'" in tied and "sharded already" in tied and "common parent" in tied
         assert "differs from the planner's policy" in errors["policy_vs_planner"]
 
 

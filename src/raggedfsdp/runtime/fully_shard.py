@@ -390,6 +390,11 @@ def _check_placements(
             )
 
 
+# Set on an original parameter once a unit has sharded it: another unit that still finds it (a
+# parameter tied across units) would shard a second, independent copy of the freed original.
+_SHARDED_BY = "_raggedfsdp_sharded_by"
+
+
 def _registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Registration]:
     """Parameters of ``module`` not managed by an inner unit nor ignored, each with every place
     it is registered (tied parameters have several), in model order."""
@@ -408,6 +413,13 @@ def _registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Regist
             if (sub, pname) not in owners:
                 owners.append((sub, pname))
     for fqn, param, _ in found.values():
+        sharded_by = getattr(param, _SHARDED_BY, None)
+        if sharded_by is not None:
+            raise ValueError(
+                f"parameter {fqn!r} of {type(module).__name__} was sharded already by the "
+                f"unit {sharded_by}: it is tied across units (registered in both); shard a "
+                f"module that holds every place it is registered, such as their common parent"
+            )
         if not param.is_contiguous():
             raise ValueError(
                 f"parameter {fqn!r} of shape {list(param.shape)} is not contiguous; "
@@ -467,6 +479,10 @@ def fully_shard(
         compression=planner.compression,
     )
     FSDPState(module, group, reshard_after_forward)
+    for registration in registrations:
+        setattr(
+            registration.param, _SHARDED_BY, f"{type(module).__name__} (as {registration.fqn!r})"
+        )
     # Units take their names from the outermost module sharded so far, as plan_model names them.
     for path, sub in module.named_modules():
         state = state_of(sub)
