@@ -54,6 +54,25 @@ def _train(model: nn.Module, rank: int, steps: int = 2, *, peek: bool = False) -
     return torch.cat([v.reshape(-1) for v in full.values()])
 
 
+def _accumulate(model: nn.Module, rank: int, steps: int = 2, micro: int = 3) -> torch.Tensor:
+    """torchtitan's gradient accumulation with FSDP2's knobs: no reduction and no reshard
+    between micro-batches, both on the last one."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches = list(make_batches(steps * micro, 2 * WORLD))
+    for step in range(steps):
+        for k in range(micro):
+            idx, targets = batches[step * micro + k]
+            last = k == micro - 1
+            model.set_requires_gradient_sync(last)
+            model.set_reshard_after_backward(last)
+            mine = idx[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]
+            (model(*mine) / micro).backward()
+        opt.step()
+        opt.zero_grad()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return torch.cat([v.reshape(-1) for v in full.values()])
+
+
 def _fresh(cls: type = OddModel) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -74,6 +93,10 @@ def _equivalences(rank: int) -> dict[str, Any]:
         res = out.setdefault(impl, {})
         res["default"] = _train(_shard(impl, _fresh()), rank)
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
+        accumulating = _shard(impl, _fresh())
+        res["accumulate"] = _accumulate(accumulating, rank)
+        if impl == "rf":
+            res["accumulate_gathers"] = accumulating.stats()["all_gather_calls"]
         kept = _shard(impl, _fresh(), reshard_after_forward=False)
         res["raf_false_peek"] = _train(kept, rank, steps=3, peek=True)
         res["raf_false"] = _train(_shard(impl, _fresh(), reshard_after_forward=False), rank, 3)
@@ -121,7 +144,6 @@ def _errors(rank: int) -> dict[str, str]:
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
         "is_last_backward": lambda: block.set_is_last_backward(False),
-        "reshard_after_backward": lambda: block.set_reshard_after_backward(False),
         "requires_all_reduce": lambda: block.set_requires_all_reduce(False),
         "unshard_in_backward": lambda: block.set_unshard_in_backward(False),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
@@ -165,7 +187,16 @@ def results() -> list[dict[str, Any]]:
     return run_distributed(_run, WORLD)
 
 
-CASES = ("default", "raf_none", "offload", "no_offload", "placement", "prefetch", "ignored")
+CASES = (
+    "default",
+    "raf_none",
+    "offload",
+    "no_offload",
+    "placement",
+    "prefetch",
+    "ignored",
+    "accumulate",
+)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -177,6 +208,17 @@ def test_same_training_as_fsdp2(results, case):
 def test_reshard_after_forward_none_trains_as_true(results):
     for rank in results:
         assert torch.equal(rank["same"]["rf"]["raf_none"], rank["same"]["rf"]["default"])
+
+
+def test_kept_after_backward_gathers_once_per_step(results):
+    """set_reshard_after_backward(False) between micro-batches: the units stay gathered, so a
+    micro-batch after the first all-gathers only what its forward frees (block 0, for
+    backward). Calls (buckets: the root has 2, each block 1): the plan check at the first
+    forward; per step, 5 in the first micro-batch (root, blocks 0 and 1, block 0 again in
+    backward) and 1 in each of the other two, where always resharding makes it 5 each."""
+    for rank in results:
+        gathers = rank["same"]["rf"]["accumulate_gathers"]
+        assert gathers == 1 + 2 * (5 + 1 + 1), gathers
 
 
 def test_kept_unsharded_parameters_follow_the_optimizer_step(results):
@@ -208,7 +250,6 @@ EXPECTED = {
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
     "is_last_backward": ("NotImplementedError", "set_is_last_backward(False)", "gradient_sync"),
-    "reshard_after_backward": ("NotImplementedError", "reshard_after_backward", "forward(False)"),
     "requires_all_reduce": ("NotImplementedError", "requires_all_reduce", "gradient_sync(False)"),
     "unshard_in_backward": ("NotImplementedError", "unshard_in_backward", "frozen"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),

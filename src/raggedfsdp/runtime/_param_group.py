@@ -68,6 +68,7 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
+        self.reshard_after_backward = True
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -362,7 +363,8 @@ class FSDPParamGroup:
                 self._ctx.reduce_queue.make_room()
                 self._reduce_scatter()
                 self._ctx.reduce_queue.push(self)
-            self.reshard()
+            if self.reshard_after_backward:
+                self.reshard()
 
     def _reduce_scatter(self) -> None:
         """Issue the reduce-scatter of every trainable bucket."""
@@ -441,10 +443,14 @@ class FSDPParamGroup:
             bucket.attach_sharded_grads(output)
 
     def finish_iteration(self) -> None:
-        """End of backward: this unit back to idle and sharded. Under no_sync the unsharded
-        gradient buffers stay, to keep accumulating."""
+        """End of backward: this unit back to idle and sharded (unless it keeps its unsharded
+        parameters: ``reshard_after_backward`` off). Under no_sync the unsharded gradient
+        buffers stay, to keep accumulating."""
         self.post_backward()
-        self.reshard()
+        if self.reshard_after_backward:
+            self.reshard()
+        elif self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()  # no all-gather left in flight past the iteration
         for compressed in self._compressed.values():
             compressed.drop_quantized_shard()
         self.training_state = TrainingState.IDLE

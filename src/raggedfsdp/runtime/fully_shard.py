@@ -123,14 +123,12 @@ class FSDPModule:
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        """``True`` (FSDP2's default) is what raggedfsdp always does; ``False`` is a
-        ``NotImplementedError``."""
-        if not reshard_after_backward:
-            _unsupported(
-                "set_reshard_after_backward(False)",
-                "a unit's unsharded parameters are freed at the end of its backward; to avoid "
-                "gathering again between accumulation steps, use set_reshard_after_forward(False)",
-            )
+        """Free the unsharded parameters at the end of backward (``True``, the default) or keep
+        them (``False``: between accumulation micro-batches, the next forward needs no
+        all-gather; more memory). A kept copy is never used stale: once an optimizer step (or
+        a load) changes the shards, the next forward gathers again."""
+        for state in self._states(recurse):
+            state.group.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP's all-reduce over the replicas; only ``True`` (always done) is supported."""
