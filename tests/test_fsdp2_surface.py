@@ -73,6 +73,16 @@ def _accumulate(model: nn.Module, rank: int, steps: int = 2, micro: int = 3) -> 
     return torch.cat([v.reshape(-1) for v in full.values()])
 
 
+def _sgd_step(model: nn.Module, rank: int, lr: float) -> torch.Tensor:
+    """Parameters after one SGD step (linear in the gradient)."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    idx, targets = next(iter(make_batches(1, 2 * WORLD)))
+    model(idx[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]).backward()
+    opt.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return torch.cat([v.reshape(-1) for v in full.values()])
+
+
 def _fresh(cls: type = OddModel) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -95,6 +105,13 @@ def _equivalences(rank: int) -> dict[str, Any]:
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
         accumulating = _shard(impl, _fresh())
         res["accumulate"] = _accumulate(accumulating, rank)
+        # Gradients summed (factor 1), as losses normalised by a global token count need. FSDP2
+        # does it with PREMUL_SUM, which Gloo lacks: its reference is its mean, and a learning
+        # rate WORLD times as large for SGD (linear in the gradient).
+        summed = _shard(impl, _fresh())
+        if impl == "rf":
+            summed.set_gradient_divide_factor(1.0)
+        res["divide_factor"] = _sgd_step(summed, rank, lr=0.1 if impl == "rf" else 0.1 * WORLD)
         if impl == "rf":
             res["accumulate_gathers"] = accumulating.stats()["all_gather_calls"]
         kept = _shard(impl, _fresh(), reshard_after_forward=False)
@@ -148,14 +165,12 @@ def _errors(rank: int) -> dict[str, str]:
         "unshard_in_backward": lambda: block.set_unshard_in_backward(False),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
         "register_missing": lambda: rf.register_fsdp_forward_method(model, "nope"),
+        "divide_factor_zero": lambda: model.set_gradient_divide_factor(0),
     }
     calls.update(
         {
             name: (lambda name=name: getattr(block, name)(1.0))
             for name in (
-                "set_gradient_divide_factor",
-                "set_reduce_scatter_divide_factor",
-                "set_force_sum_reduction_for_comms",
                 "set_custom_all_gather",
                 "set_custom_reduce_scatter",
                 "set_all_reduce_hook",
@@ -196,6 +211,7 @@ CASES = (
     "prefetch",
     "ignored",
     "accumulate",
+    "divide_factor",
 )
 
 
@@ -254,9 +270,7 @@ EXPECTED = {
     "unshard_in_backward": ("NotImplementedError", "unshard_in_backward", "frozen"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),
     "register_missing": ("ValueError", "'nope'", "OddModel"),
-    "set_gradient_divide_factor": ("NotImplementedError", "averaged", "scale the loss"),
-    "set_reduce_scatter_divide_factor": ("NotImplementedError", "averaged", "scale the loss"),
-    "set_force_sum_reduction_for_comms": ("NotImplementedError", "averaged", "scale the loss"),
+    "divide_factor_zero": ("ValueError", "divide factor", "got 0"),
     "set_custom_all_gather": ("NotImplementedError", "in place", "DBuffers"),
     "set_custom_reduce_scatter": ("NotImplementedError", "in place", "DBuffers"),
     "set_all_reduce_hook": ("NotImplementedError", "in place", "DBuffers"),

@@ -69,6 +69,9 @@ class FSDPParamGroup:
         self.training_state = TrainingState.IDLE
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
+        #: the reduced gradient is the sum over the data-parallel ranks divided by this
+        #: (``None``: their number, a mean)
+        self.gradient_divide_factor: float | None = None
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -422,8 +425,16 @@ class FSDPParamGroup:
         for item in self._reduces:
             if item.replicate is not None:
                 item.replicate.wait()
-            self._attach_reduced(item.bucket, item.output)
+            self._attach_reduced(item.bucket, self._divided(item.output))
         self._reduces.clear()
+
+    def _divided(self, mean: torch.Tensor) -> torch.Tensor:
+        """The mean over the data-parallel ranks, rescaled to the sum / gradient_divide_factor."""
+        ranks = self.mesh_info.shard_size * self.mesh_info.replicate_size
+        factor = self.gradient_divide_factor
+        if factor is None or factor == ranks:
+            return mean
+        return mean.mul_(ranks / factor)
 
     def _attach_reduced(self, bucket: DBuffer, output: torch.Tensor) -> None:
         """The reduced gradient shard ``output`` becomes the sharded gradients (or is added to

@@ -130,6 +130,25 @@ class FSDPModule:
         for state in self._states(recurse):
             state.group.reshard_after_backward = reshard_after_backward
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Reduce gradients to their sum over the data-parallel ranks divided by ``factor``
+        (default: their number, a mean). Recursive, as FSDP2's. The collectives still average
+        (in fp32 on Gloo, ``ReduceOp.AVG`` on NCCL); the reduced shard is then scaled by
+        ``ranks / factor``: one multiply of the shard, skipped when the factor is the number of
+        ranks."""
+        if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0):
+            raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
+        for state in self._states(recurse=True):
+            state.group.gradient_divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted: the result is the same either way (FSDP2 asks its collectives for plain
+        sums and scales apart; here Gloo's are sums already, NCCL's ``AVG`` is exact)."""
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP's all-reduce over the replicas; only ``True`` (always done) is supported."""
         if not requires_all_reduce:
@@ -203,17 +222,10 @@ _OWN_COLLECTIVES = (
     "raggedfsdp's collectives run in place on its DBuffers (ragged shards in its own planner's "
     "layout), so a replacement written for FSDP2's DTensor shards has nothing to act on"
 )
-_DIVIDE = (
-    "gradients are averaged over the data-parallel ranks (ReduceOp.AVG, as DDP); scale the "
-    "loss by world_size / factor for another divisor"
-)
 _BUFFERS = "raggedfsdp's buffers come from its own pool (DBufferConfig), not the process group's"
 
 #: FSDP2's FSDPModule methods that have no meaning for ragged shards, and why.
 _NOT_SUPPORTED = {
-    "set_gradient_divide_factor": _DIVIDE,
-    "set_reduce_scatter_divide_factor": _DIVIDE,
-    "set_force_sum_reduction_for_comms": _DIVIDE,
     "set_custom_all_gather": _OWN_COLLECTIVES,
     "set_custom_reduce_scatter": _OWN_COLLECTIVES,
     "set_all_reduce_hook": _OWN_COLLECTIVES,
