@@ -13,6 +13,7 @@ import torch
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -54,17 +55,23 @@ def _train(model: nn.Module, rank: int, steps: int = 2, *, peek: bool = False) -
     return torch.cat([v.reshape(-1) for v in full.values()])
 
 
-def _accumulate(model: nn.Module, rank: int, steps: int = 2, micro: int = 3) -> torch.Tensor:
-    """torchtitan's gradient accumulation with FSDP2's knobs: no reduction and no reshard
-    between micro-batches, both on the last one."""
+def _accumulate(
+    model: nn.Module, rank: int, steps: int = 2, micro: int = 3, *, hsdp: bool = False
+) -> torch.Tensor:
+    """Gradient accumulation with FSDP2's knobs, the last micro-batch doing everything:
+    torchtitan's (no reduction and no reshard in between), or HSDP's (``hsdp``: reduce-scatter
+    every micro-batch, all-reduce over the replicas on the last only)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = list(make_batches(steps * micro, 2 * WORLD))
     for step in range(steps):
         for k in range(micro):
             idx, targets = batches[step * micro + k]
             last = k == micro - 1
-            model.set_requires_gradient_sync(last)
-            model.set_reshard_after_backward(last)
+            if hsdp:
+                model.set_requires_all_reduce(last)
+            else:
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
             mine = idx[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]
             (model(*mine) / micro).backward()
         opt.step()
@@ -105,6 +112,11 @@ def _equivalences(rank: int) -> dict[str, Any]:
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
         accumulating = _shard(impl, _fresh())
         res["accumulate"] = _accumulate(accumulating, rank)
+        replicas = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+        hsdp = _shard(impl, _fresh(), mesh=replicas)
+        res["hsdp_accumulate"] = _accumulate(hsdp, rank, hsdp=True)
+        if impl == "rf":
+            res["hsdp_all_reduces"] = hsdp.stats()["all_reduce_calls"]
         # Gradients summed (factor 1), as losses normalised by a global token count need. FSDP2
         # does it with PREMUL_SUM, which Gloo lacks: its reference is its mean, and a learning
         # rate WORLD times as large for SGD (linear in the gradient).
@@ -161,7 +173,6 @@ def _errors(rank: int) -> dict[str, str]:
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
         "is_last_backward": lambda: block.set_is_last_backward(False),
-        "requires_all_reduce": lambda: block.set_requires_all_reduce(False),
         "unshard_in_backward": lambda: block.set_unshard_in_backward(False),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
         "register_missing": lambda: rf.register_fsdp_forward_method(model, "nope"),
@@ -212,6 +223,7 @@ CASES = (
     "ignored",
     "accumulate",
     "divide_factor",
+    "hsdp_accumulate",
 )
 
 
@@ -235,6 +247,13 @@ def test_kept_after_backward_gathers_once_per_step(results):
     for rank in results:
         gathers = rank["same"]["rf"]["accumulate_gathers"]
         assert gathers == 1 + 2 * (5 + 1 + 1), gathers
+
+
+def test_hsdp_accumulation_all_reduces_once_per_step(results):
+    """set_requires_all_reduce(False) on all but the last micro-batch: one all-reduce per
+    trainable bucket per step (3 here: the root's and each block's), not per micro-batch."""
+    for rank in results:
+        assert rank["same"]["rf"]["hsdp_all_reduces"] == 2 * 3
 
 
 def test_kept_unsharded_parameters_follow_the_optimizer_step(results):
@@ -266,7 +285,6 @@ EXPECTED = {
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
     "is_last_backward": ("NotImplementedError", "set_is_last_backward(False)", "gradient_sync"),
-    "requires_all_reduce": ("NotImplementedError", "requires_all_reduce", "gradient_sync(False)"),
     "unshard_in_backward": ("NotImplementedError", "unshard_in_backward", "frozen"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),
     "register_missing": ("ValueError", "'nope'", "OddModel"),

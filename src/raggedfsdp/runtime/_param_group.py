@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
@@ -72,6 +73,10 @@ class FSDPParamGroup:
         #: the reduced gradient is the sum over the data-parallel ranks divided by this
         #: (``None``: their number, a mean)
         self.gradient_divide_factor: float | None = None
+        #: HSDP: all-reduce the reduced shards over the replicas in this backward (off: they
+        #: accumulate in ``_unreplicated`` until a backward with it on adds them in)
+        self.requires_all_reduce = True
+        self._unreplicated: dict[int, torch.Tensor] = {}  # id(bucket) -> reduced shard
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -411,13 +416,24 @@ class FSDPParamGroup:
             item.scatter.wait()
             item.scatter_input = None
             if replicate_group is not None:
-                item.replicate = all_reduce(item.output, replicate_group, self.stats)
+                self._replicate(item, replicate_group)
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
         assert self._grad_block is not None
         self._pool.give(self._grad_block)
         self._grad_block = None
-        return replicate_group is not None
+        return replicate_group is not None and self.requires_all_reduce
+
+    def _replicate(self, item: BucketReduce, group: dist.ProcessGroup) -> None:
+        """HSDP: all-reduce the reduced shard over the replicas, with what earlier backwards
+        without the all-reduce left; or keep it for a later backward to add."""
+        held = self._unreplicated.pop(id(item.bucket), None)
+        if held is not None:
+            item.output.add_(held)
+        if self.requires_all_reduce:
+            item.replicate = all_reduce(item.output, group, self.stats)
+        else:
+            self._unreplicated[id(item.bucket)] = item.output
 
     def finish_reduce(self) -> None:
         """Wait for the all-reduces over the replicas (HSDP); the reduced shards become the
@@ -425,7 +441,8 @@ class FSDPParamGroup:
         for item in self._reduces:
             if item.replicate is not None:
                 item.replicate.wait()
-            self._attach_reduced(item.bucket, self._divided(item.output))
+            if id(item.bucket) not in self._unreplicated:  # a gradient of every replica
+                self._attach_reduced(item.bucket, self._divided(item.output))
         self._reduces.clear()
 
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:

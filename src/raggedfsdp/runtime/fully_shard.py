@@ -150,13 +150,12 @@ class FSDPModule:
         sums and scales apart; here Gloo's are sums already, NCCL's ``AVG`` is exact)."""
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce over the replicas; only ``True`` (always done) is supported."""
-        if not requires_all_reduce:
-            _unsupported(
-                "set_requires_all_reduce(False)",
-                "the reduce-scatter and the all-reduce of HSDP are one step here; use "
-                "set_requires_gradient_sync(False) to skip both",
-            )
+        """HSDP: all-reduce the reduced gradient shards over the replicas in the next backward
+        (``True``), or only reduce-scatter them within the replica and keep the result, to be
+        added in by the next backward that all-reduces (``False``: accumulation with less
+        traffic; the sharded gradients appear then). Without replicas, nothing to do."""
+        for state in self._states(recurse):
+            state.group.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Only ``True`` (FSDP2's default): a unit's backward needs its parameters."""
