@@ -30,6 +30,22 @@ from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 __all__ = ["FSDPParamGroup", "SharedResources"]
 
 
+@dataclass
+class Knobs:
+    """What FSDP2's ``FSDPModule.set_*`` methods set on one unit."""
+
+    #: reduce the gradients in the next backward (off: accumulate them unsharded, no_sync)
+    requires_gradient_sync: bool = True
+    #: free the unsharded parameters at the end of backward
+    reshard_after_backward: bool = True
+    #: HSDP: all-reduce the reduced shards over the replicas in this backward (off: they
+    #: accumulate until a backward with it on adds them in)
+    requires_all_reduce: bool = True
+    #: the reduced gradient is the sum over the data-parallel ranks divided by this (``None``:
+    #: their number, a mean)
+    gradient_divide_factor: float | None = None
+
+
 @dataclass(frozen=True)
 class SharedResources:
     """What every unit under one root shares, made once by the root at lazy init."""
@@ -68,14 +84,7 @@ class FSDPParamGroup:
         self.label = label  # for errors and profiler ranges: the path once known
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.requires_gradient_sync = True
-        self.reshard_after_backward = True
-        #: the reduced gradient is the sum over the data-parallel ranks divided by this
-        #: (``None``: their number, a mean)
-        self.gradient_divide_factor: float | None = None
-        #: HSDP: all-reduce the reduced shards over the replicas in this backward (off: they
-        #: accumulate in ``_unreplicated`` until a backward with it on adds them in)
-        self.requires_all_reduce = True
+        self.knobs = Knobs()  # FSDP2's per-unit settings (FSDPModule.set_*)
         self._unreplicated: dict[int, torch.Tensor] = {}  # id(bucket) -> reduced shard
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
@@ -110,11 +119,9 @@ class FSDPParamGroup:
         self._trainable = [b for b in self.buckets if b.requires_grad]
         self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
         self._grad_block: torch.Tensor | None = None
-        for bucket in self._trainable:
-            for param in bucket.params:
-                if param.unsharded.requires_grad:
-                    param.unsharded.register_hook(self._gradient_arrives)
         for param in self.params:
+            if param.unsharded.requires_grad:  # of a trainable bucket, then
+                param.unsharded.register_hook(self._gradient_arrives)
             param.hold(unsharded=False)
 
     # -- construction --------------------------------------------------------------------------
@@ -365,13 +372,13 @@ class FSDPParamGroup:
             return
         self.training_state = TrainingState.POST_BACKWARD
         with record_function(f"raggedfsdp::post_backward({self.label})"):
-            if self.requires_gradient_sync and self._trainable:
+            if self.knobs.requires_gradient_sync and self._trainable:
                 # Every rank joins the reduce-scatter, whether or not gradients reached it.
                 self._take_grad_block()
                 self._ctx.reduce_queue.make_room()
                 self._reduce_scatter()
                 self._ctx.reduce_queue.push(self)
-            if self.reshard_after_backward:
+            if self.knobs.reshard_after_backward:
                 self.reshard()
 
     def _reduce_scatter(self) -> None:
@@ -422,7 +429,7 @@ class FSDPParamGroup:
         assert self._grad_block is not None
         self._pool.give(self._grad_block)
         self._grad_block = None
-        return replicate_group is not None and self.requires_all_reduce
+        return replicate_group is not None and self.knobs.requires_all_reduce
 
     def _replicate(self, item: BucketReduce, group: dist.ProcessGroup) -> None:
         """HSDP: all-reduce the reduced shard over the replicas, with what earlier backwards
@@ -430,7 +437,7 @@ class FSDPParamGroup:
         held = self._unreplicated.pop(id(item.bucket), None)
         if held is not None:
             item.output.add_(held)
-        if self.requires_all_reduce:
+        if self.knobs.requires_all_reduce:
             item.replicate = all_reduce(item.output, group, self.stats)
         else:
             self._unreplicated[id(item.bucket)] = item.output
@@ -448,7 +455,7 @@ class FSDPParamGroup:
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:
         """The mean over the data-parallel ranks, rescaled to the sum / gradient_divide_factor."""
         ranks = self.mesh_info.shard_size * self.mesh_info.replicate_size
-        factor = self.gradient_divide_factor
+        factor = self.knobs.gradient_divide_factor
         if factor is None or factor == ranks:
             return mean
         return mean.mul_(ranks / factor)
@@ -475,7 +482,7 @@ class FSDPParamGroup:
         parameters: ``reshard_after_backward`` off). Under no_sync the unsharded gradient
         buffers stay, to keep accumulating."""
         self.post_backward()
-        if self.reshard_after_backward:
+        if self.knobs.reshard_after_backward:
             self.reshard()
         elif self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # no all-gather left in flight past the iteration

@@ -83,7 +83,7 @@ class FSDPModule:
         """Reduce gradients across ranks in the next backward (``False`` accumulates the
         unsharded gradients locally, for gradient accumulation)."""
         for state in self._states(recurse):
-            state.group.requires_gradient_sync = requires_gradient_sync
+            state.group.knobs.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool | None, recurse: bool = True
@@ -128,7 +128,7 @@ class FSDPModule:
         all-gather; more memory). A kept copy is never used stale: once an optimizer step (or
         a load) changes the shards, the next forward gathers again."""
         for state in self._states(recurse):
-            state.group.reshard_after_backward = reshard_after_backward
+            state.group.knobs.reshard_after_backward = reshard_after_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients to their sum over the data-parallel ranks divided by ``factor``
@@ -139,7 +139,7 @@ class FSDPModule:
         if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0):
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
         for state in self._states(recurse=True):
-            state.group.gradient_divide_factor = float(factor)
+            state.group.knobs.gradient_divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
@@ -155,7 +155,7 @@ class FSDPModule:
         added in by the next backward that all-reduces (``False``: accumulation with less
         traffic; the sharded gradients appear then). Without replicas, nothing to do."""
         for state in self._states(recurse):
-            state.group.requires_all_reduce = requires_all_reduce
+            state.group.knobs.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Only ``True`` (FSDP2's default): a unit's backward needs its parameters."""
@@ -404,6 +404,21 @@ def _check_placements(
 _SHARDED_BY = "_raggedfsdp_sharded_by"
 
 
+def _name_units(module: nn.Module) -> None:
+    """Units take their names from the outermost module sharded so far, as plan_model names
+    them."""
+    for path, sub in module.named_modules():
+        state = state_of(sub)
+        if state is not None:
+            state.group.set_path(path)
+
+
+def _mark_sharded(registrations: list[Registration], module: nn.Module) -> None:
+    for registration in registrations:
+        unit = f"{type(module).__name__} (as {registration.fqn!r})"
+        setattr(registration.param, _SHARDED_BY, unit)
+
+
 def _registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Registration]:
     """Parameters of ``module`` not managed by an inner unit nor ignored, each with every place
     it is registered (tied parameters have several), in model order."""
@@ -488,15 +503,8 @@ def fully_shard(
         compression=planner.compression,
     )
     FSDPState(module, group, reshard_after_forward)
-    for registration in registrations:
-        setattr(
-            registration.param, _SHARDED_BY, f"{type(module).__name__} (as {registration.fqn!r})"
-        )
-    # Units take their names from the outermost module sharded so far, as plan_model names them.
-    for path, sub in module.named_modules():
-        state = state_of(sub)
-        if state is not None:
-            state.group.set_path(path)
+    _mark_sharded(registrations, module)
+    _name_units(module)
     cls = type(module)
     if not issubclass(cls, FSDPModule):
         module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
