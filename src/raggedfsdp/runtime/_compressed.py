@@ -14,7 +14,8 @@ an iteration to the end of its backward.
 [Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
 one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
 precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
-rank order, adding, and divides by ``W``. With error feedback a rank adds what quantizing
+rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
+sends, so every rank raises the same error ([Note: non-finite gradients]). With error feedback a rank adds what quantizing
 dropped last time (its residual, ``[W*S]``) to the gradient before quantizing, and keeps the new
 residual (:class:`Residual`).
 """
@@ -215,7 +216,7 @@ class BucketCompression:
             with record_function("raggedfsdp::dequantize_sum"):
                 output.zero_()
                 for k, message in enumerate(received):  # in rank order, summed in fp32
-                    codec.check_finite(message, rank, f"the gradient from rank {k}")
+                    codec.check_sealed(message, k)
                     codec.decode(message, rank, output, dtype, accumulate=True)
                 output.div_(_world_tensor(world, output.dtype, output.device))
             pool.give(outgoing)
@@ -247,3 +248,4 @@ class BucketCompression:
         if self.residual is not None:
             assert residual is not None
             self.residual.store(residual)
+        codec.seal(outgoing)

@@ -363,6 +363,23 @@ def _check_offload(offload_policy: OffloadPolicy | None, device: torch.device) -
         )
 
 
+def _check_reduce_dtype(mp: MixedPrecisionPolicy, compression: CommCompression | None) -> None:
+    """A compressed reduce-scatter sums the dequantized codes in fp32 and yields an fp32 shard
+    (DESIGN.md): an explicit ``reduce_dtype`` other than fp32 would be ignored, so it is refused
+    (``None`` and fp32 say what happens anyway)."""
+    if compression is None or compression.reduce_scatter is None:
+        return
+    if mp.reduce_dtype is None or mp.reduce_dtype == torch.float32:
+        return
+    raise ValueError(
+        f"mp_policy.reduce_dtype={mp.reduce_dtype} conflicts with "
+        f"CommCompression(reduce_scatter={compression.reduce_scatter}): a compressed "
+        f"reduce-scatter moves {compression.reduce_scatter} codes and sums them in fp32, so "
+        f"there is no {mp.reduce_dtype} reduction; set reduce_dtype=None or torch.float32, or "
+        f"reduce_scatter=None to reduce in {mp.reduce_dtype}"
+    )
+
+
 def _check_reshard_after_forward(value: object) -> None:
     if value is not None and not isinstance(value, bool):
         raise ValueError(
@@ -452,6 +469,8 @@ def fully_shard(
         )
     info = mesh_info(mesh)
     planner = _resolve_planner(shard_policy, planner, compression)
+    mp = MixedPrecisionPolicy.of(mp_policy)
+    _check_reduce_dtype(mp, planner.compression)
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
@@ -461,7 +480,7 @@ def fully_shard(
         mesh_info=info,
         planner=planner,
         config=dbuffer_config or DBufferConfig(),
-        mp_policy=MixedPrecisionPolicy.of(mp_policy),
+        mp_policy=mp,
         device=device,
         label=type(module).__name__,
         compression=planner.compression,
