@@ -15,9 +15,9 @@ an iteration to the end of its backward.
 one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
 precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
 rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
-sends, so every rank raises the same error ([Note: non-finite gradients]). With error feedback a rank adds what quantizing
-dropped last time (its residual, ``[W*S]``) to the gradient before quantizing, and keeps the new
-residual (:class:`Residual`).
+sends, so every rank raises the same error ([Note: non-finite gradients]). With error feedback a
+rank adds what quantizing dropped last time (its residual, ``[W*S]``) to the gradient before
+quantizing, and keeps the new residual (:class:`Residual`).
 """
 
 from __future__ import annotations
