@@ -275,8 +275,8 @@ class MemoryBreakdown:
     #: the Gloo reduce-scatter's world-size divisor, one cached 0-d tensor of the reduce dtype
     constants: int = 0
     #: compressed communication's own state: the quantized shards (one message per bucket,
-    #: kept from the optimizer step to the end of the next backward) and the 8-bit
-    #: error-feedback residuals (``W`` messages per trainable bucket)
+    #: one buffer kept for the bucket's life) and the 8-bit error-feedback residuals (``W``
+    #: messages per trainable bucket)
     compression: int = 0
 
     @property

@@ -6,10 +6,11 @@ message (codes, then scales: :mod:`._codec`) and the messages are all-gathered i
 rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
 dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
 forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
-The message is kept until the iteration ends (or the shard changes): with
-``reshard_after_forward`` the second all-gather before backward does not quantize again. That
-costs one message per bucket, about a quarter of the fp32 shard, from the first all-gather of
-an iteration to the end of its backward.
+The message is valid until an iteration that reduces gradients ends (or the shard changes): with
+``reshard_after_forward`` the second all-gather before backward does not quantize again, nor do
+the micro-batches of gradient accumulation (``no_sync``) after the first: once per optimizer
+step. That costs one message per bucket, about a quarter of the fp32 shard, kept for the
+bucket's life (one buffer re-encoded in place: no allocation per step).
 
 [Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
 one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
@@ -121,8 +122,8 @@ class BucketCompression:
         self.config = compression
         self.codec = BucketCodec(plan, policy, compression.block_size)
         self.rank: int | None = None  # set by the first collective
-        #: the quantized master shard ``[message_bytes]`` and the shard version it encodes;
-        #: held from the first all-gather of an iteration until :meth:`drop_quantized_shard`
+        #: the quantized master shard ``[message_bytes]`` (one buffer, re-encoded in place) and
+        #: the shard version it encodes (-1: stale, see :meth:`drop_quantized_shard`)
         self._quantized: torch.Tensor | None = None
         self._quantized_version = -1
         self.residual = (
@@ -132,18 +133,24 @@ class BucketCompression:
         )
 
     def drop_quantized_shard(self) -> None:
-        """The iteration ended: the optimizer may change the shard before the next all-gather."""
-        self._quantized = None
+        """An iteration that reduced gradients ended: the optimizer may change the shard before
+        the next all-gather, so the next one quantizes again (into the same buffer)."""
+        self._quantized_version = -1
 
     def _quantized_shard(self, local: torch.Tensor, rank: int) -> torch.Tensor:
         # The version counter catches in-place changes made through the parameters (optimizer
-        # steps, load_state_dict); changes through .data are caught at the iteration's end.
-        if self._quantized is None or self._quantized_version != local._version:
-            message = torch.zeros(self.codec.message_bytes, dtype=torch.uint8, device=local.device)
+        # steps, load_state_dict); changes through .data are caught at the end of an iteration
+        # that reduced (no_sync micro-batches keep the shard: no optimizer step between them).
+        if self._quantized_version != local._version:
+            if self._quantized is None:  # zeros: the padding of codes and scales stays 0
+                self._quantized = torch.zeros(
+                    self.codec.message_bytes, dtype=torch.uint8, device=local.device
+                )
             dtype = self.config.all_gather
             assert dtype is not None
-            self.codec.encode(local, rank, message, dtype)
-            self._quantized, self._quantized_version = message, local._version
+            self.codec.encode(local, rank, self._quantized, dtype)
+            self._quantized_version = local._version
+        assert self._quantized is not None
         return self._quantized
 
     def all_gather(

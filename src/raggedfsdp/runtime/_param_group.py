@@ -431,8 +431,9 @@ class FSDPParamGroup:
         gradient buffers stay, to keep accumulating."""
         self.post_backward()
         self.reshard()
-        for compressed in self._compressed.values():
-            compressed.drop_quantized_shard()
+        if self.requires_gradient_sync:  # no optimizer step between no_sync micro-batches
+            for compressed in self._compressed.values():
+                compressed.drop_quantized_shard()
         self.training_state = TrainingState.IDLE
 
     # -- state outside a step ------------------------------------------------------------------

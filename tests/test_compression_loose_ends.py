@@ -1,7 +1,8 @@
 """Compressed communication's loose ends on a real 2-rank Gloo launch: a ``reduce_dtype`` the
 compressed reduce-scatter cannot honour is refused at construction, naming both settings; a
 non-finite gradient on one rank, in a block another rank owns, raises the same error naming the
-parameter on EVERY rank, and every rank can still run the next collective."""
+parameter on EVERY rank, and every rank can still run the next collective; the all-gather's
+shard is quantized once per optimizer step, also across gradient-accumulation micro-batches."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import raggedfsdp as rf
 from compression_reduce import SHAPES, Probe
 from harness import error_message, run_distributed
+from raggedfsdp.runtime._codec import BucketCodec
 
 pytestmark = pytest.mark.slow
 
@@ -58,8 +60,42 @@ def _non_finite(rank: int, world: int) -> tuple[str, list[float], bool]:
     return message, after.tolist(), owned_by_0
 
 
+def _encodes_per_step(rank: int, world: int) -> tuple[list[int], int]:
+    """Encodes of the all-gather's shard after each of two optimizer steps of two micro-batches
+    (the first under ``no_sync``), and the number of buckets."""
+    calls = []
+    original = BucketCodec.encode
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    BucketCodec.encode = counting  # type: ignore[method-assign]
+    try:
+        model = Probe(SHAPES)
+        comp = rf.CommCompression(all_gather=torch.int8)
+        rf.FSDPBackend(model, shard_policy=rf.RaggedShard(block_size=4), compression=comp)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        targets = {n: torch.ones(s) for n, s in SHAPES.items()}
+        counts = []
+        for _ in range(2):
+            with model.no_sync():
+                model(targets).backward()
+            model(targets).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            counts.append(len(calls))
+    finally:
+        BucketCodec.encode = original  # type: ignore[method-assign]
+    return counts, len(model.shard_plans())
+
+
 def _cases(rank: int, world: int) -> dict:
-    return {"reduce_dtype": _reduce_dtypes(rank, world), "non_finite": _non_finite(rank, world)}
+    return {
+        "reduce_dtype": _reduce_dtypes(rank, world),
+        "non_finite": _non_finite(rank, world),
+        "encodes": _encodes_per_step(rank, world),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +117,9 @@ def test_non_finite_gradient_raises_the_same_error_on_every_rank(results):
     assert "parameter 'a' on rank 1 has a non-finite value" in messages[0], messages
     assert messages[0] == messages[1]
     assert [result["non_finite"][1] for result in results] == [[3.0], [3.0]]
+
+
+def test_all_gather_shard_quantized_once_per_optimizer_step(results):
+    for result in results:
+        counts, buckets = result["encodes"]
+        assert counts == [buckets, 2 * buckets]
