@@ -93,7 +93,8 @@ def _per_row(grid: torch.Tensor, region: _Region) -> torch.Tensor:
     """The region's scales ``[tiles down, tiles across]`` repeated for each row of its tiles:
     ``[rows, tiles across, 1]`` (1/c of the data)."""
     _, _, ts, us, r, _ = region
-    return grid[ts, us].repeat_interleave(r, dim=0)[:, :, None]
+    scales = grid[ts, us]
+    return (scales if r == 1 else scales.repeat_interleave(r, dim=0))[:, :, None]
 
 
 @functools.cache
@@ -150,10 +151,10 @@ def quantize(
         y = torch.abs(bands, out=_scratch(bands.shape, x.device))
         row_amax = y.amax(dim=2)  # [rows, tiles across]
         r = region[4]
-        amax = row_amax.view(-1, r, row_amax.shape[1]).amax(dim=1)
-        scale_grid[region[2], region[3]] = torch.where(
-            amax == 0, 1.0, amax / _code_max(codes.dtype, x.device)
-        )
+        amax = row_amax if r == 1 else row_amax.view(-1, r, row_amax.shape[1]).amax(dim=1)
+        # s = amax / code_max, and 1 where amax == 0 (written in place: a view of ``scales``)
+        grid = torch.div(amax, _code_max(codes.dtype, x.device), out=scale_grid[region[2:4]])
+        grid.masked_fill_(amax == 0, 1.0)
         s = _per_row(scale_grid, region)
         code_bands = _bands(codes.view(shape), region)
         _encode_into(code_bands, torch.div(bands, s, out=y))
