@@ -15,6 +15,9 @@ poisoned (all scale slots NaN, the first four code bytes the index of the first 
 Every rank receives one message from every rank, so every rank sees the poison of the same
 sender (the first in rank order) and raises the same error at the same point of its program,
 before any rank enters another collective, without an extra collective or byte on the wire.
+Under HSDP the other replica groups receive nothing from the poisoned group but its all-reduce:
+there the poisoned ranks defer the error, fill their reduced shards with NaN, and after the
+all-reduce every rank of every group finds it (:meth:`BucketCompression.check_replicated`).
 """
 
 from __future__ import annotations
@@ -149,17 +152,12 @@ class BucketCodec:
         scales.fill_(float("nan"))
         table[:, :4].view(torch.int32)[:, 0] = self.names.index(bad.name)
 
-    def check_sealed(self, message: torch.Tensor, sender: int) -> None:
-        """Raise ``ValueError`` naming the parameter if rank ``sender``'s sealed ``message`` is
-        poisoned: the same error on every rank ([Note: non-finite gradients])."""
+    def poisoned_parameter(self, message: torch.Tensor) -> str | None:
+        """The parameter a poisoned sealed ``message`` names ([Note: non-finite gradients]), or
+        ``None`` when the message is sound."""
         if bool(torch.isfinite(self.scales(message)).all()):
-            return
-        name = self.names[int(message[:4].view(torch.int32)[0])]
-        raise ValueError(
-            f"raggedfsdp: the gradient of parameter {name!r} on rank {sender} has a non-finite "
-            f"value; compressed communication cannot quantize it (every rank raises this error "
-            f"before its next collective)"
-        )
+            return None
+        return self.names[int(message[:4].view(torch.int32)[0])]
 
     def check_finite(self, message: torch.Tensor, rank: int, what: str) -> None:
         """Raise ``ValueError`` naming the parameter if a block of rank ``rank``'s message had

@@ -103,6 +103,23 @@ class Residual:
             )
 
 
+def _poison_error(
+    codec: BucketCodec, received: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> str | None:
+    """The error of the first poisoned message in rank order, naming the parameter and the
+    sender's global rank: the same on every rank of the group ([Note: non-finite gradients])."""
+    for k, message in enumerate(received):
+        name = codec.poisoned_parameter(message)
+        if name is not None:
+            sender = k if group is None else dist.get_global_rank(group, k)
+            return (
+                f"raggedfsdp: the gradient of parameter {name!r} on rank {sender} has a "
+                f"non-finite value; compressed communication cannot quantize it (every rank "
+                f"raises this error before its next collective)"
+            )
+    return None
+
+
 class BucketCompression:
     """One bucket's compressed collectives, and what they keep between calls: the quantized
     shard of the all-gather and, for a ``trainable`` bucket, the error-feedback residual
@@ -126,6 +143,8 @@ class BucketCompression:
         #: the shard version it encodes (-1: stale, see :meth:`drop_quantized_shard`)
         self._quantized: torch.Tensor | None = None
         self._quantized_version = -1
+        #: the error of the last reduce-scatter's poisoned message, deferred under HSDP
+        self.error: str | None = None
         self.residual = (
             Residual(self.codec, self.residual_storage, device)
             if compression.error_feedback and trainable
@@ -196,9 +215,14 @@ class BucketCompression:
         group: dist.ProcessGroup,
         stats: RuntimeStats,
         pool: BufferPool,
+        *,
+        replicated: bool = False,
     ) -> Pending:
         """``output`` (fp32 ``[S]``) = the mean over ranks of their dequantized messages for this
-        rank, from each rank's ``full_grad`` (1-D ``[W*S]``)."""
+        rank, from each rank's ``full_grad`` (1-D ``[W*S]``). A poisoned message raises when
+        the wait ends; ``replicated`` (HSDP) defers that to :meth:`check_replicated`, after the
+        all-reduce over the replicas, and fills ``output`` with NaN for that all-reduce to
+        carry ([Note: non-finite gradients])."""
         codec, dtype = self.codec, self.config.reduce_scatter
         assert dtype is not None
         nbytes, world = codec.message_bytes, codec.world_size
@@ -221,15 +245,33 @@ class BucketCompression:
 
         def reduce() -> None:
             with record_function("raggedfsdp::dequantize_sum"):
-                output.zero_()
-                for k, message in enumerate(received):  # in rank order, summed in fp32
-                    codec.check_sealed(message, k)
-                    codec.decode(message, rank, output, dtype, accumulate=True)
-                output.div_(_world_tensor(world, output.dtype, output.device))
+                self.error = _poison_error(codec, received, group)
+                if self.error is None:
+                    output.zero_()
+                    for message in received:  # in rank order, summed in fp32
+                        codec.decode(message, rank, output, dtype, accumulate=True)
+                    output.div_(_world_tensor(world, output.dtype, output.device))
+                else:
+                    output.fill_(float("nan"))  # what the replicas' all-reduce carries (HSDP)
             pool.give(outgoing)
             pool.give(incoming)
+            if self.error is not None and not replicated:
+                raise ValueError(self.error)
 
         return Pending([w for w in works if w is not None], stats, reduce)
+
+    def check_replicated(self, output: torch.Tensor) -> None:
+        """HSDP, after the all-reduce of ``output`` over the replicas: raise on every rank of
+        every replica group if a gradient was non-finite anywhere (the poisoned group names the
+        parameter; the others see its NaN in ``output``)."""
+        if self.error is not None:
+            raise ValueError(self.error)
+        if not bool(torch.isfinite(output).all()):
+            raise ValueError(
+                "raggedfsdp: a non-finite gradient reached this rank's reduced shard through "
+                "the all-reduce over the replicas (HSDP): another replica group had a non-finite "
+                "gradient, and its ranks name the parameter"
+            )
 
     def _quantize_gradient(self, full_grad: torch.Tensor, outgoing: torch.Tensor) -> None:
         """One message per owner from this rank's unsharded gradient (plus its residual)."""

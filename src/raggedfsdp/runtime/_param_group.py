@@ -362,10 +362,15 @@ class FSDPParamGroup:
             assert full_grad is not None
             compressed = self._compressed_scatter(bucket)
             if compressed is not None:
-                # Summed in fp32 whatever reduce_dtype says: the codes are what travels.
+                # Summed in fp32 (fully_shard refuses another reduce_dtype).
                 output = torch.empty(bucket.shard_numel, dtype=torch.float32, device=self.device)
                 scatter = compressed.reduce_scatter(
-                    output, full_grad, self.mesh_info.shard_group, self.stats, self._pool
+                    output,
+                    full_grad,
+                    self.mesh_info.shard_group,
+                    self.stats,
+                    self._pool,
+                    replicated=self.mesh_info.replicate_group is not None,
                 )
                 self._reduces.append(BucketReduce(bucket, scatter, output, full_grad))
                 continue
@@ -406,6 +411,9 @@ class FSDPParamGroup:
         for item in self._reduces:
             if item.replicate is not None:
                 item.replicate.wait()
+                compressed = self._compressed_scatter(item.bucket)
+                if compressed is not None:
+                    compressed.check_replicated(item.output)
             self._attach_reduced(item.bucket, item.output)
         self._reduces.clear()
 
