@@ -27,7 +27,7 @@ BOTH = CompressionSpec(all_gather=torch.float8_e4m3fn, reduce_scatter=torch.int8
 
 
 @pytest.mark.parametrize("policy", [None, 4, (4, 8), "whole"])
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3, 5, 16])  # 16: parameters over many ranks
 def test_message_bytes_are_the_runtime_codec(policy, world):
     shard = RaggedShard(block_size=policy)
     comp = rf.CommCompression(all_gather=torch.int8, reduce_scatter=torch.int8)

@@ -89,20 +89,23 @@ def message_bytes(
     plan: ShardPlan, policy: RaggedShard, block_size: int | tuple[int, int] | None
 ) -> int:
     """Bytes of one rank's message for bucket ``plan`` (module doc): ``ceil4(S)`` codes plus
-    4 bytes per block of the rank with the most blocks. O(entries + W): each entry only visits
-    the ranks its elements lie on."""
+    4 bytes per block of the rank with the most blocks. Each entry visits only its first and
+    last rank; the ranks between hold ``S`` of it each, whole blocks from a block boundary, so
+    the same number of blocks (added to all of them at once)."""
     size = plan.shard_numel
-    counts = [0] * plan.world_size
+    counts = torch.zeros(plan.world_size, dtype=torch.int64)
     for entry in plan.entries.values():
         if not entry.numel:
             continue
         block = quant_block(entry.name, entry.shape, policy, block_size)
         first = entry.offset // size
         last = (entry.offset + entry.numel - 1) // size
-        for rank in range(first, last + 1):
+        for rank in {first, last}:
             start, end = plan.local_range(entry.name, rank)
             counts[rank] += block.num_blocks(end - start)
-    return -(-size // 4) * 4 + 4 * max(counts, default=0)
+        if last - first > 1:
+            counts[first + 1 : last] += block.num_blocks(size)
+    return -(-size // 4) * 4 + 4 * int(counts.max()) if plan.world_size else 0
 
 
 def codec_traffic_bytes(
