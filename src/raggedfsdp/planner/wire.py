@@ -105,7 +105,7 @@ def message_bytes(
             counts[rank] += block.num_blocks(end - start)
         if last - first > 1:
             counts[first + 1 : last] += block.num_blocks(size)
-    return -(-size // 4) * 4 + 4 * int(counts.max()) if plan.world_size else 0
+    return -(-size // 4) * 4 + 4 * int(counts.max())
 
 
 def codec_traffic_bytes(
