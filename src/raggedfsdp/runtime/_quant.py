@@ -2,10 +2,10 @@
 
 A piece of a parameter is viewed as a 2-D matrix (``QuantBlock.view_shape``) cut into tiles of
 ``rows x cols``; partial tiles at the right and bottom edges are blocks of their own. The tiles
-of one size form at most four rectangular regions (body, right edge, bottom edge, corner), and
-each region is a strided 3-D view ``[rows, tiles across, cols]`` of the matrix with its scales
-repeated per row, so every formula below is a handful of tensor operations per piece, never a
-loop over blocks.
+of one size form at most four rectangular regions (body, right edge, bottom edge, corner), cut
+into chunks of whole tiles (:data:`CHUNK`), and each is a strided 3-D view ``[rows, tiles
+across, cols]`` of the matrix with its scales repeated per row, so every formula below is a
+handful of tensor operations per chunk, never a loop over blocks.
 
 Per block, in fp32: ``amax = max|x|``; ``s = 1`` when ``amax == 0``, else ``amax / code_max``;
 codes ``clamp(round(x / s), -127, 127)`` (int8) or ``(x / s).to(fp8)``; dequantized ``q.float()
