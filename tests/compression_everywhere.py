@@ -9,6 +9,7 @@ from torch import nn
 
 import raggedfsdp as rf
 from compression_gather import _unsharded_parameters, quant_dequant
+from compression_reduce import SHAPES, Probe
 from harness import error_message
 from parity_models import OddModel, make_batches
 from raggedfsdp.materialize import init_sharded_
@@ -140,7 +141,30 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     return errors
 
 
+def _hsdp_non_finite(rank: int, world: int) -> tuple[str, float]:
+    """HSDP 2 x 2: rank 3 (replica group {2, 3}) has a NaN gradient; every rank of both groups
+    must raise, then reach the next collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = Probe(SHAPES)
+    rf.FSDPBackend(
+        model,
+        shard_policy=rf.RaggedShard(block_size=4),
+        mesh=mesh,
+        compression=rf.CommCompression(reduce_scatter=INT8),
+    )
+    targets = {n: torch.ones(s) for n, s in SHAPES.items()}
+    if rank == 3:
+        targets["a"].view(-1)[0] = float("nan")
+    message = error_message(lambda: model(targets).backward())
+    after = torch.ones(1)
+    torch.distributed.all_reduce(after)
+    return message, after.item()
+
+
 def everywhere(rank: int, world: int) -> dict:
     return {"training": _training(rank, world), "meta": _meta_init(rank, world)} | {
-        "bad": _bad_input(rank, world)
+        "bad": _bad_input(rank, world),
+        "hsdp_non_finite": _hsdp_non_finite(rank, world),
     }

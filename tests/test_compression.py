@@ -105,3 +105,11 @@ def test_compression_everywhere(grid):
         assert "StructAwarePlanner(..., compression=...)" in bad["planner"]
         assert "block_size 8 does not divide the policy's tile 4" in bad["tile"]
         assert "'blocks.0.fc1.weight' has a non-finite value" in bad["non_finite"], bad
+    # HSDP: rank 3's NaN gradient; its replica group names it, the other sees it after the
+    # all-reduce over the replicas; every rank raises, then all complete the next collective.
+    messages = [results["everywhere"]["hsdp_non_finite"] for results in grid[4]]
+    for message, _ in messages[2:]:
+        assert "parameter 'a' on rank 3 has a non-finite value" in message, messages
+    for message, _ in messages[:2]:
+        assert "through the all-reduce over the replicas (HSDP)" in message, messages
+    assert [after for _, after in messages] == [4.0] * 4

@@ -10,6 +10,7 @@ import torch
 
 import raggedfsdp as rf
 from raggedfsdp.planner import QuantBlock, quant_block
+from raggedfsdp.runtime import _quant
 from raggedfsdp.runtime._codec import BucketCodec
 from raggedfsdp.runtime._quant import CODE_MAX, dequantize, quantize
 
@@ -73,6 +74,34 @@ def test_quantize_equals_per_block_reference(shape, block, dtype):
     assert torch.equal(scales, ref_scales)
     assert torch.equal(deq, ref_deq)
     assert torch.equal(residual, x.reshape(-1).float() - ref_deq)
+
+
+@pytest.mark.parametrize("dtype", CODE_DTYPES)
+@pytest.mark.parametrize(
+    ("shape", "block", "chunk"),
+    [
+        ((37, 53), QuantBlock(8, 16, 53), 300),  # bands of 8 rows cut across and down
+        ((64, 32), QuantBlock(4, 4, 32), 40),  # chunks smaller than a band: 2 tiles across
+        ((5000,), QuantBlock(1, 256, 0), 1000),  # runs in chunks of 3 runs, a partial last one
+        ((40, 40), QuantBlock(32, 32, 40), 100),  # a tile larger than a chunk: the scratch grows
+    ],
+)
+def test_quantize_in_chunks_equals_per_block_reference(shape, block, chunk, dtype, monkeypatch):
+    """Regions processed in chunks of whole tiles (``_quant.CHUNK``) give the same bits."""
+    monkeypatch.setattr(_quant, "CHUNK", chunk)
+    monkeypatch.setattr(_quant, "_SCRATCH", {})
+    torch.manual_seed(1)
+    x = torch.randn(shape) * torch.logspace(-3, 3, math.prod(shape)).view(shape)
+    codes, scales, deq, residual = ours(x, block, dtype)
+    ref_codes, ref_scales, ref_deq = reference(x, block, dtype)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(deq, ref_deq)
+    assert torch.equal(residual, x.reshape(-1).float() - ref_deq)
+    total = torch.randn(x.numel())
+    expected = total + ref_deq
+    dequantize(codes, scales, block, total, accumulate=True)
+    assert torch.equal(total, expected)
 
 
 def test_int8_error_within_half_a_step_and_exact_on_the_grid():

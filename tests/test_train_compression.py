@@ -11,6 +11,9 @@ import pytest
 import torch
 
 from launches import assert_same_tensors, ok, run_cli, stdlib_corpus
+from raggedfsdp.planner.capacity import CapacityOptions, capacity_report
+from raggedfsdp.planner.hardware import hardware
+from raggedfsdp.planner.wire import CompressionSpec
 from raggedfsdp.train.checkpoints import export_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -31,6 +34,21 @@ COMMON = [
 ]
 
 
+def _predicted_wire_bytes() -> int:
+    """What ``raggedfsdp plan --model gpt-tiny --world 2 --block-size 32
+    --compress-all-gather fp8 --compress-reduce-scatter int8 --error-feedback`` predicts one
+    rank feeds its collectives per step (the monitor's ``wire_bytes``)."""
+    options = CapacityOptions(
+        batch=4,
+        seq_len=32,
+        block_size=32,
+        compression=CompressionSpec.parse("fp8", "int8", True),
+    )
+    report = capacity_report("gpt-tiny", [2], hardware("cpu-gloo"), options, find_smallest=False)
+    predicted = report.worlds[0].systems["raggedfsdp"].bytes
+    return predicted.all_gather_bytes + predicted.reduce_scatter_bytes
+
+
 def test_compressed_run_reports_wire_bytes_and_resumes_bit_for_bit(tmp_path):
     corpus = stdlib_corpus(tmp_path / "corpus.txt", num_files=40, num_bytes=400_000)
     out = tmp_path / "run"
@@ -42,6 +60,8 @@ def test_compressed_run_reports_wire_bytes_and_resumes_bit_for_bit(tmp_path):
     # 8-bit codes and a scale per 32x32 tile against fp32: a little over a quarter.
     assert all(0.25 < r["compression_ratio"] < 0.26 for r in train), train[0]
     assert all(r["wire_bytes"] == train[0]["wire_bytes"] for r in train)
+    # The capacity planner's prediction for the same run is the monitor's figure, exactly.
+    assert _predicted_wire_bytes() == train[0]["wire_bytes"]
     step3 = out / "checkpoints" / "step_000003"
     assert sorted(p.name for p in (step3 / "residuals").iterdir()) == [
         "rank_00000.pt",

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes
 from .capacity import SYSTEMS, CapacityReport, WorldCapacity
+from .quant_blocks import Compression
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -22,6 +23,7 @@ _MEMORY_ROWS = (
     ("sharded parameters", "params"),
     ("sharded gradients", "grads"),
     ("optimizer state", "optimizer"),
+    ("quantized shards + residuals", "compression"),
     ("persistent", "persistent"),
     ("unsharded at the peak", "unsharded"),
     ("activations at the peak", "activations"),
@@ -39,6 +41,24 @@ def _options_text(report: CapacityReport) -> str:
     ]
     if o.buffer_size is not None:
         parts.append(f"buckets <= {format_bytes(o.buffer_size)}")
+    if o.compression is not None and o.compression.enabled:
+        parts.append(f"raggedfsdp compressed: {_compression_text(o.compression)}")
+    return ", ".join(parts)
+
+
+def _compression_text(compression: Compression | None) -> str:
+    """``all-gather float8_e4m3fn, reduce-scatter int8, error feedback`` (or ``none``)."""
+    if compression is None or not compression.enabled:
+        return "none"
+    parts = []
+    for label, dtype in (
+        ("all-gather", compression.all_gather),
+        ("reduce-scatter", compression.reduce_scatter),
+    ):
+        if dtype is not None:
+            parts.append(f"{label} {str(dtype).removeprefix('torch.')}")
+    if compression.error_feedback:
+        parts.append("error feedback")
     return ", ".join(parts)
 
 
@@ -87,6 +107,7 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
         ("step", "total_s"),
         ("  compute", "compute_s"),
         ("  collectives (own time)", "comm_s"),
+        ("  quantizing (compute thread)", "codec_s"),
         ("  communication exposed", "exposed_comm_s"),
     ):
         table.add_row(label, *(f"{c.time.to_dict()[key] * 1000:,.1f} ms" for c in costs))
@@ -127,6 +148,7 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
         "activation_checkpointing": o.checkpointing,
         "param_dtype": str(o.param_dtype).removeprefix("torch."),
         "reserve": o.reserve,
+        "compression": _compression_text(o.compression),
         "usable_bytes": report.usable_bytes,
         "smallest_world": report.smallest_world,
     }

@@ -2,7 +2,9 @@
 
 Without capacity flags it reports the plans (padding, elements per rank, FSDP2/FSDP1 beside
 them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
-``--activation-checkpointing``, ``--efficiency`` or ``--plot`` it answers "will it fit, and how
+``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
+(``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
+``raggedfsdp train`` spells them) it answers "will it fit, and how
 fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside FSDP2.
 """
 
@@ -25,6 +27,7 @@ from .capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from .capacity_view import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
 from .hardware import HARDWARE, hardware
 from .report import PlanReport, WorldReport, plan_report
+from .wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -58,6 +61,9 @@ _CAPACITY_FLAGS = (
     "efficiency",
     "reserve",
     "plot",
+    "compress_all_gather",
+    "compress_reduce_scatter",
+    "error_feedback",
 )
 #: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -172,6 +178,29 @@ def _configure_capacity(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="also write a PNG of memory and step time against W (4 to 16,384)",
     )
+    _configure_compression(group)
+
+
+def _configure_compression(group: argparse._ArgumentGroup) -> None:
+    """``raggedfsdp train``'s compression flags, same spellings: raggedfsdp's collectives move
+    codes and scales (FSDP2 beside it stays uncompressed)."""
+    group.add_argument(
+        "--compress-all-gather",
+        choices=ALL_GATHER_CODES,
+        help="quantize raggedfsdp's all-gather to fp8 (e4m3) or int8 codes plus one fp32 scale "
+        "per block, as raggedfsdp train does (default: none)",
+    )
+    group.add_argument(
+        "--compress-reduce-scatter",
+        choices=REDUCE_SCATTER_CODES,
+        help="quantize raggedfsdp's reduce-scatter (default: none)",
+    )
+    group.add_argument(
+        "--error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="8-bit error-feedback residuals (needs --compress-reduce-scatter)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -212,6 +241,9 @@ def _run_capacity(args: argparse.Namespace) -> int:
         buffer_size=args.buffer_size,
         param_dtype=_DTYPES[args.dtype or default_dtype],
         reserve=DEFAULT_RESERVE if args.reserve is None else args.reserve,
+        compression=CompressionSpec.parse(
+            args.compress_all_gather, args.compress_reduce_scatter, bool(args.error_feedback)
+        ),
     )
     report = capacity_report(args.model, args.world, hw, options)
     if args.json:

@@ -18,6 +18,9 @@ Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.
   gradient block and, on Gloo, its receive buffer (``(W-1) S``) while its reduce-scatter is in
   flight.
 - **activations**: what the blocks keep (:mod:`.shapes`) and what the backward adds at the peak.
+- **compression** (:class:`MemoryBreakdown` ``compression``, under compressed communication):
+  the quantized master shard of each bucket (one message, :mod:`.wire`) and, with error
+  feedback, each trainable bucket's 8-bit residual (``W`` messages).
 
 FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
 the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
@@ -35,12 +38,14 @@ from dataclasses import dataclass, fields
 import torch
 
 from ._plan import ShardPlan
+from .quant_blocks import Compression
 from .shapes import ModelShape
 
 __all__ = [
     "OPTIMIZERS",
     "MemoryBreakdown",
     "UnitBytes",
+    "compression_state_bytes",
     "memory_breakdown",
     "optimizer_state_bytes",
     "unit_bytes",
@@ -72,6 +77,8 @@ class UnitBytes:
     trainable: tuple[bool, ...]  # whether each bucket requires grad
     fsdp2_shard_numel: int  # FSDP2: sum over parameters of the padded shard
     param_numel: int  # elements of the unit's parameters
+    #: each bucket's message bytes under compression (:func:`.wire.message_bytes`); () without
+    messages: tuple[int, ...] = ()
 
     @property
     def buckets(self) -> int:
@@ -84,6 +91,20 @@ class UnitBytes:
     @property
     def trainable_shard_numel(self) -> int:
         return sum(s for s, t in zip(self.shards, self.trainable, strict=True) if t)
+
+    def gather_bytes(self, itemsize: int, compression: Compression | None) -> int:
+        """What the rank feeds one all-gather of the unit: its shards (``itemsize`` bytes an
+        element), or its messages when the all-gather is compressed."""
+        if compression is not None and compression.all_gather is not None:
+            return sum(self.messages)
+        return self.shard_numel * itemsize
+
+    def scatter_share(self, itemsize: int, compression: Compression | None) -> int:
+        """What the rank sends each peer in the unit's reduce-scatter: the trainable shards'
+        worth, or their messages when the reduce-scatter is compressed."""
+        if compression is not None and compression.reduce_scatter is not None:
+            return sum(m for m, t in zip(self.messages, self.trainable, strict=True) if t)
+        return self.trainable_shard_numel * itemsize
 
     def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
         """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
@@ -101,21 +122,30 @@ def _unit_path(bucket_name: str) -> str:
     return "" if path == "<root>" else path
 
 
-def unit_bytes(plans: Sequence[ShardPlan], requires_grad: Sequence[bool]) -> list[UnitBytes]:
-    """Group the plans by unit (plan order: nested units first, the root last)."""
-    units: dict[str, tuple[list[int], list[bool], list[int]]] = {}
-    for plan, grad in zip(plans, requires_grad, strict=True):
-        shards, trainable, numels = units.setdefault(_unit_path(plan.name), ([], [], [0, 0]))
+def unit_bytes(
+    plans: Sequence[ShardPlan],
+    requires_grad: Sequence[bool],
+    messages: Sequence[int] | None = None,
+) -> list[UnitBytes]:
+    """Group the plans by unit (plan order: nested units first, the root last); ``messages``:
+    each plan's message bytes under compression (:func:`.wire.message_bytes`)."""
+    units: dict[str, tuple[list[int], list[bool], list[int], list[int]]] = {}
+    sizes = messages if messages is not None else [0] * len(plans)
+    for plan, grad, message in zip(plans, requires_grad, sizes, strict=True):
+        shards, trainable, numels, codes = units.setdefault(
+            _unit_path(plan.name), ([], [], [0, 0], [])
+        )
         shards.append(plan.shard_numel)
         trainable.append(grad)
+        codes.append(message)
         numels[1] += plan.param_numel
         for entry in plan.entries.values():
             # FSDP2's Shard(0): ceil(dim0 / W) rows on every rank (``report.fsdp2_param_split``)
             rows, *rest = entry.shape or (1,)
             numels[0] += -(-rows // plan.world_size) * math.prod(rest)
     return [
-        UnitBytes(path, tuple(shards), tuple(trainable), *numels)
-        for path, (shards, trainable, numels) in units.items()
+        UnitBytes(path, tuple(shards), tuple(trainable), *numels, tuple(codes) if messages else ())
+        for path, (shards, trainable, numels, codes) in units.items()
     ]
 
 
@@ -215,6 +245,8 @@ class StepShape:
     param_dtype: torch.dtype = torch.float32
     checkpointing: bool = False
     gloo: bool = False  # the Gloo reduce-scatter's receive buffer
+    #: compressed communication (raggedfsdp only; units then carry their messages)
+    compression: Compression | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len"):
@@ -242,14 +274,18 @@ class MemoryBreakdown:
     unsharded_peak: int  # the runtime's own unsharded high-water mark (any time in the step)
     #: the Gloo reduce-scatter's world-size divisor, one cached 0-d tensor of the reduce dtype
     constants: int = 0
+    #: compressed communication's own state: the quantized shards (one message per bucket,
+    #: one buffer kept for the bucket's life) and the 8-bit error-feedback residuals (``W``
+    #: messages per trainable bucket)
+    compression: int = 0
 
     @property
     def persistent(self) -> int:
-        return self.params + self.grads + self.optimizer + self.constants
+        return self.params + self.grads + self.optimizer + self.constants + self.compression
 
     @property
     def peak(self) -> int:
-        forward = self.params + self.optimizer + self.constants
+        forward = self.params + self.optimizer + self.constants + self.compression
         return max(forward + self.unsharded + self.activations, self.persistent)
 
     def to_dict(self) -> dict[str, int | str]:
@@ -337,7 +373,25 @@ def memory_breakdown(
         phase="loss" if sum(loss) >= sum(block) else "block",
         unsharded_peak=_unsharded_high_water(params, grads, units, step, w, system),
         constants=comm if step.gloo and system == "raggedfsdp" else 0,
+        compression=compression_state_bytes(units, step.compression, w)
+        if system == "raggedfsdp"
+        else 0,
     )
+
+
+def compression_state_bytes(
+    units: Sequence[UnitBytes], compression: Compression | None, world_size: int
+) -> int:
+    """Bytes compressed communication keeps on a rank (:attr:`MemoryBreakdown.compression`)."""
+    if compression is None:
+        return 0
+    total = 0
+    for unit in units:
+        if compression.all_gather is not None:
+            total += sum(unit.messages)
+        if compression.error_feedback:
+            total += world_size * unit.scatter_share(1, compression)
+    return total
 
 
 def _unsharded_high_water(

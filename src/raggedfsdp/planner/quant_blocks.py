@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from ..layout import BlockSize, RaggedShard, row_numel
 
 __all__ = ["DEFAULT_RUN", "WHOLE_TILE", "Compression", "QuantBlock", "quant_block"]
@@ -33,7 +35,16 @@ class Compression(Protocol):
     """What the planner reads of a :class:`raggedfsdp.CommCompression` (a runtime type)."""
 
     @property
+    def all_gather(self) -> torch.dtype | None: ...
+
+    @property
+    def reduce_scatter(self) -> torch.dtype | None: ...
+
+    @property
     def block_size(self) -> int | tuple[int, int] | None: ...
+
+    @property
+    def error_feedback(self) -> bool: ...
 
     @property
     def enabled(self) -> bool: ...

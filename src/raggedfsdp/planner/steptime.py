@@ -16,6 +16,9 @@
   every collective adds to the step.
 - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
   and reads the gradient.
+- **compressed communication** (raggedfsdp): the collectives move the messages of codes and
+  scales (:mod:`.wire`), and quantizing and dequantizing add their memory traffic at memory
+  bandwidth to the step, on the compute thread (``codec_s``).
 - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
   its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
   critical path. Where the backend has no reduce-scatter of its own
@@ -31,6 +34,7 @@ from dataclasses import asdict, dataclass
 from .cost import StepShape, UnitBytes
 from .hardware import Hardware
 from .shapes import ModelShape
+from .wire import codec_traffic_bytes
 
 __all__ = ["CollectiveBytes", "StepTime", "collective_bytes", "step_time"]
 
@@ -60,24 +64,39 @@ def _shard(unit: UnitBytes, system: str) -> int:
     return unit.fsdp2_shard_numel if system == "fsdp2" else unit.shard_numel
 
 
+def _gather_bytes(unit: UnitBytes, step: StepShape, system: str) -> int:
+    """One all-gather of ``unit``: the rank's shards, or its messages under compression."""
+    comm = step.param_dtype.itemsize
+    if system == "fsdp2":
+        return unit.fsdp2_shard_numel * comm
+    return unit.gather_bytes(comm, step.compression)
+
+
+def _scatter_share(unit: UnitBytes, step: StepShape, system: str) -> int:
+    """What the rank sends each peer in ``unit``'s reduce-scatter."""
+    comm = step.param_dtype.itemsize
+    if system == "fsdp2":
+        return unit.fsdp2_shard_numel * comm
+    return unit.scatter_share(comm, step.compression)
+
+
 def collective_bytes(
     units: Sequence[UnitBytes], step: StepShape, world_size: int, system: str = "raggedfsdp"
 ) -> CollectiveBytes:
-    """Bytes per step per rank of each collective kind (no HSDP: no all-reduce)."""
-    comm, w = step.param_dtype.itemsize, world_size
+    """Bytes per step per rank of each collective kind (no HSDP: no all-reduce); under
+    compression (raggedfsdp) the messages of codes and scales (:mod:`.wire`)."""
+    w = world_size
     gathered = _gathers(units, system)
     reduced = [u for u in units if u.trainable_shard_numel]
-    ag_numel = sum(_shard(u, system) for u in gathered)
-    rs_numel = sum(
-        u.fsdp2_shard_numel if system == "fsdp2" else u.trainable_shard_numel for u in reduced
-    )
+    ag = sum(_gather_bytes(u, step, system) for u in gathered)
+    rs = sum(_scatter_share(u, step, system) for u in reduced)
     calls = 1 if system == "fsdp2" else None  # FSDP2: one all-gather per unit
     return CollectiveBytes(
         all_gather_calls=sum(calls or u.buckets for u in gathered),
-        all_gather_bytes=ag_numel * comm,
+        all_gather_bytes=ag,
         reduce_scatter_calls=sum(calls or u.buckets for u in reduced),
-        reduce_scatter_bytes=w * rs_numel * comm,
-        wire_bytes=(w - 1) * (ag_numel + rs_numel) * comm if w > 1 else 0,
+        reduce_scatter_bytes=w * rs,
+        wire_bytes=(w - 1) * (ag + rs) if w > 1 else 0,
     )
 
 
@@ -93,10 +112,12 @@ class StepTime:
     comm_s: float
     total_s: float
     tokens_per_s: float  # per device
+    #: quantizing and dequantizing under compression, on the compute thread (in ``total_s``)
+    codec_s: float = 0.0
 
     @property
     def exposed_comm_s(self) -> float:
-        return max(0.0, self.total_s - self.compute_s - self.optimizer_s)
+        return max(0.0, self.total_s - self.compute_s - self.optimizer_s - self.codec_s)
 
     @property
     def comm_share(self) -> float:
@@ -136,24 +157,22 @@ def step_time(
 
     Long by nature: the forward and backward pipelines, written out.
     """
-    comm, w = step.param_dtype.itemsize, world_size
+    w = world_size
     rate = hw.peak_flops * hw.efficiency
     fsdp2 = system == "fsdp2"
 
-    def coll(unit: UnitBytes, numel: int, reduce: bool = False) -> float:
-        seconds = _ring_s(hw, w, numel * comm, 1 if fsdp2 else unit.buckets)
+    def coll(unit: UnitBytes, nbytes: int, reduce: bool = False) -> float:
+        seconds = _ring_s(hw, w, nbytes, 1 if fsdp2 else unit.buckets)
         if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
-            seconds += 2 * w * numel * comm / hw.memory_bytes_per_s
+            seconds += 2 * w * nbytes / hw.memory_bytes_per_s
             if reduce and not hw.native_reduce_scatter:  # an all-reduce, of a clone
                 seconds *= 2
         return seconds
 
     fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
-    ag = [coll(u, _shard(u, system)) for u in units]
+    ag = [coll(u, _gather_bytes(u, step, system)) for u in units]
     rs = [
-        coll(u, u.fsdp2_shard_numel if fsdp2 else u.trainable_shard_numel, reduce=True)
-        if u.trainable_shard_numel
-        else 0.0
+        coll(u, _scatter_share(u, step, system), reduce=True) if u.trainable_shard_numel else 0.0
         for u in units
     ]
     blocks = range(len(units) - 1)
@@ -174,8 +193,9 @@ def step_time(
     backward += at(rs, 0) + rs[-1]
     local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
     optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
-    total = forward + backward + optimizer
     regathered = blocks if fsdp2 else range(last)
+    codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
+    total = forward + backward + optimizer + codec
     comm_s = sum(ag) + sum(ag[i] for i in regathered) + sum(rs)
     return StepTime(
         forward_s=forward,
@@ -185,4 +205,29 @@ def step_time(
         comm_s=comm_s,
         total_s=total,
         tokens_per_s=step.tokens / total if total else 0.0,
+        codec_s=codec,
     )
+
+
+def _codec_s(
+    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, again: set[int]
+) -> float:
+    """Seconds of quantizing and dequantizing on the compute thread in one step: their memory
+    traffic (:func:`.wire.codec_traffic_bytes`) at memory bandwidth; units in ``again`` are
+    all-gathered twice."""
+    if step.compression is None or world_size == 1:
+        return 0.0
+    traffic = sum(
+        codec_traffic_bytes(
+            u.shards,
+            u.messages,
+            2 if i in again else 1,
+            u.trainable,
+            world_size,
+            step.compression,
+            param_itemsize=step.param_dtype.itemsize,
+            master_itemsize=step.master_dtype.itemsize,
+        )
+        for i, u in enumerate(units)
+    )
+    return traffic / hw.memory_bytes_per_s

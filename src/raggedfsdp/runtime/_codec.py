@@ -6,6 +6,18 @@ to 4 bytes, then the fp32 scales of its pieces' blocks in buffer order, padded t
 count of any rank (all messages have one size, so an all-gather or an all-to-all moves them). A
 *piece* is one parameter's part of one rank's shard: whole quantization blocks, because the
 planner never cuts a block (checked here, so a plan made without the compression fails loudly).
+
+[Note: non-finite gradients] A non-finite value in a block leaves a non-finite scale, but in the
+reduce-scatter only the block's owner receives that scale: the other ranks would go on into the
+next collective while the owner raises. So the sender seals its messages
+(:meth:`BucketCodec.seal`): if any of its scales is not finite, EVERY message it sends is
+poisoned (all scale slots NaN, the first four code bytes the index of the first bad parameter).
+Every rank receives one message from every rank, so every rank sees the poison of the same
+sender (the first in rank order) and raises the same error at the same point of its program,
+before any rank enters another collective, without an extra collective or byte on the wire.
+Under HSDP the other replica groups receive nothing from the poisoned group but its all-reduce:
+there the poisoned ranks defer the error, fill their reduced shards with NaN, and after the
+all-reduce every rank of every group finds it (:meth:`BucketCompression.check_replicated`).
 """
 
 from __future__ import annotations
@@ -51,6 +63,8 @@ class BucketCodec:
         #: per rank, its pieces in buffer order
         self.pieces: list[list[Piece]] = [[] for _ in range(plan.world_size)]
         entries = sorted(plan.entries.values(), key=lambda e: e.offset)
+        #: the bucket's parameters in buffer order: a poisoned message names one by its index
+        self.names = [entry.name for entry in entries]
         for rank, pieces in enumerate(self.pieces):
             scale = 0
             for entry in entries:
@@ -118,6 +132,32 @@ class BucketCodec:
         for piece in self.pieces[rank]:
             at = piece.elements
             dequantize(codes[at], scales[piece.scales], piece.block, out[at], accumulate=accumulate)
+
+    def seal(self, outgoing: torch.Tensor) -> None:
+        """Make a rank's ``W`` messages ``outgoing`` (1-D, one per owner) safe
+        to read by every owner: zero their scale padding, and poison them all if a scale is not
+        finite ([Note: non-finite gradients])."""
+        table = outgoing.view(self.world_size, self.message_bytes)
+        scales = table[:, self.code_bytes :].view(torch.float32)  # [W, scale slots]
+        for owner, count in enumerate(self.scale_counts):
+            scales[owner, count:] = 0.0
+        if bool(torch.isfinite(scales).all()):
+            return
+        bad = next(
+            piece
+            for owner, pieces in enumerate(self.pieces)
+            for piece in pieces
+            if not bool(torch.isfinite(scales[owner, piece.scales]).all())
+        )
+        scales.fill_(float("nan"))
+        table[:, :4].view(torch.int32)[:, 0] = self.names.index(bad.name)
+
+    def poisoned_parameter(self, message: torch.Tensor) -> str | None:
+        """The parameter a poisoned sealed ``message`` names ([Note: non-finite gradients]), or
+        ``None`` when the message is sound."""
+        if bool(torch.isfinite(self.scales(message)).all()):
+            return None
+        return self.names[int(message[:4].view(torch.int32)[0])]
 
     def check_finite(self, message: torch.Tensor, rank: int, what: str) -> None:
         """Raise ``ValueError`` naming the parameter if a block of rank ``rank``'s message had

@@ -6,17 +6,19 @@ message (codes, then scales: :mod:`._codec`) and the messages are all-gathered i
 rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
 dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
 forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
-The message is kept until the iteration ends (or the shard changes): with
-``reshard_after_forward`` the second all-gather before backward does not quantize again. That
-costs one message per bucket, about a quarter of the fp32 shard, from the first all-gather of
-an iteration to the end of its backward.
+The message is valid until an iteration that reduces gradients ends (or the shard changes): with
+``reshard_after_forward`` the second all-gather before backward does not quantize again, nor do
+the micro-batches of gradient accumulation (``no_sync``) after the first: once per optimizer
+step. That costs one message per bucket, about a quarter of the fp32 shard, kept for the
+bucket's life (one buffer re-encoded in place: no allocation per step).
 
 [Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
 one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
 precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
-rank order, adding, and divides by ``W``. With error feedback a rank adds what quantizing
-dropped last time (its residual, ``[W*S]``) to the gradient before quantizing, and keeps the new
-residual (:class:`Residual`).
+rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
+sends, so every rank raises the same error ([Note: non-finite gradients]). With error feedback a
+rank adds what quantizing dropped last time (its residual, ``[W*S]``) to the gradient before
+quantizing, and keeps the new residual (:class:`Residual`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,23 @@ class Residual:
             )
 
 
+def _poison_error(
+    codec: BucketCodec, received: list[torch.Tensor], group: dist.ProcessGroup | None
+) -> str | None:
+    """The error of the first poisoned message in rank order, naming the parameter and the
+    sender's global rank: the same on every rank of the group ([Note: non-finite gradients])."""
+    for k, message in enumerate(received):
+        name = codec.poisoned_parameter(message)
+        if name is not None:
+            sender = k if group is None else dist.get_global_rank(group, k)
+            return (
+                f"raggedfsdp: the gradient of parameter {name!r} on rank {sender} has a "
+                f"non-finite value; compressed communication cannot quantize it (every rank "
+                f"raises this error before its next collective)"
+            )
+    return None
+
+
 class BucketCompression:
     """One bucket's compressed collectives, and what they keep between calls: the quantized
     shard of the all-gather and, for a ``trainable`` bucket, the error-feedback residual
@@ -120,10 +139,12 @@ class BucketCompression:
         self.config = compression
         self.codec = BucketCodec(plan, policy, compression.block_size)
         self.rank: int | None = None  # set by the first collective
-        #: the quantized master shard ``[message_bytes]`` and the shard version it encodes;
-        #: held from the first all-gather of an iteration until :meth:`drop_quantized_shard`
+        #: the quantized master shard ``[message_bytes]`` (one buffer, re-encoded in place) and
+        #: the shard version it encodes (-1: stale, see :meth:`drop_quantized_shard`)
         self._quantized: torch.Tensor | None = None
         self._quantized_version = -1
+        #: the error of the last reduce-scatter's poisoned message, deferred under HSDP
+        self.error: str | None = None
         self.residual = (
             Residual(self.codec, self.residual_storage, device)
             if compression.error_feedback and trainable
@@ -131,18 +152,24 @@ class BucketCompression:
         )
 
     def drop_quantized_shard(self) -> None:
-        """The iteration ended: the optimizer may change the shard before the next all-gather."""
-        self._quantized = None
+        """An iteration that reduced gradients ended: the optimizer may change the shard before
+        the next all-gather, so the next one quantizes again (into the same buffer)."""
+        self._quantized_version = -1
 
     def _quantized_shard(self, local: torch.Tensor, rank: int) -> torch.Tensor:
         # The version counter catches in-place changes made through the parameters (optimizer
-        # steps, load_state_dict); changes through .data are caught at the iteration's end.
-        if self._quantized is None or self._quantized_version != local._version:
-            message = torch.zeros(self.codec.message_bytes, dtype=torch.uint8, device=local.device)
+        # steps, load_state_dict); changes through .data are caught at the end of an iteration
+        # that reduced (no_sync micro-batches keep the shard: no optimizer step between them).
+        if self._quantized_version != local._version:
+            if self._quantized is None:  # zeros: the padding of codes and scales stays 0
+                self._quantized = torch.zeros(
+                    self.codec.message_bytes, dtype=torch.uint8, device=local.device
+                )
             dtype = self.config.all_gather
             assert dtype is not None
-            self.codec.encode(local, rank, message, dtype)
-            self._quantized, self._quantized_version = message, local._version
+            self.codec.encode(local, rank, self._quantized, dtype)
+            self._quantized_version = local._version
+        assert self._quantized is not None
         return self._quantized
 
     def all_gather(
@@ -188,9 +215,14 @@ class BucketCompression:
         group: dist.ProcessGroup,
         stats: RuntimeStats,
         pool: BufferPool,
+        *,
+        replicated: bool = False,
     ) -> Pending:
         """``output`` (fp32 ``[S]``) = the mean over ranks of their dequantized messages for this
-        rank, from each rank's ``full_grad`` (1-D ``[W*S]``)."""
+        rank, from each rank's ``full_grad`` (1-D ``[W*S]``). A poisoned message raises when
+        the wait ends; ``replicated`` (HSDP) defers that to :meth:`check_replicated`, after the
+        all-reduce over the replicas, and fills ``output`` with NaN for that all-reduce to
+        carry ([Note: non-finite gradients])."""
         codec, dtype = self.codec, self.config.reduce_scatter
         assert dtype is not None
         nbytes, world = codec.message_bytes, codec.world_size
@@ -213,15 +245,33 @@ class BucketCompression:
 
         def reduce() -> None:
             with record_function("raggedfsdp::dequantize_sum"):
-                output.zero_()
-                for k, message in enumerate(received):  # in rank order, summed in fp32
-                    codec.check_finite(message, rank, f"the gradient from rank {k}")
-                    codec.decode(message, rank, output, dtype, accumulate=True)
-                output.div_(_world_tensor(world, output.dtype, output.device))
+                self.error = _poison_error(codec, received, group)
+                if self.error is None:
+                    output.zero_()
+                    for message in received:  # in rank order, summed in fp32
+                        codec.decode(message, rank, output, dtype, accumulate=True)
+                    output.div_(_world_tensor(world, output.dtype, output.device))
+                else:
+                    output.fill_(float("nan"))  # what the replicas' all-reduce carries (HSDP)
             pool.give(outgoing)
             pool.give(incoming)
+            if self.error is not None and not replicated:
+                raise ValueError(self.error)
 
         return Pending([w for w in works if w is not None], stats, reduce)
+
+    def check_replicated(self, output: torch.Tensor) -> None:
+        """HSDP, after the all-reduce of ``output`` over the replicas: raise on every rank of
+        every replica group if a gradient was non-finite anywhere (the poisoned group names the
+        parameter; the others see its NaN in ``output``)."""
+        if self.error is not None:
+            raise ValueError(self.error)
+        if not bool(torch.isfinite(output).all()):
+            raise ValueError(
+                "raggedfsdp: a non-finite gradient reached this rank's reduced shard through "
+                "the all-reduce over the replicas (HSDP): another replica group had a non-finite "
+                "gradient, and its ranks name the parameter"
+            )
 
     def _quantize_gradient(self, full_grad: torch.Tensor, outgoing: torch.Tensor) -> None:
         """One message per owner from this rank's unsharded gradient (plus its residual)."""
@@ -247,3 +297,4 @@ class BucketCompression:
         if self.residual is not None:
             assert residual is not None
             self.residual.store(residual)
+        codec.seal(outgoing)

@@ -393,10 +393,15 @@ class FSDPParamGroup:
             assert full_grad is not None
             compressed = self._compressed_scatter(bucket)
             if compressed is not None:
-                # Summed in fp32 whatever reduce_dtype says: the codes are what travels.
+                # Summed in fp32 (fully_shard refuses another reduce_dtype).
                 output = torch.empty(bucket.shard_numel, dtype=torch.float32, device=self.device)
                 scatter = compressed.reduce_scatter(
-                    output, full_grad, self.mesh_info.shard_group, self.stats, self._pool
+                    output,
+                    full_grad,
+                    self.mesh_info.shard_group,
+                    self.stats,
+                    self._pool,
+                    replicated=self.mesh_info.replicate_group is not None,
                 )
                 self._reduces.append(BucketReduce(bucket, scatter, output, full_grad))
                 continue
@@ -448,6 +453,9 @@ class FSDPParamGroup:
         for item in self._reduces:
             if item.replicate is not None:
                 item.replicate.wait()
+                compressed = self._compressed_scatter(item.bucket)
+                if compressed is not None:
+                    compressed.check_replicated(item.output)
             if id(item.bucket) not in self._unreplicated:  # a gradient of every replica
                 self._attach_reduced(item.bucket, self._divided(item.output))
         self._reduces.clear()
@@ -486,8 +494,9 @@ class FSDPParamGroup:
             self.reshard()
         elif self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # no all-gather left in flight past the iteration
-        for compressed in self._compressed.values():
-            compressed.drop_quantized_shard()
+        if self.knobs.requires_gradient_sync:  # no optimizer step between no_sync micro-batches
+            for compressed in self._compressed.values():
+                compressed.drop_quantized_shard()
         self.training_state = TrainingState.IDLE
 
     # -- state outside a step ------------------------------------------------------------------

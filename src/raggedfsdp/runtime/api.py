@@ -55,6 +55,9 @@ class MixedPrecisionPolicy:
         param_dtype: dtype of the unsharded parameters (what forward computes with); ``None``
             keeps the parameter's dtype.
         reduce_dtype: dtype of the gradient reduction; ``None`` reduces in ``param_dtype``.
+            Under a compressed reduce-scatter (``CommCompression.reduce_scatter``) the sum is
+            fp32 whatever ``param_dtype`` is, so only ``None`` or ``torch.float32`` are accepted
+            there (anything else is a ``ValueError`` at ``fully_shard``).
         output_dtype: floating-point forward outputs of the module are cast to it (e.g. fp32
             logits from a bf16 model); ``None`` leaves them as computed.
         cast_forward_inputs: floating-point forward inputs are cast to ``param_dtype``.
@@ -112,7 +115,9 @@ class CommCompression:
             ``torch.int8``); ``None`` gathers them uncompressed.
         reduce_scatter: code dtype of the gradients' reduce-scatter (``torch.int8``,
             ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``); ``None``: uncompressed. The owner
-            of a shard sums the dequantized contributions in fp32, in rank order.
+            of a shard sums the dequantized contributions in fp32, in rank order, and the reduced
+            shard is fp32: a ``MixedPrecisionPolicy.reduce_dtype`` other than ``None`` or fp32
+            conflicts with it (``ValueError`` at ``fully_shard``).
         block_size: the quantization block: ``b`` (``b x b`` tiles; runs of ``b`` for 1-D
             parameters) or ``(rows, cols)``; ``None`` follows the shard policy (``b`` -> ``b x b``,
             ``"whole"`` -> ``128 x 128``, element -> runs of 256 elements). It must divide the

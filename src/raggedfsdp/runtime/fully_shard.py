@@ -327,9 +327,11 @@ def _resolve_planner(
     shard_policy: RaggedShard | None,
     planner: StructAwarePlanner | None,
     compression: CommCompression | None = None,
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
 ) -> StructAwarePlanner:
+    """The planner to shard with, checked against the other arguments (before any collective)."""
     if planner is None:
-        return StructAwarePlanner(shard_policy=shard_policy, compression=compression)
+        planner = StructAwarePlanner(shard_policy=shard_policy, compression=compression)
     if shard_policy is not None and shard_policy != planner.shard_policy:
         raise ValueError(
             f"shard_policy={shard_policy!r} differs from the planner's policy "
@@ -341,6 +343,7 @@ def _resolve_planner(
             f"compression={compression!r} differs from the planner's "
             f"({planner.compression!r}); pass StructAwarePlanner(..., compression=...) too"
         )
+    _check_reduce_dtype(mp_policy, planner.compression)
     return planner
 
 
@@ -370,6 +373,27 @@ def _check_offload(offload_policy: OffloadPolicy | None, device: torch.device) -
             "sharded parameters, gradients and optimizer state live on the device; shard over "
             "more ranks or use a CPU mesh",
         )
+
+
+def _check_reduce_dtype(
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None,
+    compression: CommCompression | None,
+) -> None:
+    """A compressed reduce-scatter sums the dequantized codes in fp32 and yields an fp32 shard
+    (DESIGN.md): an explicit ``reduce_dtype`` other than fp32 would be ignored, so it is refused
+    (``None`` and fp32 say what happens anyway)."""
+    if compression is None or compression.reduce_scatter is None:
+        return
+    mp = MixedPrecisionPolicy.of(mp_policy)
+    if mp.reduce_dtype is None or mp.reduce_dtype == torch.float32:
+        return
+    raise ValueError(
+        f"mp_policy.reduce_dtype={mp.reduce_dtype} conflicts with "
+        f"CommCompression(reduce_scatter={compression.reduce_scatter}): a compressed "
+        f"reduce-scatter moves {compression.reduce_scatter} codes and sums them in fp32, so "
+        f"there is no {mp.reduce_dtype} reduction; set reduce_dtype=None or torch.float32, or "
+        f"reduce_scatter=None to reduce in {mp.reduce_dtype}"
+    )
 
 
 def _check_reshard_after_forward(value: object) -> None:
@@ -469,17 +493,17 @@ def fully_shard(
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`.
 
-    Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's
-    meanings (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded
-    parameters after forward (``None``: yes, but not the root's); the unit that runs forward last
-    keeps them into backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate,
-    shard: HSDP); ``None`` shards over the whole default group. ``shard_placement_fn`` may only
-    ask for ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order;
-    choose the units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as
-    is on CPU devices and not supported on accelerators. ``ignored_params`` stay unsharded and
-    unmanaged (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the
-    all-gather and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given
-    too must carry the same one)."""
+    Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's meanings
+    (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded parameters after
+    forward (``None``: yes, but not the root's); the unit that runs forward last keeps them into
+    backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate, shard: HSDP);
+    ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
+    ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
+    units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
+    devices and not supported on accelerators. ``ignored_params`` stay unsharded and unmanaged
+    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather and/or
+    the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
+    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
@@ -487,7 +511,7 @@ def fully_shard(
             f"applied to it twice)"
         )
     info = mesh_info(mesh)
-    planner = _resolve_planner(shard_policy, planner, compression)
+    planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
@@ -527,7 +551,7 @@ def FSDPBackend(
     for which ``wrap(module)`` is true) bottom-up, then the root. Returns the same object; its
     buckets are exactly ``planner.plan_model(module, W, buffer_size=..., dtype=param_dtype,
     wrap=wrap)``; ``compression`` as in :func:`fully_shard`."""
-    planner = _resolve_planner(shard_policy, planner, compression)
+    planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy,

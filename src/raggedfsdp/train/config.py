@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS
 from ..planner import OptimizerType
+from ..planner.wire import CODE_DTYPES
 from ..runtime import CommCompression
 
 if sys.version_info >= (3, 11):
@@ -42,14 +41,6 @@ __all__ = [
     "load_toml",
     "train_argv",
 ]
-
-#: The code dtype of each --compress-* choice.
-_CODE_DTYPES = {
-    "none": None,
-    "int8": torch.int8,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 
 # Test-only fields: accepted on the command line but left out of --help.
 _HIDDEN = {"hidden": True}
@@ -270,8 +261,8 @@ class TrainConfig:
     def comm_compression(self) -> CommCompression | None:
         """The compression options as a :class:`raggedfsdp.CommCompression` (``None``: off)."""
         compression = CommCompression(
-            all_gather=_CODE_DTYPES[self.compress_all_gather],
-            reduce_scatter=_CODE_DTYPES[self.compress_reduce_scatter],
+            all_gather=CODE_DTYPES[self.compress_all_gather],
+            reduce_scatter=CODE_DTYPES[self.compress_reduce_scatter],
             error_feedback=self.error_feedback,
         )
         return compression if compression.enabled else None
