@@ -28,6 +28,7 @@ __all__ = [
     "meta_model",
     "mp_policy",
     "new_model",
+    "new_model_of",
     "optimizer_bytes",
     "transformer_blocks",
     "wrap_policy",
