@@ -123,7 +123,8 @@ def check_entries(
     in another shape (``None``: any non-tensor value)."""
     entries = _read_metadata(Path(path)).state_dict_metadata
     saved = meta.get("config", {})
-    origin = f"saved by model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}"
+    model = saved.get("hf_config") or saved.get("model")
+    origin = f"saved by model {model!r} with optimizer {saved.get('optimizer')!r}"
     for key, shape in expected.items():
         if key not in entries:
             raise ValueError(
