@@ -6,7 +6,9 @@ launcher (torchrun's agent, Gloo, CPU): the losses equal those of one process on
 checkpoint ends with the same parameters bit for bit (the tied Llama and the MoE); the exported
 full state dict loads into a plain ``transformers`` model whose ``generate()`` works, whose
 logits are those the model computes without a cache, and whose validation loss is the sharded
-run's. The three single-process references share one interpreter (a launch costs seconds). The
+run's. The three single-process references share one interpreter (a launch costs seconds).
+In this process, on a group of one: every built-in config (Qwen2-MoE too) shards by decoder
+layer and takes a step; ``--compile`` equals eager without a compile per block. The
 one-line errors of ``--hf-config`` (without ``transformers``, with ``--model``, a bad name) run
 in this process.
 """
@@ -216,6 +218,19 @@ def test_compile_matches_eager_without_recompiling(group_of_one, corpus):
         cfg = TrainConfig(hf_config="tiny-llama", compile=True)
         build_model(cfg, torch.device("cpu"))(x, y).backward()
     torch._dynamo.reset()
+
+
+def test_every_builtin_config_shards_by_decoder_layer(group_of_one, corpus):
+    pytest.importorskip("transformers")
+    x, y = eval_batches(load_corpus(corpus, seed=0).val, 1, seq_len=32, global_batch=2, seed=0)[0]
+    for name in hf.TINY_CONFIGS:
+        model = build_model(TrainConfig(hf_config=name), torch.device("cpu"))
+        units = sorted({plan.name.split("/")[0] for plan in model.shard_plans()})
+        assert units == ["<root>", "model.layers.0", "model.layers.1"], (name, units)
+        loss = model(x, y)
+        loss.backward()
+        assert 5.0 < loss.item() < 6.0, name  # about ln 256 = 5.55 at initialisation
+        assert all(p.grad is not None for p in model.parameters()), name
 
 
 # ---------------------------------------------------------------------------------------------
