@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import cast
 
 import torch
 from torch import nn
 
 from .. import optim
 from ..layout import RaggedShard, global_shape
-from ..models import GPT, GPT_CONFIGS
-from ..planner import StructAwarePlanner
+from ..models import GPT, GPT_CONFIGS, hf
+from ..planner import StructAwarePlanner, WrapPolicy
 from ..runtime import FSDPBackend, MixedPrecisionPolicy
 from .config import TrainConfig
 
@@ -22,9 +23,15 @@ __all__ = [
     "build_model",
     "build_optimizer",
     "build_planner",
+    "compile_blocks",
     "lr_factor",
+    "meta_model",
     "mp_policy",
+    "new_model",
+    "new_model_of",
     "optimizer_bytes",
+    "transformer_blocks",
+    "wrap_policy",
 ]
 
 #: Betas of every Adam-style update (nanoGPT's choice for small GPTs).
@@ -51,25 +58,88 @@ def mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy | None:
     return None
 
 
-def apply_activation_checkpointing(model: GPT) -> None:
+def new_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
+    """The run's model, unsharded: ``--hf-config``'s Hugging Face model, else ``--model``'s
+    GPT; initialised from torch's global generator (on the meta device: not at all)."""
+    return new_model_of(cfg.model, cfg.hf_config, device)
+
+
+def new_model_of(model: str, hf_config: str | None, device: torch.device | str) -> nn.Module:
+    """:func:`new_model` from the two options alone (what a checkpoint's config records)."""
+    if hf_config is not None:
+        return hf.build_hf_model(hf_config, device)
+    return GPT(GPT_CONFIGS[model], device=device)
+
+
+def meta_model(cfg: TrainConfig) -> nn.Module:
+    """The run's model on the meta device: its shapes, for plans and checks."""
+    return new_model(cfg, "meta")
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: its FSDP units below the root (a GPT's ``blocks``, an HF model's
+    decoder layers)."""
+    if hf.is_hf_model(model):
+        return hf.decoder_layers(model)
+    return list(cast(GPT, model).blocks)
+
+
+def wrap_policy(model: nn.Module) -> WrapPolicy:
+    """The units ``FSDPBackend`` and the planner take: the decoder layers of an HF model (an
+    ``nn.ModuleList`` of experts, as older ``transformers`` build them, stays inside its
+    layer), the default (each ``nn.ModuleList`` element) for a GPT."""
+    if not hf.is_hf_model(model):
+        return None
+    layers = {id(m) for m in hf.decoder_layers(model)}
+    return lambda module: id(module) in layers
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     """Recompute each block's activations in backward. The block's ``forward`` is replaced on the
     instance (not wrapped in another module), so parameter names - and checkpoints - do not
     change; the FSDP hooks of the block still run around it and unshard before recomputation."""
     from torch.utils.checkpoint import checkpoint
 
-    for block in model.blocks:
+    for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> GPT:
-    """The same GPT on every rank (seeded by ``cfg.seed``), sharded by raggedfsdp. Needs the
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """``torch.compile`` each block, as torchtitan does, but its ``forward`` on the instance
+    rather than the module in an ``OptimizedModule``: parameter names (and so checkpoints) stay
+    those of the eager model, and the FSDP hooks, which the block's ``__call__`` runs around
+    ``forward``, stay eager (they all-gather and reduce-scatter)."""
+    for block in blocks:
+        block.forward = torch.compile(block.forward)
+
+
+def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
+    """The same model on every rank (seeded by ``cfg.seed``), sharded by raggedfsdp: each block
+    (then the root), after activation checkpointing and ``--compile`` if asked. Needs the
     process group."""
     torch.manual_seed(cfg.seed)
-    model = GPT(GPT_CONFIGS[cfg.model], device=device)
+    model = new_model(cfg, device)
+    blocks = transformer_blocks(model)
     if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    FSDPBackend(model, planner=build_planner(cfg), mp_policy=mp_policy(cfg))
+        apply_activation_checkpointing(blocks)
+    if cfg.compile:
+        compile_blocks(blocks)
+    FSDPBackend(
+        model, planner=build_planner(cfg), mp_policy=mp_policy(cfg), wrap=wrap_policy(model)
+    )
+    if cfg.compile:
+        _share_sharded_classes(blocks)
     return model
+
+
+def _share_sharded_classes(blocks: list[nn.Module]) -> None:
+    """Give blocks of one class one sharded class. ``fully_shard`` extends each module's class
+    by a class of its own (with an empty body), and compiled code is guarded on the class of
+    ``self``: without this, every block would be compiled anew (minutes for a deep model) and
+    past torch's recompile limit (8) the rest would silently run eager."""
+    shared: dict[tuple[type, ...], type] = {}
+    for block in blocks:
+        block.__class__ = shared.setdefault(type(block).__bases__, type(block))
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -86,12 +156,9 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         optimizer = torch.optim.AdamW([decay, no_decay], lr=cfg.lr, betas=BETAS)
     else:
         if cfg.optimizer == "muon":
-            in_blocks = [
-                p for n, p in named if n.startswith("blocks.") and len(global_shape(p)) >= 2
-            ]
-            embeddings = [
-                p for n, p in named if not n.startswith("blocks.") and len(global_shape(p)) >= 2
-            ]
+            inside = {id(p) for block in transformer_blocks(model) for p in block.parameters()}
+            in_blocks = [p for p in matrices if id(p) in inside]
+            embeddings = [p for p in matrices if id(p) not in inside]
             optimizer = optim.Muon(
                 [
                     {"params": in_blocks},

@@ -123,7 +123,8 @@ def check_entries(
     in another shape (``None``: any non-tensor value)."""
     entries = _read_metadata(Path(path)).state_dict_metadata
     saved = meta.get("config", {})
-    origin = f"saved by model {saved.get('model')!r} with optimizer {saved.get('optimizer')!r}"
+    model = saved.get("hf_config") or saved.get("model")
+    origin = f"saved by model {model!r} with optimizer {saved.get('optimizer')!r}"
     for key, shape in expected.items():
         if key not in entries:
             raise ValueError(
@@ -332,16 +333,19 @@ def export_checkpoint(
     plain ``torch.save`` state dict of the unwrapped model, plus ``.safetensors`` when the
     package is installed. Checked by loading it into the model on the meta device. ``log`` gets
     one line when newer checkpoints of the run folder were skipped. Returns the files."""
-    from ..models import GPT, GPT_CONFIGS
+    from ..models import GPT_CONFIGS
+    from .build import new_model_of
 
     path = resolve_checkpoint(checkpoint, log=lambda line: log(f"export: {line}"))
     meta = read_meta(path)
-    name = meta["config"].get("model")
-    if name not in GPT_CONFIGS:
+    hf_config = meta["config"].get("hf_config")
+    name = hf_config or meta["config"].get("model")
+    if hf_config is None and name not in GPT_CONFIGS:
         raise ValueError(f"checkpoint {str(path)!r} was saved by an unknown model {name!r}")
     state = load_full(path, "model.")
+    model = new_model_of(meta["config"].get("model"), hf_config, "meta")
     try:
-        GPT(GPT_CONFIGS[name], device="meta").load_state_dict(state, strict=True, assign=True)
+        model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit model {name!r}: {' '.join(str(err).split())}"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..layout import BlockSize, parse_block_size
-from ..models import GPT_CONFIGS
+from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..planner.wire import CODE_DTYPES
 from ..runtime import CommCompression
@@ -45,13 +45,28 @@ __all__ = [
 # Test-only fields: accepted on the command line but left out of --help.
 _HIDDEN = {"hidden": True}
 
+_DEFAULT_MODEL = "gpt-small"
+_BOTH_MODELS = "model: --model and --hf-config choose the model two ways; give only one"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything one training run needs; the same on every rank."""
 
-    model: str = field(default="gpt-small", metadata={"metavar": "NAME"})
+    model: str = field(default=_DEFAULT_MODEL, metadata={"metavar": "NAME"})
     """Model shape, one of the GPT_CONFIGS (gpt-tiny, gpt-small, gpt-medium, gpt-ref)."""
+
+    hf_config: str | None = field(default=None, metadata={"metavar": "PATH|NAME"})
+    """Train a Hugging Face causal LM instead of --model (not both): any architecture of
+    transformers, from a config.json (or a folder holding one) or a built-in tiny config
+    (tiny-llama, tiny-llama-tied, tiny-mixtral, tiny-qwen2-moe), with random weights, never
+    downloaded; each decoder layer is a unit. Its vocab_size becomes 256, the byte-level data's
+    token ids (special-token ids above 255 are dropped); --seq-len defaults to its
+    max_position_embeddings, at most 1024. Needs pip install 'raggedfsdp[hf]'."""
+
+    compile: bool = False
+    """torch.compile each block (GPT block or decoder layer) before sharding it; the FSDP hooks
+    around it stay eager."""
 
     data: str | None = field(default=None, metadata={"metavar": "PATH"})
     """Text corpus: a file or a folder (every text file below it); default: the Python standard
@@ -196,10 +211,12 @@ class TrainConfig:
             raise ValueError(
                 f"model: unknown model {self.model!r}; choose one of {', '.join(GPT_CONFIGS)}"
             )
-        model_seq = GPT_CONFIGS[self.model].seq_len
+        if self.hf_config is not None and self.model != _DEFAULT_MODEL:
+            raise ValueError(_BOTH_MODELS)
+        model_seq = self.model_seq_len  # with --hf-config: loads (and so checks) its config
         if self.seq_len is not None and not 1 <= self.seq_len <= model_seq:
             raise ValueError(
-                f"seq_len: must be in [1, {model_seq}] (the seq_len of {self.model}), "
+                f"seq_len: must be in [1, {model_seq}] (the seq_len of {self.model_name}), "
                 f"got {self.seq_len}"
             )
         positive = (
@@ -250,9 +267,22 @@ class TrainConfig:
             raise ValueError(f"error_feedback: {err}") from None
 
     @property
+    def model_name(self) -> str:
+        """What is trained, for messages: ``hf_config`` or ``model``."""
+        return self.hf_config if self.hf_config is not None else self.model
+
+    @property
+    def model_seq_len(self) -> int:
+        """The longest sequence the model takes (:func:`raggedfsdp.models.hf.hf_seq_len` for
+        an HF model)."""
+        if self.hf_config is not None:
+            return hf.hf_seq_len(self.hf_config)
+        return GPT_CONFIGS[self.model].seq_len
+
+    @property
     def tokens_per_seq(self) -> int:
         """The sequence length actually used (``seq_len`` or the model's)."""
-        return self.seq_len or GPT_CONFIGS[self.model].seq_len
+        return self.seq_len or self.model_seq_len
 
     def parsed_block_size(self) -> BlockSize:
         """``block_size`` as a :data:`raggedfsdp.layout.BlockSize`."""
@@ -412,6 +442,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """Defaults, then the ``--config`` file, then the options given on the command line."""
     values = load_toml(args.config) if getattr(args, "config", None) else {}
     values.update({name: getattr(args, name) for name in _FIELDS if hasattr(args, name)})
+    # Given at all, even as the default's name: the two options must not both be set.
+    if "model" in values and values.get("hf_config") is not None:
+        raise ValueError(_BOTH_MODELS)
     return TrainConfig(**values)
 
 

@@ -1,4 +1,5 @@
-"""Train a GPT with raggedfsdp: the job one worker runs.
+"""Train a GPT (or a Hugging Face causal LM, ``--hf-config``) with raggedfsdp: the job one worker
+runs.
 
 Launch it with ``raggedfsdp train`` (which starts the workers through torchrun's own code path),
 or with torchrun directly::
@@ -328,7 +329,7 @@ def _banner(
 ) -> str:
     """The run's first console line: what is trained, where, on what."""
     return (
-        f"{cfg.model}: {sum(global_shape(p).numel() for p in params):,} parameters, "
+        f"{cfg.model_name}: {sum(global_shape(p).numel() for p in params):,} parameters, "
         f"{world.size} rank(s) "
         f"({backend}), optimizer {cfg.optimizer}, block {cfg.block_size}, padding "
         f"{100 * padding_ratio:.3f}%, corpus {corpus.source} "
@@ -404,7 +405,8 @@ def _train_loop(run: _Run, start_step: int) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The worker's options: every TrainConfig field, ``--config`` and ``--debug``."""
     parser = argparse.ArgumentParser(
-        prog="raggedfsdp.train", description="Train a GPT with raggedfsdp (one worker)."
+        prog="raggedfsdp.train",
+        description="Train a GPT or a Hugging Face causal LM with raggedfsdp (one worker).",
     )
     add_config_arguments(parser)
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")

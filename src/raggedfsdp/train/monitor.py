@@ -327,7 +327,7 @@ class Monitor:
         from rich.table import Table
 
         this_run = [r for r in train if r["step"] > self.start_step] or train
-        table = Table(title=f"{self.cfg.model} on {self.world_size} rank(s): summary")
+        table = Table(title=f"{self.cfg.model_name} on {self.world_size} rank(s): summary")
         table.add_column("metric")
         table.add_column("value", justify="right")
 
@@ -413,7 +413,7 @@ def write_report(records: list[dict[str, Any]], path: Path, cfg: TrainConfig) ->
     ax_mem.legend(fontsize="small")
     world = train[-1]["world_size"] if train else "?"
     fig.suptitle(
-        f"{cfg.model}, {world} rank(s), {cfg.optimizer}, block {cfg.block_size}, "
+        f"{cfg.model_name}, {world} rank(s), {cfg.optimizer}, block {cfg.block_size}, "
         f"batch {cfg.batch_size}x{cfg.tokens_per_seq}, mixed precision {cfg.mixed_precision}"
     )
     fig.tight_layout()

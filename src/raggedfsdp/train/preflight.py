@@ -9,7 +9,7 @@ import torch
 from .._console import format_bytes
 from .._host import available_ram_bytes
 from ..data import load_corpus
-from ..models import GPT, GPT_CONFIGS
+from ..models import hf
 from ..planner.capacity import DEFAULT_RESERVE
 from ..planner.cost import (
     MemoryBreakdown,
@@ -19,7 +19,7 @@ from ..planner.cost import (
     unit_bytes,
 )
 from ..planner.shapes import model_shape
-from .build import build_planner, mp_policy
+from .build import build_planner, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
 from .run_dir import check_out_dir, free_space, resume_checkpoint
@@ -51,8 +51,13 @@ def check_data_path(path: str | None) -> None:
 
 def _model_entries(cfg: TrainConfig) -> dict[str, tuple[int, ...]]:
     """DCP keys and shapes of the model part of a checkpoint of this run."""
-    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    model = meta_model(cfg)
     return {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _num_params(model: torch.nn.Module) -> int:
+    """Parameters of ``model``, a tied one counted once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 def check_corpus(cfg: TrainConfig) -> None:
@@ -80,8 +85,7 @@ def check_disk(cfg: TrainConfig) -> None:
     """The file system of ``--out`` has room for one more checkpoint of this run (fp32
     parameters plus optimizer state, with 25% for metadata, the RNG files and file-system
     blocks)."""
-    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
-    need = int(model.num_params() * (4 + STATE_BYTES_PER_PARAM[cfg.optimizer]) * 1.25)
+    need = int(_num_params(meta_model(cfg)) * (4 + STATE_BYTES_PER_PARAM[cfg.optimizer]) * 1.25)
     where, free = free_space(cfg.out)
     if free < need:
         raise ValueError(
@@ -94,10 +98,10 @@ def check_plan(cfg: TrainConfig, world_size: int) -> None:
     """The model can be sharded with ``--block-size`` and the optimizer's blocks (planned on
     the meta device, exactly as the workers will)."""
     policy = mp_policy(cfg)
-    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    model = meta_model(cfg)
     try:
         build_planner(cfg).plan_model(
-            model, world_size, dtype=policy.param_dtype if policy else None
+            model, world_size, dtype=policy.param_dtype if policy else None, wrap=wrap_policy(model)
         )
     except ValueError as err:
         raise ValueError(f"block_size {cfg.block_size}: {err}") from None
@@ -153,9 +157,10 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
     own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
     policy = mp_policy(cfg)
     param_dtype = policy.param_dtype if policy is not None else torch.float32
-    model = GPT(GPT_CONFIGS[cfg.model], device="meta")
+    model = meta_model(cfg)
+    wrap = wrap_policy(model)
     plans = build_planner(cfg).plan_model(
-        model, world_size, dtype=policy.param_dtype if policy else None
+        model, world_size, dtype=policy.param_dtype if policy else None, wrap=wrap
     )
     step = StepShape(
         batch=cfg.batch_size // world_size // cfg.grad_accum,
@@ -166,7 +171,8 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
     )
     state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
     units = unit_bytes(plans, [True] * len(plans))
-    return memory_breakdown(model_shape(model), units, step, state, world_size=world_size)
+    shape = model_shape(model, experts_per_token=hf.experts_per_token(model), wrap=wrap)
+    return memory_breakdown(shape, units, step, state, world_size=world_size)
 
 
 def _memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
@@ -219,16 +225,17 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The shard plan of the model on the meta device and an estimate of memory per rank."""
-    gpt = GPT_CONFIGS[cfg.model]
-    model = GPT(gpt, device="meta")
+    model = meta_model(cfg)
     policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
     param_dtype = policy.param_dtype if policy is not None else None
-    plans = build_planner(cfg).plan_model(model, world_size, dtype=param_dtype)
+    plans = build_planner(cfg).plan_model(
+        model, world_size, dtype=param_dtype, wrap=wrap_policy(model)
+    )
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
     numel = sum(p.param_numel for p in plans)
     lines = [
-        f"{cfg.model}: {model.num_params():,} parameters on {world_size} rank(s), "
+        f"{cfg.model_name}: {_num_params(model):,} parameters on {world_size} rank(s), "
         f"optimizer {cfg.optimizer}, block {cfg.block_size}",
         f"{'bucket':<28}{'params':>8}{'elements':>12}{'per rank':>12}{'padding':>10}",
     ]

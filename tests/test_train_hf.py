@@ -1,0 +1,314 @@
+"""Hugging Face causal LMs in the training job: ``raggedfsdp train --hf-config`` and ``--compile``.
+
+Tiny Llama (untied and tied) and a tiny Mixtral (MoE) each train 5 steps at W=2 through the real
+launcher (torchrun's agent, Gloo, CPU): the losses equal those of one process on the global batch
+(the worker run without torchrun: a group of one) to 1e-5; a run resumed from the step-3
+checkpoint ends with the same parameters bit for bit (the tied Llama and the MoE); the exported
+full state dict loads into a plain ``transformers`` model whose ``generate()`` works, whose
+logits are those the model computes without a cache, and whose validation loss is the sharded
+run's. The three single-process references share one interpreter (a launch costs seconds).
+In this process, on a group of one: every built-in config (Qwen2-MoE too) shards by decoder
+layer and takes a step; ``--compile`` equals eager without a compile per block. The
+one-line errors of ``--hf-config`` (without ``transformers``, with ``--model``, a bad name) run
+in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launches import ENV, assert_same_tensors, ok, run_cli, stdlib_corpus
+from raggedfsdp import cli
+from raggedfsdp.data import eval_batches, load_corpus
+from raggedfsdp.models import hf
+from raggedfsdp.train import build_parser
+from raggedfsdp.train.build import build_model
+from raggedfsdp.train.checkpoints import export_checkpoint
+from raggedfsdp.train.config import TrainConfig, config_from_args
+
+CASES = ("tiny-llama", "tiny-llama-tied", "tiny-mixtral")
+# Resumed: the tied model (one parameter under two names) and the MoE (3-D expert tensors); the
+# untied Llama has nothing they lack, and a launch costs ~10 s.
+RESUMED = ("tiny-llama-tied", "tiny-mixtral")
+
+# 5 steps of 8 sequences of 64 bytes; a checkpoint after step 3 to resume from; the end's
+# evaluation and checkpoint (always made) for the exported model.
+COMMON = [
+    "--steps=5",
+    "--batch-size=8",
+    "--seq-len=64",
+    "--warmup-steps=2",
+    "--lr=1e-2",
+    "--log-every=1",
+    "--eval-every=0",
+    "--eval-batches=2",
+    "--checkpoint-every=3",
+]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
+
+
+def _val_loss(out: Path) -> float:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in records if r.get("kind") == "eval"][-1]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
+    """Per case: the W=2 run, the single-process run, and (:data:`RESUMED`) the W=2 run resumed
+    from its step-3 checkpoint."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    found: dict[str, dict[str, Any]] = {}
+    for name in CASES:
+        out = root / name / "w2"
+        ok(run_cli("train", f"--hf-config={name}", *COMMON, f"--data={corpus}", f"--out={out}"))
+        found[name] = {"w2": out, "w1": root / name / "w1", "resumed": root / name / "resumed"}
+    # The worker without torchrun is a group of one: the three references in one interpreter.
+    argvs = [
+        [f"--hf-config={name}", *COMMON, f"--data={corpus}", f"--out={found[name]['w1']}"]
+        for name in CASES
+    ]
+    code = (
+        "import json, sys\nfrom raggedfsdp.train import main\n"
+        "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
+    )
+    ok(
+        subprocess.run(
+            [sys.executable, "-c", code, *map(json.dumps, argvs)],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=180,
+        )
+    )
+    for name in RESUMED:
+        resumed = found[name]["resumed"]
+        step3 = found[name]["w2"] / "checkpoints" / "step_000003"
+        shutil.copytree(step3, resumed / "checkpoints" / "step_000003")
+        ok(
+            run_cli(
+                "train",
+                f"--hf-config={name}",
+                *COMMON,
+                f"--data={corpus}",
+                f"--out={resumed}",
+                "--resume",
+            )
+        )
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_two_ranks_match_one_process(runs, name):
+    w2, w1 = _losses(runs[name]["w2"]), _losses(runs[name]["w1"])
+    assert sorted(w2) == [1, 2, 3, 4, 5]
+    assert w2[5] < w2[1] - 0.5  # it trains
+    for step in w2:
+        assert abs(w2[step] - w1[step]) <= 1e-5, (step, w2[step], w1[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RESUMED)
+def test_resume_is_bit_exact(runs, name, tmp_path):
+    assert _losses(runs[name]["resumed"]) == {
+        k: v for k, v in _losses(runs[name]["w2"]).items() if k > 3
+    }
+    export_checkpoint(runs[name]["w2"], tmp_path / "full.pt")
+    export_checkpoint(runs[name]["resumed"], tmp_path / "resumed.pt")
+    assert_same_tensors(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "full.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", CASES)
+def test_generate_after_loading_the_export(runs, name, corpus, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    status = cli.main(
+        ["export", "--checkpoint", str(runs[name]["w2"]), "--out", str(tmp_path / "m.pt")]
+    )
+    assert status == 0
+    state = torch.load(tmp_path / "m.pt")
+    model = transformers.AutoModelForCausalLM.from_config(hf.hf_config(name))
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    if name == "tiny-llama-tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    # The sharded run's validation loss, from the unsharded model on the same batches.
+    val = load_corpus(corpus, seed=0).val
+    batches = eval_batches(val, 2, seq_len=64, global_batch=8, seed=0)
+    with torch.no_grad():
+        losses = [
+            torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+            for x, y in batches
+        ]
+    assert abs(torch.stack(losses).mean().item() - _val_loss(runs[name]["w2"])) <= 1e-5
+    # generate() with its cache: each new token's logits are the model's without one.
+    prompt = batches[0][0][:2, :16]
+    out = model.generate(
+        prompt,
+        max_new_tokens=6,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    assert out.sequences.shape == (2, 22)
+    with torch.no_grad():
+        full = model(input_ids=out.sequences, use_cache=False).logits
+    for i, logits in enumerate(out.logits):
+        torch.testing.assert_close(logits, full[:, 15 + i], atol=1e-5, rtol=1e-5)
+        assert torch.equal(out.sequences[:, 16 + i], logits.argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# --compile, in this process on a group of one.
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_without_recompiling(group_of_one, corpus):
+    pytest.importorskip("transformers")
+    import torch._dynamo
+
+    for model_args in ({"model": "gpt-tiny"}, {"hf_config": "tiny-llama-tied"}):
+        x, y = eval_batches(load_corpus(corpus, seed=0).val, 1, seq_len=32, global_batch=2, seed=0)[
+            0
+        ]
+        losses = []
+        for compiled in (False, True):
+            cfg = TrainConfig(**model_args, compile=compiled, activation_checkpointing=True)
+            model = build_model(cfg, torch.device("cpu"))
+            loss = model(x, y)
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            losses.append((loss.item(), grads))
+        torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-5, rtol=1e-5)
+        for got, want in zip(losses[1][1], losses[0][1], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch._dynamo.reset()
+    # Blocks of one class share compiled code: a second block recompiling would raise here.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        cfg = TrainConfig(hf_config="tiny-llama", compile=True)
+        build_model(cfg, torch.device("cpu"))(x, y).backward()
+    torch._dynamo.reset()
+
+
+def test_every_builtin_config_shards_by_decoder_layer(group_of_one, corpus):
+    pytest.importorskip("transformers")
+    x, y = eval_batches(load_corpus(corpus, seed=0).val, 1, seq_len=32, global_batch=2, seed=0)[0]
+    for name in hf.TINY_CONFIGS:
+        model = build_model(TrainConfig(hf_config=name), torch.device("cpu"))
+        units = sorted({plan.name.split("/")[0] for plan in model.shard_plans()})
+        assert units == ["<root>", "model.layers.0", "model.layers.1"], (name, units)
+        loss = model(x, y)
+        loss.backward()
+        assert 5.0 < loss.item() < 6.0, name  # about ln 256 = 5.55 at initialisation
+        assert all(p.grad is not None for p in model.parameters()), name
+
+
+# ---------------------------------------------------------------------------------------------
+# One-line errors and options, in this process.
+
+
+@pytest.fixture
+def command(capsys):
+    """``raggedfsdp ARGS`` in this process -> (status, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        status = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return status, out, err
+
+    return run
+
+
+def _one_error_line(err: str, *fragments: str) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raggedfsdp: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_without_transformers_one_line(command, monkeypatch, tmp_path):
+    # ``import transformers`` fails when its sys.modules entry is None, as if not installed.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    hf.hf_config.cache_clear()
+    status, _, err = command("train", "--hf-config=tiny-llama", f"--out={tmp_path / 'o'}")
+    assert status == 2
+    _one_error_line(err, "pip install 'raggedfsdp[hf]'")
+    assert not (tmp_path / "o").exists()
+    hf.hf_config.cache_clear()
+
+
+def test_hf_config_and_model_exclude_each_other(command, tmp_path):
+    pytest.importorskip("transformers")
+    for args in (["--model=gpt-tiny"], ["--model=gpt-small"]):
+        status, _, err = command("train", "--hf-config=tiny-llama", *args, f"--out={tmp_path}")
+        assert status == 2
+        _one_error_line(err, "--model and --hf-config")
+    config = tmp_path / "run.toml"
+    config.write_text('model = "gpt-tiny"\n')
+    status, _, err = command("train", f"--config={config}", "--hf-config=tiny-llama")
+    _one_error_line(err, "--model and --hf-config")
+    with pytest.raises(ValueError, match="give only one"):
+        TrainConfig(model="gpt-tiny", hf_config="tiny-llama")
+
+
+def test_bad_hf_configs_one_line(command, tmp_path):
+    pytest.importorskip("transformers")
+    status, _, err = command("train", "--hf-config=tiny-gpt5", f"--out={tmp_path / 'o'}")
+    assert status == 2
+    _one_error_line(err, "tiny-gpt5", "tiny-llama-tied")
+    vision = tmp_path / "vit"
+    vision.mkdir()
+    (vision / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    status, _, err = command("train", f"--hf-config={vision}", f"--out={tmp_path / 'o'}")
+    _one_error_line(err, "not a causal-LM")
+    status, _, err = command("train", "--hf-config=tiny-llama", "--seq-len=300")
+    _one_error_line(err, "seq_len", "[1, 256]")
+
+
+def test_config_file_key_folder_and_dry_run(command, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "qwen"
+    big = transformers.AutoConfig.for_model(**hf.TINY_CONFIGS["tiny-qwen2-moe"])
+    big.vocab_size, big.max_position_embeddings = 151_936, 32_768
+    big.save_pretrained(folder)
+    config = tmp_path / "run.toml"
+    config.write_text(f'hf_config = "{folder}"\ncompile = true\n')
+    cfg = config_from_args(build_parser().parse_args(["--config", str(config)]))
+    assert (cfg.hf_config, cfg.compile, cfg.tokens_per_seq) == (str(folder), True, 1024)
+    assert hf.hf_config(str(folder)).vocab_size == hf.BYTE_VOCAB
+    status, out, err = command("train", "--dry-run", f"--config={config}", "--nproc=2")
+    assert status == 0, err
+    assert "model.layers.1/" in out and "estimated memory per rank" in out
+    status, out, _ = command("train", "--help")
+    assert "--hf-config" in out and "--compile" in out
