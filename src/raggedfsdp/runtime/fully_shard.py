@@ -428,6 +428,19 @@ def _check_placements(
 _SHARDED_BY = "_raggedfsdp_sharded_by"
 
 
+# One sharded class per module class, as FSDP2 keeps: compiled code is guarded on the class of
+# ``self``, so blocks of one class must share it (a class per module would make torch.compile
+# compile every block anew and, past its recompile limit, silently run the rest eager).
+_FSDP_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    """``FSDP<cls>``: ``cls`` with :class:`FSDPModule`'s methods, made once per class."""
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _FSDP_CLASSES[cls]
+
+
 def _name_units(module: nn.Module) -> None:
     """Units take their names from the outermost module sharded so far, as plan_model names
     them."""
@@ -529,9 +542,8 @@ def fully_shard(
     FSDPState(module, group, reshard_after_forward)
     _mark_sharded(registrations, module)
     _name_units(module)
-    cls = type(module)
-    if not issubclass(cls, FSDPModule):
-        module.__class__ = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    if not isinstance(module, FSDPModule):
+        module.__class__ = _fsdp_class(type(module))
     return cast(FSDPModule, module)
 
 

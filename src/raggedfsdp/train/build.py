@@ -127,19 +127,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
     FSDPBackend(
         model, planner=build_planner(cfg), mp_policy=mp_policy(cfg), wrap=wrap_policy(model)
     )
-    if cfg.compile:
-        _share_sharded_classes(blocks)
     return model
-
-
-def _share_sharded_classes(blocks: list[nn.Module]) -> None:
-    """Give blocks of one class one sharded class. ``fully_shard`` extends each module's class
-    by a class of its own (with an empty body), and compiled code is guarded on the class of
-    ``self``: without this, every block would be compiled anew (minutes for a deep model) and
-    past torch's recompile limit (8) the rest would silently run eager."""
-    shared: dict[tuple[type, ...], type] = {}
-    for block in blocks:
-        block.__class__ = shared.setdefault(type(block).__bases__, type(block))
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
