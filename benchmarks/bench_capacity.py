@@ -6,12 +6,14 @@
 2. **step time**: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor, interleaved)
    at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``); the
    compute efficiency of the ``cpu-gloo`` preset is fitted to the first run's floor and nothing
-   else is fitted to step times. Two predictions per run: the preset with the rate as its link
-   (``--link-gbit``), and the link as a probe measures it on the bed at that rate.
+   else is fitted to step times. The bed's bucket is ``--burst-kb`` (default 32 KiB: a steady
+   rate, as the model has) and shared by the ranks, so each gets ``RATE / W``. Two predictions
+   per run: the preset with that per-rank rate as its link (``--link-gbit``), and the link as a
+   probe measures it on the bed at that rate.
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
     PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
-        [--rates none,0.25,1,2.5] [--out docs/capacity.json]
+        [--rates none,0.25,1,2.5] [--burst-kb 32] [--out docs/capacity.json]
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def measure(rate: float | None, args: argparse.Namespace) -> dict[str, Any]:
         world=2,
         steps=args.steps,
         warmup=args.warmup,
-        systems=SYSTEMS,
+        systems=tuple(args.systems.split(",")),
         profile=False,
         memory=False,
         link_gbit=rate,
@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="gpt-ref")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma-separated, 'floor' among them"
+    )
     parser.add_argument("--json", type=Path, default=Path("docs/compression_speed.json"))
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)

@@ -37,8 +37,10 @@ class Hardware:
         intra_latency_s: latency of one step of a ring inside a node.
         inter_latency_s: latency of one step of a ring across nodes.
         overlaps: whether communication runs beside the compute (GPUs: copy engines and
-            NCCL's kernels on their own stream); on CPU Gloo's transfers and the
-            reduce-scatter's sums take the cores the compute needs, so they add up.
+            NCCL's kernels on their own stream). On CPU (off) Gloo's transfers and the
+            reduce-scatter's sums take the cores the compute needs: a collective's time at the
+            host's own speed (``intra_*``) adds to the step, and only the waiting for a slower
+            link (``inter_*``, e.g. ``--link-gbit``) overlaps the compute.
         native_reduce_scatter: whether the backend has a reduce-scatter of its own (NCCL).
             Gloo's clones its input, all-reduces it (a ring all-reduce: twice the steps and
             bytes of a ring reduce-scatter) and copies the rank's chunk out; FSDP2 runs it,
@@ -76,6 +78,14 @@ class Hardware:
         if world_size <= self.devices_per_node:
             return self.intra_bytes_per_s
         return min(self.intra_bytes_per_s, self.inter_bytes_per_s)
+
+    def unthrottled(self) -> Hardware:
+        """These figures with the inter-node link as fast as the intra-node one: for a host
+        backend (:attr:`overlaps` off), the collectives at the speed the host's cores move the
+        bytes, the part of their time that takes those cores."""
+        return dataclasses.replace(
+            self, inter_bytes_per_s=self.intra_bytes_per_s, inter_latency_s=self.intra_latency_s
+        )
 
     def hop_latency_s(self, world_size: int) -> float:
         """The latency of one ring step over ``world_size`` devices."""
@@ -129,23 +139,24 @@ HARDWARE: dict[str, Hardware] = {
     "b200": _gpu(
         "b200", tflops=2250, hbm_gb=180, hbm_tb_per_s=8.0, nvlink_gb_per_s=900, nic_gbit=400
     ),
-    # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py):
-    # a 1024^3 fp32 matmul at 158 GFLOP/s measured idle (the step-time model fits its efficiency
-    # to a measured floor run anyway); the link as the bench runs it, measured while three other
-    # engineers' work loaded the machine (load average 11): Gloo loopback at 258 MB/s each way,
-    # 2.4 ms per collective however small (a one-element all-gather; a bare message is 0.6 ms);
-    # an in-place add at 27 GB/s idle. Every rank is a "node" of its own: Gloo, no NVLink.
+    # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py,
+    # three runs on the quiet machine, load average under 1.2, medians): a 1024^3 fp32 matmul at
+    # 158 GFLOP/s (157-161; the step-time model fits its efficiency to a measured floor run
+    # anyway); Gloo loopback at 1.37 GB/s each way with both ranks sending (1.12-1.54), 0.70 ms
+    # per collective however small (a one-element all-gather, 0.61-0.73; a bare message is 0.1
+    # ms); an in-place add at 22.5 GB/s (20.6-25.3). Every rank is a "node" of its own: Gloo, no
+    # NVLink. (Measured under a load average of 11, the link was 258 MB/s and 2.4 ms.)
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         peak_flops=158e9,
         efficiency=0.5,
         memory_bytes=8 * 1024**3,
-        memory_bytes_per_s=27e9,
-        intra_bytes_per_s=258e6,
-        inter_bytes_per_s=258e6,
+        memory_bytes_per_s=22.5e9,
+        intra_bytes_per_s=1.37e9,
+        inter_bytes_per_s=1.37e9,
         devices_per_node=1,
-        intra_latency_s=2.4e-3,
-        inter_latency_s=2.4e-3,
+        intra_latency_s=0.70e-3,
+        inter_latency_s=0.70e-3,
         overlaps=False,
         native_reduce_scatter=False,
     ),

@@ -12,8 +12,10 @@
   all-gathers, the root's reduce-scatter and the first block's at the end. The last block is
   not resharded after forward (raggedfsdp keeps it; FSDP2 re-gathers it under the head's
   backward).
-  Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo needs the compute's cores)
-  every collective adds to the step.
+  Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo moves the bytes with the
+  compute's cores) each collective's time at the host's own speed (the link unthrottled:
+  :meth:`Hardware.unthrottled`) adds to the step; what a slower link adds beyond it is waiting,
+  which overlaps the compute as above.
 - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
   and reads the gradient.
 - **compressed communication** (raggedfsdp): the collectives move the messages of codes and
@@ -161,20 +163,34 @@ def step_time(
     rate = hw.peak_flops * hw.efficiency
     fsdp2 = system == "fsdp2"
 
-    def coll(unit: UnitBytes, nbytes: int, reduce: bool = False) -> float:
-        seconds = _ring_s(hw, w, nbytes, 1 if fsdp2 else unit.buckets)
+    def coll(link: Hardware, unit: UnitBytes, nbytes: int, reduce: bool = False) -> float:
+        seconds = _ring_s(link, w, nbytes, 1 if fsdp2 else unit.buckets)
         if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
             seconds += 2 * w * nbytes / hw.memory_bytes_per_s
             if reduce and not hw.native_reduce_scatter:  # an all-reduce, of a clone
                 seconds *= 2
         return seconds
 
+    def collectives(link: Hardware) -> tuple[list[float], list[float]]:
+        """Each unit's all-gather and reduce-scatter over ``link``."""
+        gathers = [coll(link, u, _gather_bytes(u, step, system)) for u in units]
+        scatters = [
+            coll(link, u, _scatter_share(u, step, system), reduce=True)
+            if u.trainable_shard_numel
+            else 0.0
+            for u in units
+        ]
+        return gathers, scatters
+
     fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
-    ag = [coll(u, _gather_bytes(u, step, system)) for u in units]
-    rs = [
-        coll(u, _scatter_share(u, step, system), reduce=True) if u.trainable_shard_numel else 0.0
-        for u in units
-    ]
+    ag_total, rs_total = collectives(hw)
+    # What the host's cores do (no overlap: the collectives at the host's own speed); the rest
+    # of each collective is waiting for a slower link, which the prefetch overlaps with compute.
+    ag_host, rs_host = (
+        collectives(hw.unthrottled()) if not hw.overlaps else ([0.0] * len(units),) * 2
+    )
+    ag = [max(0.0, t - h) for t, h in zip(ag_total, ag_host, strict=True)]
+    rs = [max(0.0, t - h) for t, h in zip(rs_total, rs_host, strict=True)]
     blocks = range(len(units) - 1)
     # checkpointing recomputes every unit's forward but the root's
     recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
@@ -183,8 +199,7 @@ def step_time(
     def at(values: list[float], i: int) -> float:
         return values[i] if 0 <= i < len(blocks) else 0.0
 
-    # ``both`` runs two things side by side (overlap) or one after the other
-    both = max if hw.overlaps else (lambda a, b: a + b)
+    both = max  # side by side: the compute and the waiting for the link
     forward = ag[-1] + at(ag, 0) + fwd[-1]
     forward += sum(both(fwd[i], at(ag, i + 1)) for i in blocks)
     last = len(blocks) - 1
@@ -195,8 +210,10 @@ def step_time(
     optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
     regathered = blocks if fsdp2 else range(last)
     codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
+    forward += sum(ag_host)  # the host's share, one collective after another
+    backward += sum(ag_host[i] for i in regathered) + sum(rs_host)
     total = forward + backward + optimizer + codec
-    comm_s = sum(ag) + sum(ag[i] for i in regathered) + sum(rs)
+    comm_s = sum(ag_total) + sum(ag_total[i] for i in regathered) + sum(rs_total)
     return StepTime(
         forward_s=forward,
         backward_s=backward,
