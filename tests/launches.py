@@ -88,3 +88,12 @@ def kill_tree(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+
+
+def one_error_line(err: str, *fragments: str) -> None:
+    """``err`` is one ``raggedfsdp: error:`` line holding every fragment, and no traceback."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("raggedfsdp: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])

@@ -49,6 +49,18 @@ def ours(x: torch.Tensor, block: QuantBlock, dtype: torch.dtype):
     return codes, scales, deq, residual
 
 
+def _assert_equals_reference(x: torch.Tensor, block: QuantBlock, dtype: torch.dtype):
+    """Codes, scales, dequantized values and residual of ``x``, bit for bit the per-block
+    reference's; our codes and scales, and the reference's dequantized values."""
+    codes, scales, deq, residual = ours(x, block, dtype)
+    ref_codes, ref_scales, ref_deq = reference(x, block, dtype)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scales, ref_scales)
+    assert torch.equal(deq, ref_deq)
+    assert torch.equal(residual, x.reshape(-1).float() - ref_deq)
+    return codes, scales, ref_deq
+
+
 @pytest.mark.parametrize("dtype", CODE_DTYPES)
 @pytest.mark.parametrize(
     ("shape", "block"),
@@ -68,12 +80,7 @@ def test_quantize_equals_per_block_reference(shape, block, dtype):
     )
     if x.numel() > 40:
         x.view(-1)[:40] = 0  # an all-zero block: scale 1, codes 0
-    codes, scales, deq, residual = ours(x, block, dtype)
-    ref_codes, ref_scales, ref_deq = reference(x, block, dtype)
-    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
-    assert torch.equal(scales, ref_scales)
-    assert torch.equal(deq, ref_deq)
-    assert torch.equal(residual, x.reshape(-1).float() - ref_deq)
+    _assert_equals_reference(x, block, dtype)
 
 
 @pytest.mark.parametrize("dtype", CODE_DTYPES)
@@ -92,12 +99,7 @@ def test_quantize_in_chunks_equals_per_block_reference(shape, block, chunk, dtyp
     monkeypatch.setattr(_quant, "_SCRATCH", {})
     torch.manual_seed(1)
     x = torch.randn(shape) * torch.logspace(-3, 3, math.prod(shape)).view(shape)
-    codes, scales, deq, residual = ours(x, block, dtype)
-    ref_codes, ref_scales, ref_deq = reference(x, block, dtype)
-    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
-    assert torch.equal(scales, ref_scales)
-    assert torch.equal(deq, ref_deq)
-    assert torch.equal(residual, x.reshape(-1).float() - ref_deq)
+    codes, scales, ref_deq = _assert_equals_reference(x, block, dtype)
     total = torch.randn(x.numel())
     expected = total + ref_deq
     dequantize(codes, scales, block, total, accumulate=True)

@@ -26,8 +26,15 @@ import torch.distributed.checkpoint as dcp
 
 import raggedfsdp as rf
 from harness import run_distributed
-from launches import ENV, assert_same_tensors, cli_command, ok, run_cli, stdlib_corpus
-from raggedfsdp import cli
+from launches import (
+    ENV,
+    assert_same_tensors,
+    cli_command,
+    ok,
+    one_error_line,
+    run_cli,
+    stdlib_corpus,
+)
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.train import build_model, build_optimizer, build_parser, health
@@ -411,37 +418,17 @@ def test_watchdog_aborts_a_stuck_step():
 # Bad input: one line on stderr, a non-zero status, no traceback, nothing overwritten.
 
 
-@pytest.fixture
-def command(monkeypatch, capsys):
-    """``raggedfsdp ARGS`` in this process -> (status, stdout, stderr)."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        status = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return run
-
-
-def _one_error_line(err: str, *fragments: str) -> None:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("raggedfsdp: error: "), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-
-
 def test_bad_data_paths(command, tmp_path):
     status, _, err = command(
         "train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o")
     )
     assert status != 0
-    _one_error_line(err, "does not exist", "missing")
+    one_error_line(err, "does not exist", "missing")
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
     status, _, err = command("train", "--data", str(empty), "--out", str(tmp_path / "o"))
     assert status != 0
-    _one_error_line(err, "is empty")
+    one_error_line(err, "is empty")
 
 
 def test_bad_config_files(command, tmp_path):
@@ -449,16 +436,16 @@ def test_bad_config_files(command, tmp_path):
     unknown.write_text('model = "gpt-tiny"\nbogus_option = 3\n')
     status, _, err = command("train", "--config", str(unknown))
     assert status != 0
-    _one_error_line(err, "unknown key 'bogus_option'")
+    one_error_line(err, "unknown key 'bogus_option'")
     mistyped = tmp_path / "mistyped.toml"
     mistyped.write_text('steps = "many"\n')
     status, _, err = command("train", "--config", str(mistyped))
     assert status != 0
-    _one_error_line(err, "'steps'", "integer")
+    one_error_line(err, "'steps'", "integer")
     broken = tmp_path / "broken.toml"
     broken.write_text("steps = \n")
     status, _, err = command("train", "--config", str(broken))
-    _one_error_line(err, "not valid TOML")
+    one_error_line(err, "not valid TOML")
 
 
 def test_batch_must_divide(command, tmp_path):
@@ -466,7 +453,7 @@ def test_batch_must_divide(command, tmp_path):
         "train", "--batch-size", "6", "--grad-accum", "2", "--out", str(tmp_path)
     )
     assert status != 0
-    _one_error_line(err, "batch_size", "6", "2 rank(s) x 2 micro-batch(es)")
+    one_error_line(err, "batch_size", "6", "2 rank(s) x 2 micro-batch(es)")
 
 
 def test_non_empty_out_is_refused_and_kept(command, tmp_path, corpus):
@@ -475,10 +462,10 @@ def test_non_empty_out_is_refused_and_kept(command, tmp_path, corpus):
     (out / "notes.txt").write_text("mine")
     status, _, err = command("train", "--data", str(corpus), "--out", str(out))
     assert status != 0
-    _one_error_line(err, "not empty", "--resume", "--overwrite")
+    one_error_line(err, "not empty", "--resume", "--overwrite")
     status, _, err = command("train", "--data", str(corpus), "--out", str(out), "--overwrite")
     assert status != 0
-    _one_error_line(err, "--overwrite refused", "notes.txt")
+    one_error_line(err, "--overwrite refused", "notes.txt")
     assert (out / "notes.txt").read_text() == "mine"
 
 
@@ -494,22 +481,22 @@ def test_incompatible_and_corrupt_checkpoints(command, reference, tmp_path, corp
     ckpt = _copy_step3(reference, out)
     status, _, err = command("train", data, f"--out={out}", "--resume", "--model=gpt-small")
     assert status != 0
-    _one_error_line(err, "'model.tok_emb.weight'", "[256, 64]", "[256, 128]")
+    one_error_line(err, "'model.tok_emb.weight'", "[256, 64]", "[256, 128]")
     status, _, err = command(
         "train", data, f"--out={out}", "--resume", "--model=gpt-tiny", "--optimizer=muon"
     )
-    _one_error_line(err, "--optimizer adamw", "muon")
+    one_error_line(err, "--optimizer adamw", "muon")
     with pytest.raises(ValueError, match=r"has no entry 'model\.extra\.weight'"):
         check_entries(ckpt, {"model.extra.weight": (3,)}, {"config": {}})
 
     (ckpt / ".metadata").write_bytes(b"garbage")
     status, _, err = command("train", data, f"--out={out}", "--resume", "--model=gpt-tiny")
-    _one_error_line(err, "could not be read", ".metadata: 7 bytes")
+    one_error_line(err, "could not be read", ".metadata: 7 bytes")
     (ckpt / COMPLETE).write_text("{not json")
     status, _, err = command("train", data, f"--out={out}", "--resume", "--model=gpt-tiny")
-    _one_error_line(err, "COMPLETE.json is corrupt")
+    one_error_line(err, "COMPLETE.json is corrupt")
     status, _, err = command("export", "--checkpoint", str(tmp_path / "nothing"), "--out", "x.pt")
-    _one_error_line(err, "neither a complete checkpoint")
+    one_error_line(err, "neither a complete checkpoint")
 
 
 def test_corrupt_checkpoint_data_is_refused_before_launch(reference, tmp_path, corpus):

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launches import ENV, assert_same_tensors, ok, run_cli, stdlib_corpus
+from launches import ENV, assert_same_tensors, ok, one_error_line, run_cli, stdlib_corpus
 from raggedfsdp import cli
 from raggedfsdp.data import eval_batches, load_corpus
 from raggedfsdp.models import hf
@@ -237,33 +237,13 @@ def test_every_builtin_config_shards_by_decoder_layer(group_of_one, corpus):
 # One-line errors and options, in this process.
 
 
-@pytest.fixture
-def command(capsys):
-    """``raggedfsdp ARGS`` in this process -> (status, stderr)."""
-
-    def run(*args: str) -> tuple[int, str, str]:
-        status = cli.main(list(args))
-        out, err = capsys.readouterr()
-        return status, out, err
-
-    return run
-
-
-def _one_error_line(err: str, *fragments: str) -> None:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("raggedfsdp: error: "), err
-    assert "Traceback" not in err
-    for fragment in fragments:
-        assert fragment in lines[0], (fragment, lines[0])
-
-
 def test_without_transformers_one_line(command, monkeypatch, tmp_path):
     # ``import transformers`` fails when its sys.modules entry is None, as if not installed.
     monkeypatch.setitem(sys.modules, "transformers", None)
     hf.hf_config.cache_clear()
     status, _, err = command("train", "--hf-config=tiny-llama", f"--out={tmp_path / 'o'}")
     assert status == 2
-    _one_error_line(err, "pip install 'raggedfsdp[hf]'")
+    one_error_line(err, "pip install 'raggedfsdp[hf]'")
     assert not (tmp_path / "o").exists()
     hf.hf_config.cache_clear()
 
@@ -273,11 +253,11 @@ def test_hf_config_and_model_exclude_each_other(command, tmp_path):
     for args in (["--model=gpt-tiny"], ["--model=gpt-small"]):
         status, _, err = command("train", "--hf-config=tiny-llama", *args, f"--out={tmp_path}")
         assert status == 2
-        _one_error_line(err, "--model and --hf-config")
+        one_error_line(err, "--model and --hf-config")
     config = tmp_path / "run.toml"
     config.write_text('model = "gpt-tiny"\n')
     status, _, err = command("train", f"--config={config}", "--hf-config=tiny-llama")
-    _one_error_line(err, "--model and --hf-config")
+    one_error_line(err, "--model and --hf-config")
     with pytest.raises(ValueError, match="give only one"):
         TrainConfig(model="gpt-tiny", hf_config="tiny-llama")
 
@@ -286,14 +266,14 @@ def test_bad_hf_configs_one_line(command, tmp_path):
     pytest.importorskip("transformers")
     status, _, err = command("train", "--hf-config=tiny-gpt5", f"--out={tmp_path / 'o'}")
     assert status == 2
-    _one_error_line(err, "tiny-gpt5", "tiny-llama-tied")
+    one_error_line(err, "tiny-gpt5", "tiny-llama-tied")
     vision = tmp_path / "vit"
     vision.mkdir()
     (vision / "config.json").write_text(json.dumps({"model_type": "vit"}))
     status, _, err = command("train", f"--hf-config={vision}", f"--out={tmp_path / 'o'}")
-    _one_error_line(err, "not a causal-LM")
+    one_error_line(err, "not a causal-LM")
     status, _, err = command("train", "--hf-config=tiny-llama", "--seq-len=300")
-    _one_error_line(err, "seq_len", "[1, 256]")
+    one_error_line(err, "seq_len", "[1, 256]")
 
 
 def test_config_file_key_folder_and_dry_run(command, tmp_path):
