@@ -44,6 +44,9 @@ class Knobs:
     #: the reduced gradient is the sum over the data-parallel ranks divided by this (``None``:
     #: their number, a mean)
     gradient_divide_factor: float | None = None
+    #: gather the parameters for backward (off: the unit's backward needs none, e.g. an
+    #: embedding, whose weight gradient comes from its inputs and output gradient alone)
+    unshard_in_backward: bool = True
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,8 @@ class FSDPParamGroup:
             unit=self.label,
         )
         self.training_state = TrainingState.PRE_BACKWARD
-        self.wait_for_unshard()
+        if self.knobs.unshard_in_backward or self.sharded_state is ShardedState.UNSHARDING:
+            self.wait_for_unshard()
 
     def _gradient_arrives(self, grad: torch.Tensor) -> None:
         """Hook on every trainable unsharded parameter, run just before autograd accumulates

@@ -245,7 +245,8 @@ class FSDPState:
             prev = ctx.forward_order[-1]
         else:
             prev = ctx.neighbour(self, -1)
-        _unshard(self.backward_prefetch, prev)  # prefetch the units whose backward comes next
+        # prefetch the units whose backward comes next
+        _unshard(self.backward_prefetch, prev, backward=True)
 
     # -- state dict ----------------------------------------------------------------------------
 
@@ -275,11 +276,16 @@ def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     )
 
 
-def _unshard(chosen: list[FSDPState] | None, neighbour: FSDPState | None) -> None:
+def _unshard(
+    chosen: list[FSDPState] | None, neighbour: FSDPState | None, *, backward: bool = False
+) -> None:
     """Issue the all-gathers of the units the user chose to prefetch, else of the recorded
-    neighbour; only units idle between forward and backward (not one mid-backward)."""
+    neighbour; only units idle between forward and backward (not one mid-backward), and in
+    ``backward`` only units whose backward needs their parameters."""
     for state in chosen if chosen is not None else [neighbour]:
-        if state is not None and state.group.training_state is TrainingState.IDLE:
+        if state is None or state.group.training_state is not TrainingState.IDLE:
+            continue
+        if not backward or state.group.knobs.unshard_in_backward:
             state.group.unshard()
 
 

@@ -158,13 +158,11 @@ class FSDPModule:
             state.group.knobs.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Only ``True`` (FSDP2's default): a unit's backward needs its parameters."""
-        if not unshard_in_backward:
-            _unsupported(
-                "set_unshard_in_backward(False)",
-                "every unit's backward unshards its parameters (for gradients of frozen units "
-                "only, wrap those modules outside fully_shard)",
-            )
+        """Gather this unit's parameters for its backward (``True``, the default), or not
+        (``False``): for units whose backward needs no parameter values, such as an embedding
+        (its weight gradient comes from its inputs and output gradient alone); their gradients
+        are still reduced. Not recursive, as FSDP2's."""
+        self._fsdp_state.group.knobs.unshard_in_backward = unshard_in_backward
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
