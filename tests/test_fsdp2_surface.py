@@ -187,7 +187,6 @@ def _errors(rank: int) -> dict[str, str]:
         "module_list": lambda: rf.fully_shard([nn.Linear(4, 4), nn.Linear(4, 4)]),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
-        "is_last_backward": lambda: block.set_is_last_backward(False),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
         "register_missing": lambda: rf.register_fsdp_forward_method(model, "nope"),
         "divide_factor_zero": lambda: model.set_gradient_divide_factor(0),
@@ -211,6 +210,7 @@ def _errors(rank: int) -> dict[str, str]:
     out = {name: _message(call) for name, call in calls.items()}
     # Accepted: what raggedfsdp always does.
     block.set_is_last_backward(True)
+    block.set_is_last_backward(False)
     block.set_reshard_after_backward(True)
     block.set_post_optim_event(None)
     out["trains_after"] = str(_train(model, rank).sum().item())  # no collective was left hanging
@@ -310,7 +310,6 @@ EXPECTED = {
     "module_list": ("TypeError", "one nn.Module", "list"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
-    "is_last_backward": ("NotImplementedError", "set_is_last_backward(False)", "gradient_sync"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),
     "register_missing": ("ValueError", "'nope'", "OddModel"),
     "divide_factor_zero": ("ValueError", "divide factor", "got 0"),

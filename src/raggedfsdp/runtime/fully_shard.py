@@ -106,15 +106,9 @@ class FSDPModule:
         self._fsdp_state.backward_prefetch = [_state_of_module(m) for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Every backward ends, here, by waiting for its reductions (``True``, FSDP2's default).
-        ``False`` (FSDP2 then lets the reductions run into the next micro-batch) is a
-        ``NotImplementedError``."""
-        if not is_last_backward:
-            _unsupported(
-                "set_is_last_backward(False)",
-                "every raggedfsdp backward waits for its reductions at its end; to accumulate "
-                "without reducing, use set_requires_gradient_sync(False)",
-            )
+        """Accepted either way: every raggedfsdp backward waits for its reductions at its end
+        (FSDP2's ``True``). With ``False`` FSDP2 lets them run on into the next micro-batch,
+        which changes when they finish, not the gradients."""
 
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Accepted, with nothing to do: the next all-gathers are issued on the current stream,
