@@ -46,10 +46,10 @@ SETTINGS: dict[str, tuple[list[str], str]] = {
 TOLERANCE = 0.01
 
 
-def run_setting(options: list[str], out: Path, steps: int) -> dict[str, Any]:
+def run_setting(options: list[str], out: Path, steps: int, seed: int) -> dict[str, Any]:
     """One ``raggedfsdp train`` launch; its train and validation curves and wall time."""
     command = [sys.executable, "-m", "raggedfsdp.cli", "train", f"--out={out}"]
-    command += [f"--steps={steps}", "--checkpoint-every=0", *options]
+    command += [f"--steps={steps}", f"--seed={seed}", "--checkpoint-every=0", *options]
     started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode:
@@ -112,6 +112,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=0, help="raggedfsdp train --seed")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--json", type=Path, default=Path("docs/compression_convergence.json"))
     parser.add_argument("--png", type=Path, default=Path("docs/compression_convergence.png"))
@@ -122,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="compression-convergence-") as tmp:
         for i, name in enumerate(names):
             print(f"[{name}]", flush=True)
-            runs[name] = run_setting(SETTINGS[name][0], Path(tmp) / str(i), args.steps)
+            runs[name] = run_setting(SETTINGS[name][0], Path(tmp) / str(i), args.steps, args.seed)
             print(f"  final val loss {runs[name]['val_loss'][-1][1]:.4f}", flush=True)
-    results = {"steps": args.steps, "runs": runs}
+    results = {"steps": args.steps, "seed": args.seed, "runs": runs}
     args.json.write_text(json.dumps(results, indent=1))
     plot(results, args.png)
     table = summary(results)
