@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from ..models import GPT_CONFIGS
-from .slow_link import DEFAULT_BURST_KB, MIN_BURST_KB
+from .slow_link import DEFAULT_BURST_KB, JUMBO_BELOW_KB, MIN_BURST_KB, check_burst_kb
 
 __all__ = [
     "BENCH_MODELS",
@@ -92,8 +92,7 @@ class BenchOptions:
             raise ValueError(f"--profile-rounds must be >= 1, got {self.profile_rounds}")
         if self.link_gbit is not None and not self.link_gbit > 0:
             raise ValueError(f"--link-gbit must be > 0, got {self.link_gbit}")
-        if self.link_burst_kb < MIN_BURST_KB:
-            raise ValueError(f"--link-burst-kb must be >= {MIN_BURST_KB}, got {self.link_burst_kb}")
+        check_burst_kb(self.link_burst_kb)
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
         unknown = [s for s in self.systems if s not in SYSTEMS]
@@ -202,8 +201,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BURST_KB,
         metavar="KIB",
         help=f"with --link-gbit: the token bucket in KiB, what passes at once after an idle gap "
-        f"(default: {DEFAULT_BURST_KB}; from {MIN_BURST_KB}; below 128 the loopback's MTU is "
-        f"set to 9000 so that packets fit the bucket)",
+        f"(default: {DEFAULT_BURST_KB}; from {MIN_BURST_KB}; below {JUMBO_BELOW_KB} the "
+        f"loopback's MTU is set to 9000 so that packets fit the bucket)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
