@@ -12,16 +12,14 @@ Prints one JSON object; the preset in ``raggedfsdp/planner/hardware.py`` holds i
 
 from __future__ import annotations
 
-import functools
 import json
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from raggedfsdp.spawn import run_on_ranks
+from raggedfsdp.bench.link_probe import probe_link
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int = 7) -> float:
@@ -46,52 +44,15 @@ def _compute_figures() -> dict[str, float]:
     }
 
 
-def _p2p(rank: int, world: int) -> dict[str, float]:
-    """Between ranks 0 and 1: the fixed cost of one collective (a one-element all-gather, 200
-    back to back: what every bucket's collective pays whatever its size, the model's ring-step
-    latency at W=2), one small message's latency (half a ping-pong round trip) for comparison,
-    and the bandwidth of a 64 MiB exchange in both directions at once (as a collective's
-    transfers run)."""
-    torch.set_num_threads(1)
-    peer = 1 - rank
-    ping, gathered = torch.zeros(1), torch.zeros(world)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(200):
-        dist.all_gather_into_tensor(gathered, ping)
-    collective = (time.perf_counter() - start) / 200
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(200):
-        if rank == 0:
-            dist.send(ping, peer)
-            dist.recv(ping, peer)
-        else:
-            dist.recv(ping, peer)
-            dist.send(ping, peer)
-    message = (time.perf_counter() - start) / 400
-    send, receive = torch.zeros(16 << 20), torch.empty(16 << 20)
-    dist.barrier()
-    seconds = _median_seconds(functools.partial(_exchange, send, receive, peer))
-    return {
-        "collective_s": collective,
-        "message_s": message,
-        "bytes_per_s": send.numel() * 4 / seconds,
-    }
-
-
-def _exchange(send: torch.Tensor, receive: torch.Tensor, peer: int) -> None:
-    works = [dist.isend(send, peer), dist.irecv(receive, peer)]
-    for work in works:
-        work.wait()
-
-
 def main() -> None:
     result = _compute_figures()
-    ranks = run_on_ranks(_p2p, 2, timeout=300)
-    result["gloo_collective_s"] = max(r["collective_s"] for r in ranks)
-    result["gloo_message_s"] = max(r["message_s"] for r in ranks)
-    result["gloo_bytes_per_s"] = min(r["bytes_per_s"] for r in ranks)
+    # a 64 MiB exchange both ways at once (as a collective's transfers run), median of 7; 200
+    # one-element all-gathers (the fixed cost every bucket's collective pays, the model's
+    # ring-step latency at W=2); a bare message's latency (half a ping-pong) for comparison
+    link = probe_link(None, message_mib=64, repeats=200, rounds=8)
+    result["gloo_collective_s"] = link["collective_s"]
+    result["gloo_message_s"] = link["message_s"]
+    result["gloo_bytes_per_s"] = link["both_ways"]
     print(json.dumps(result, indent=2))
 
 

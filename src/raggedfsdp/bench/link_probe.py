@@ -2,13 +2,15 @@
 takes them (:mod:`raggedfsdp.planner.hardware`: a bandwidth per rank per direction, and a fixed
 cost per collective).
 
-Two ranks exchange 4 MiB messages one way (rank 0 to rank 1) and both ways at once, as a
-collective's transfers run, and time 50 one-element all-gathers back to back (the fixed cost
-every collective pays whatever its size).
+Two ranks exchange messages (4 MiB by default) one way (rank 0 to rank 1) and both ways at
+once, as a collective's transfers run, time one-element all-gathers back to back (the fixed cost
+every collective pays whatever its size) and ping-pong one element (a bare message's latency).
+``benchmarks/calibrate_cpu_gloo.py`` takes the ``cpu-gloo`` preset's link figures from it.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -20,12 +22,11 @@ from .slow_link import DEFAULT_BURST_KB, throttled_loopback
 
 __all__ = ["probe_link"]
 
-_MESSAGE_NUMEL, _COLLECTIVES, _ROUNDS = 1 << 20, 50, 6
 
-
-def _probe(rank: int, world: int) -> dict[str, float]:
+def _probe(rank: int, world: int, numel: int, repeats: int, rounds: int) -> dict[str, float]:
+    """This rank's figures (:func:`probe_link`); ranks 0 and 1."""
     torch.set_num_threads(1)
-    send, receive = torch.zeros(_MESSAGE_NUMEL), torch.empty(_MESSAGE_NUMEL)
+    send, receive = torch.zeros(numel), torch.empty(numel)
     peer = 1 - rank
 
     def one_way() -> None:
@@ -39,12 +40,18 @@ def _probe(rank: int, world: int) -> dict[str, float]:
     ping, gathered = torch.zeros(1), torch.zeros(world)
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(_COLLECTIVES):
+    for _ in range(repeats):
         dist.all_gather_into_tensor(gathered, ping)
-    out = {"collective_s": (time.perf_counter() - start) / _COLLECTIVES}
+    out = {"collective_s": (time.perf_counter() - start) / repeats}
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):  # ping-pong: two messages per round trip
+        for sends in (rank == 0, rank != 0):
+            (dist.send if sends else dist.recv)(ping, peer)
+    out["message_s"] = (time.perf_counter() - start) / (2 * repeats)
     for name, fn in (("one_way", one_way), ("both_ways", both_ways)):
         times = []
-        for _ in range(_ROUNDS):
+        for _ in range(rounds):
             dist.barrier()
             start = time.perf_counter()
             fn()
@@ -55,13 +62,22 @@ def _probe(rank: int, world: int) -> dict[str, float]:
 
 
 def probe_link(
-    rate_gbit: float | None, burst_kb: int = DEFAULT_BURST_KB, *, timeout: float = 300.0
+    rate_gbit: float | None,
+    burst_kb: int = DEFAULT_BURST_KB,
+    *,
+    message_mib: int = 4,
+    repeats: int = 50,
+    rounds: int = 6,
+    timeout: float = 300.0,
 ) -> dict[str, float]:
     """Two ranks on the bed at ``rate_gbit`` (``None``: plain loopback): ``one_way`` and
-    ``both_ways`` in bytes/s per rank (the slowest rank's) and ``collective_s`` (the slowest
-    rank's)."""
+    ``both_ways`` in bytes/s per rank over messages of ``message_mib`` (the median of
+    ``rounds`` but the first; the slowest rank's), and ``collective_s`` and ``message_s`` over
+    ``repeats`` (the slowest rank's)."""
+    probe = functools.partial(_probe, numel=message_mib << 18, repeats=repeats, rounds=rounds)
     with throttled_loopback(rate_gbit, burst_kb) as netns:
-        ranks = run_on_ranks(_probe, 2, timeout=timeout, netns=netns)
-    probe = {key: min(r[key] for r in ranks) for key in ranks[0]}
-    probe["collective_s"] = max(r["collective_s"] for r in ranks)
-    return probe
+        ranks = run_on_ranks(probe, 2, timeout=timeout, netns=netns)
+    out = {key: min(r[key] for r in ranks) for key in ranks[0]}
+    for key in ("collective_s", "message_s"):
+        out[key] = max(r[key] for r in ranks)
+    return out
