@@ -199,12 +199,12 @@ def step_time(
     def at(values: list[float], i: int) -> float:
         return values[i] if 0 <= i < len(blocks) else 0.0
 
-    both = max  # side by side: the compute and the waiting for the link
+    # side by side (max): the compute and the waiting for the link
     forward = ag[-1] + at(ag, 0) + fwd[-1]
-    forward += sum(both(fwd[i], at(ag, i + 1)) for i in blocks)
+    forward += sum(max(fwd[i], at(ag, i + 1)) for i in blocks)
     last = len(blocks) - 1
-    backward = both(bwd[-1], at(ag, last) if fsdp2 else 0.0)
-    backward += sum(both(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
+    backward = max(bwd[-1], at(ag, last) if fsdp2 else 0.0)
+    backward += sum(max(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
     backward += at(rs, 0) + rs[-1]
     local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
     optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
