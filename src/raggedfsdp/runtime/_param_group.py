@@ -247,16 +247,19 @@ class FSDPParamGroup:
             return
         with record_function(f"raggedfsdp::unshard({self.label})"):
             self._allocate(self._gather_storage)
-            self._gathered_versions = [bucket.local._version for bucket in self.buckets]
+            self._gathered_versions = self._shard_versions()
             for bucket in self.buckets:
                 self._pending_unshard.append(self._all_gather(bucket))
         self.sharded_state = ShardedState.UNSHARDING
 
+    def _shard_versions(self) -> list[int]:
+        """The shards' version counters: their sharded parameters are views of them, so every
+        in-place update (an optimizer step, a load) bumps them."""
+        return [bucket.local._version for bucket in self.buckets]
+
     def _stale(self) -> bool:
-        """Whether a shard changed in place since it was gathered (its sharded parameters
-        are views of it, so every in-place update bumps its version counter)."""
-        versions = [bucket.local._version for bucket in self.buckets]
-        return versions != self._gathered_versions
+        """Whether a shard changed in place since it was gathered."""
+        return self._shard_versions() != self._gathered_versions
 
     def _compressed_gather(self, bucket: DBuffer) -> BucketCompression | None:
         compressed = self._compressed.get(id(bucket))
