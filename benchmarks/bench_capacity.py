@@ -4,12 +4,14 @@
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
    :func:`raggedfsdp.planner.cost.memory_breakdown`: persistent bytes and the tensor peak.
 2. **step time**: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor, interleaved)
-   at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``); the
-   compute efficiency of the ``cpu-gloo`` preset is fitted to the first run's floor and nothing
-   else is fitted to step times. The bed's bucket is ``--burst-kb`` (default 32 KiB: a steady
-   rate, as the model has) and shared by the ranks, so each gets ``RATE / W``. Two predictions
-   per run: the preset with that per-rank rate as its link (``--link-gbit``), and the link as a
-   probe measures it on the bed at that rate.
+   at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``). Two
+   things are calibrated before, neither on the validated step times: the compute efficiency of
+   the ``cpu-gloo`` preset, fitted to the first run's floor, and each system's own CPU work per
+   step (``host_overhead_s``), its step at W = 1 (no communication) minus the model's there,
+   from one W = 1 run of the systems and the floor. The bed's bucket is ``--burst-kb`` (default
+   32 KiB: a steady rate, as the model has) and shared by the ranks, so each gets ``RATE / W``.
+   Two predictions per run: the preset with that per-rank rate as its link (``--link-gbit``),
+   and the link as a probe measures it on the bed at that rate.
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
     PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
@@ -129,15 +131,26 @@ def _fit_efficiency(model: str, floor_s: float) -> float:
     return at_peak.compute_s / (floor_s - at_peak.optimizer_s)
 
 
-def _predict(model: str, world: int, system: str, **figures: float) -> dict[str, float]:
-    """The model's step time on ``cpu-gloo`` with ``figures`` replaced, and its communication
-    split into all-gather, reduce-scatter and FSDP2's buffer copies (on ``cpu-gloo`` nothing
-    overlaps: every collective is exposed)."""
+def _predict(
+    model: str, world: int, system: str, overhead_s: float = 0.0, **figures: float
+) -> dict[str, float]:
+    """The model's step time on ``cpu-gloo`` with ``figures`` replaced and ``overhead_s`` of
+    the system's own CPU work added, and its communication split into all-gather,
+    reduce-scatter and FSDP2's buffer copies."""
     module, plans, units = _planned(model, "adamw", world)
     step = StepShape(batch=BATCH, seq_len=GPT_CONFIGS[model].seq_len, gloo=True)
     hw = hardware("cpu-gloo", **figures)
     state = optimizer_state_bytes(plans, "adamw")
-    t = step_time(model_shape(module), units, step, hw, world, optimizer_bytes=state, system=system)
+    t = step_time(
+        model_shape(module),
+        units,
+        step,
+        hw,
+        world,
+        optimizer_bytes=state,
+        system=system,
+        host_overhead_s=overhead_s,
+    )
     moved = collective_bytes(units, step, world, system)
     hop, bw = hw.hop_latency_s(world), hw.link_bytes_per_s(world)
     ag = (world - 1) * (moved.all_gather_calls * hop + moved.all_gather_bytes / bw)
@@ -154,14 +167,32 @@ def _predict(model: str, world: int, system: str, **figures: float) -> dict[str,
     }
 
 
+def host_overheads(model: str, steps: int) -> dict[str, Any]:
+    """Each system's CPU work per step that the model does not derive, from one W = 1 run
+    (nothing to communicate): its measured step minus the model's, with the efficiency fitted
+    to that run's floor (so raggedfsdp's is its step minus the floor; FSDP2's also leaves out
+    the buffer copies the model gives it)."""
+    systems = ("raggedfsdp", "fsdp2", "floor")
+    measured, command = _bench(model, 1, steps, systems, warmup=2)
+    fitted = {"efficiency": min(1.0, _fit_efficiency(model, measured["floor"]))}
+    overhead = {
+        system: max(0.0, measured[system] - _predict(model, 1, system, **fitted)["total_s"])
+        for system in ("raggedfsdp", "fsdp2")
+    }
+    print(json.dumps({"w1": measured, "host_overhead_s": overhead}), flush=True)
+    return {"command": command, "measured_s": measured, "host_overhead_s": overhead}
+
+
 def step_times(
     model: str, world: int, steps: int, rates: tuple[float | None, ...], burst_kb: int
 ) -> Any:
     """Measured medians of raggedfsdp and FSDP2 at each link rate (``None``: unthrottled),
     against the model's prediction with the efficiency fitted once, to the first run's floor
-    (every run also times the floor, to show how far the machine drifted)."""
+    (every run also times the floor, to show how far the machine drifted), with and without
+    the systems' host overheads measured at W = 1."""
     runs = []
     efficiency = None
+    calibration = host_overheads(model, steps)
     for rate in rates:
         systems = ("raggedfsdp", "fsdp2", "floor")
         link = {} if rate is None else {"link_gbit": rate, "link_burst_kb": burst_kb}
@@ -180,14 +211,20 @@ def step_times(
                   probe["collective_s"], "inter_latency_s": probe["collective_s"]}  # fmt: skip
         for system in ("raggedfsdp", "fsdp2"):
             run[system] = {"measured_s": measured[system]}
-            for name, figures in (("preset", preset), ("probed_link", probed)):
-                want = _predict(model, world, system, **figures)
+            overhead = calibration["host_overhead_s"][system]
+            for name, figures, extra in (
+                ("preset", preset, overhead),
+                ("probed_link", probed, overhead),
+                ("preset_without_overhead", preset, 0.0),
+            ):
+                want = _predict(model, world, system, extra, **figures)
                 want["ratio"] = want["total_s"] / measured[system]
                 run[system][name] = want
         print(json.dumps(run, indent=1), flush=True)
         runs.append(run)
     return {"model": model, "world": world, "batch": BATCH, "burst_kb": burst_kb,
-            "fitted_efficiency": efficiency, "runs": runs}  # fmt: skip
+            "fitted_efficiency": efficiency, "w1_calibration": calibration,
+            "runs": runs}  # fmt: skip
 
 
 def scale() -> dict[str, float]:

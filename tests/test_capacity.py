@@ -186,6 +186,21 @@ def test_cpu_gloo_adds_communication_to_compute():
     assert step_time(shape, units, step, overlapped, 2, optimizer_bytes=0).total_s < cpu.total_s
 
 
+def test_host_overhead_adds_to_the_step_and_not_to_the_waiting():
+    """A measured CPU cost of the runtime is added as is; it is not communication."""
+    module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
+    plans = StructAwarePlanner().plan_model(module, 2)
+    units = unit_bytes(plans, [True] * len(plans))
+    step = StepShape(batch=2, seq_len=128, gloo=True)
+    args = (model_shape(module), units, step, HARDWARE["cpu-gloo"], 2)
+    plain = step_time(*args, optimizer_bytes=0)
+    loaded = step_time(*args, optimizer_bytes=0, host_overhead_s=5e-3)
+    assert loaded.total_s == pytest.approx(plain.total_s + 5e-3)
+    assert loaded.exposed_comm_s == pytest.approx(plain.exposed_comm_s)
+    with pytest.raises(ValueError, match=r"host_overhead_s must be >= 0, got -0\.001"):
+        step_time(*args, optimizer_bytes=0, host_overhead_s=-1e-3)
+
+
 def test_presets_and_overrides():
     assert set(HARDWARE) == {"h100", "h200", "a100", "b200", "cpu-gloo"}
     h100 = hardware("h100", link_gbit=100)

@@ -18,6 +18,10 @@
   which overlaps the compute as above.
 - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
   and reads the gradient.
+- **the runtime's own CPU work** (hooks, buffer bookkeeping, FSDP2's DTensor dispatch) is not
+  derived from the shapes: a caller that measured it (``host_overhead_s``: a system's step at
+  W = 1 minus the model's, on a host backend) adds it to the step. On an accelerator it runs
+  ahead of the device and costs nothing, so it is 0 by default.
 - **compressed communication** (raggedfsdp): the collectives move the messages of codes and
   scales (:mod:`.wire`), and quantizing and dequantizing add their memory traffic at memory
   bandwidth to the step, on the compute thread (``codec_s``).
@@ -116,10 +120,13 @@ class StepTime:
     tokens_per_s: float  # per device
     #: quantizing and dequantizing under compression, on the compute thread (in ``total_s``)
     codec_s: float = 0.0
+    #: the runtime's own CPU work, as measured by the caller (in ``total_s``)
+    host_overhead_s: float = 0.0
 
     @property
     def exposed_comm_s(self) -> float:
-        return max(0.0, self.total_s - self.compute_s - self.optimizer_s - self.codec_s)
+        busy = self.compute_s + self.optimizer_s + self.codec_s + self.host_overhead_s
+        return max(0.0, self.total_s - busy)
 
     @property
     def comm_share(self) -> float:
@@ -154,8 +161,10 @@ def step_time(
     *,
     optimizer_bytes: int,
     system: str = "raggedfsdp",
+    host_overhead_s: float = 0.0,
 ) -> StepTime:
-    """The step time of ``system`` at ``world_size`` (module docstring: the model).
+    """The step time of ``system`` at ``world_size`` (module docstring: the model);
+    ``host_overhead_s``: the system's measured CPU work per step beyond the model, added.
 
     Long by nature: the forward and backward pipelines, written out.
     """
@@ -212,7 +221,9 @@ def step_time(
     codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
     forward += sum(ag_host)  # the host's share, one collective after another
     backward += sum(ag_host[i] for i in regathered) + sum(rs_host)
-    total = forward + backward + optimizer + codec
+    if host_overhead_s < 0:
+        raise ValueError(f"host_overhead_s must be >= 0, got {host_overhead_s}")
+    total = forward + backward + optimizer + codec + host_overhead_s
     comm_s = sum(ag_total) + sum(ag_total[i] for i in regathered) + sum(rs_total)
     return StepTime(
         forward_s=forward,
@@ -223,6 +234,7 @@ def step_time(
         total_s=total,
         tokens_per_s=step.tokens / total if total else 0.0,
         codec_s=codec,
+        host_overhead_s=host_overhead_s,
     )
 
 
