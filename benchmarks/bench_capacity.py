@@ -8,7 +8,9 @@
    things are calibrated before, neither on the validated step times: the compute efficiency of
    the ``cpu-gloo`` preset, fitted to the first run's floor, and each system's own CPU work per
    step (``host_overhead_s``), its step at W = 1 (no communication) minus the model's there,
-   from one W = 1 run of the systems and the floor. The bed's bucket is ``--burst-kb`` (default
+   from one W = 1 run of the systems and the floor. The link's CPU per byte on the bed
+   (``link_cpu_s_per_byte``) is the link probe's at that rate minus its unthrottled one, probed
+   right after each run's bench. The bed's bucket is ``--burst-kb`` (default
    32 KiB: a steady rate, as the model has) and shared by the ranks, so each gets ``RATE / W``.
    Two predictions per run: the preset with that per-rank rate as its link (``--link-gbit``),
    and the link as a probe measures it on the bed at that rate.
@@ -189,10 +191,12 @@ def step_times(
     """Measured medians of raggedfsdp and FSDP2 at each link rate (``None``: unthrottled),
     against the model's prediction with the efficiency fitted once, to the first run's floor
     (every run also times the floor, to show how far the machine drifted), with and without
-    the systems' host overheads measured at W = 1."""
+    the two CPU terms measured apart: the systems' host overheads at W = 1 and the bed's CPU
+    per byte."""
     runs = []
     efficiency = None
     calibration = host_overheads(model, steps)
+    calibration["unthrottled_cpu_s_per_byte"] = base_cpu = probe_link(None)["cpu_s_per_byte"]
     for rate in rates:
         systems = ("raggedfsdp", "fsdp2", "floor")
         link = {} if rate is None else {"link_gbit": rate, "link_burst_kb": burst_kb}
@@ -202,9 +206,13 @@ def step_times(
         run: dict[str, Any] = {"link_gbit": rate, "command": command, "measured_s": measured}
         run["link_probe"] = probe = probe_link(rate, burst_kb)
         fitted = {"efficiency": min(1.0, efficiency)}
+        plain = dict(fitted)  # the model without the two CPU terms measured apart
+        if rate is not None:  # what the bed's packets cost the host beyond plain loopback
+            fitted["link_cpu_s_per_byte"] = max(0.0, probe["cpu_s_per_byte"] - base_cpu)
         # the preset, with the bed's rate as the planner's --link-gbit: what each of the W
         # ranks gets when all send at once (the bed's bucket is shared: rate / W)
-        preset = fitted if rate is None else {**fitted, "link_gbit": per_rank_gbit(rate, world)}
+        per_rank = {} if rate is None else {"link_gbit": per_rank_gbit(rate, world)}
+        preset = {**fitted, **per_rank}
         # the link as probed on the bed: both directions at once, one collective's fixed cost
         probed = {**fitted, "intra_bytes_per_s": probe["both_ways"],
                   "inter_bytes_per_s": probe["both_ways"], "intra_latency_s":
@@ -215,7 +223,7 @@ def step_times(
             for name, figures, extra in (
                 ("preset", preset, overhead),
                 ("probed_link", probed, overhead),
-                ("preset_without_overhead", preset, 0.0),
+                ("preset_without_cpu_terms", {**plain, **per_rank}, 0.0),
             ):
                 want = _predict(model, world, system, extra, **figures)
                 want["ratio"] = want["total_s"] / measured[system]

@@ -201,6 +201,32 @@ def test_host_overhead_adds_to_the_step_and_not_to_the_waiting():
         step_time(*args, optimizer_bytes=0, host_overhead_s=-1e-3)
 
 
+def test_link_cpu_takes_the_compute_core_unless_the_link_is_slower():
+    """The CPU a host backend's link costs per byte lengthens the compute it overlaps: with
+    no waiting to hide it, by exactly the bytes sent times the cost; a link slow enough hides it
+    in its waiting; an accelerator's NIC costs the compute nothing."""
+    module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
+    plans = StructAwarePlanner().plan_model(module, 2)
+    units = unit_bytes(plans, [True] * len(plans))
+    step = StepShape(batch=2, seq_len=128, gloo=True)
+    cost = 2e-9
+
+    def total(name: str, **figures: float) -> float:
+        hw = hardware(name, **figures)
+        return step_time(model_shape(module), units, step, hw, 2, optimizer_bytes=0).total_s
+
+    sent = collective_bytes(units, step, 2).wire_bytes
+    assert total("cpu-gloo", link_cpu_s_per_byte=cost) == pytest.approx(
+        total("cpu-gloo") + sent * cost
+    )
+    slow = {"link_gbit": 0.01}
+    assert total("cpu-gloo", **slow, link_cpu_s_per_byte=cost) == total("cpu-gloo", **slow)
+    gpu_like = {"overlaps": True}  # copy engines and NICs move the bytes
+    assert total("cpu-gloo", **gpu_like, link_cpu_s_per_byte=cost) == total("cpu-gloo", **gpu_like)
+    with pytest.raises(ValueError, match="link_cpu_s_per_byte must be >= 0, got -1"):
+        hardware("cpu-gloo", link_cpu_s_per_byte=-1)
+
+
 def test_presets_and_overrides():
     assert set(HARDWARE) == {"h100", "h200", "a100", "b200", "cpu-gloo"}
     h100 = hardware("h100", link_gbit=100)

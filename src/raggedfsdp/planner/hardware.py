@@ -19,6 +19,9 @@ __all__ = ["HARDWARE", "Hardware", "hardware"]
 
 _GB = 10**9
 
+# Figures that are costs a preset may not have at all (the rest are rates and sizes: positive).
+_MAY_BE_ZERO = frozenset({"link_cpu_s_per_byte"})
+
 
 @dataclass(frozen=True, kw_only=True)
 class Hardware:
@@ -45,6 +48,14 @@ class Hardware:
             Gloo's clones its input, all-reduces it (a ring all-reduce: twice the steps and
             bytes of a ring reduce-scatter) and copies the rank's chunk out; FSDP2 runs it,
             raggedfsdp replaces it on Gloo with point-to-point transfers of the ring's bytes.
+        link_cpu_s_per_byte: host CPU a rank spends per byte it sends (and receives back) over
+            the inter-node link, beyond what the host's own speed (``intra_*``) already costs:
+            the kernel's per-packet work at that link's rate (TCP, a shaper's timers, waking
+            Gloo's threads). On a host backend it takes the compute's core while the link is
+            busy, so it lengthens the compute that overlaps a collective. 0 in every preset:
+            accelerators leave it to NICs and copy engines, and ``cpu-gloo``'s loopback is its
+            own host speed; measured on a throttled link by
+            :func:`raggedfsdp.bench.link_probe.probe_link` (``cpu_s_per_byte``).
     """
 
     name: str
@@ -59,11 +70,18 @@ class Hardware:
     inter_latency_s: float
     overlaps: bool = True
     native_reduce_scatter: bool = True
+    link_cpu_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            if field.name in _MAY_BE_ZERO and not value >= 0:
+                raise ValueError(
+                    f"hardware {self.name!r}: {field.name} must be >= 0, got {value!r}"
+                )
+            if field.name not in _MAY_BE_ZERO and not value > 0:
                 raise ValueError(
                     f"hardware {self.name!r}: {field.name} must be positive, got {value!r}"
                 )
@@ -84,7 +102,10 @@ class Hardware:
         backend (:attr:`overlaps` off), the collectives at the speed the host's cores move the
         bytes, the part of their time that takes those cores."""
         return dataclasses.replace(
-            self, inter_bytes_per_s=self.intra_bytes_per_s, inter_latency_s=self.intra_latency_s
+            self,
+            inter_bytes_per_s=self.intra_bytes_per_s,
+            inter_latency_s=self.intra_latency_s,
+            link_cpu_s_per_byte=0.0,
         )
 
     def hop_latency_s(self, world_size: int) -> float:

@@ -15,7 +15,9 @@
   Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo moves the bytes with the
   compute's cores) each collective's time at the host's own speed (the link unthrottled:
   :meth:`Hardware.unthrottled`) adds to the step; what a slower link adds beyond it is waiting,
-  which overlaps the compute as above.
+  which overlaps the compute as above. The CPU the slower link itself costs while it carries the
+  bytes (:attr:`Hardware.link_cpu_s_per_byte`, per byte sent) is work on the compute's core: a
+  stretch where compute overlaps a collective takes ``max(compute + that CPU, waiting)``.
 - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
   and reads the gradient.
 - **the runtime's own CPU work** (hooks, buffer bookkeeping, FSDP2's DTensor dispatch) is not
@@ -172,21 +174,24 @@ def step_time(
     rate = hw.peak_flops * hw.efficiency
     fsdp2 = system == "fsdp2"
 
-    def coll(link: Hardware, unit: UnitBytes, nbytes: int, reduce: bool = False) -> float:
+    def coll(link: Hardware | None, unit: UnitBytes, nbytes: int, reduce: bool) -> float:
+        """One collective's seconds over ``link``; with ``None``, the CPU its bytes cost on
+        the slower link (:attr:`Hardware.link_cpu_s_per_byte`)."""
+        twice = fsdp2 and reduce and not hw.native_reduce_scatter  # an all-reduce, of a clone
+        if link is None:
+            slow = w > hw.devices_per_node and not hw.overlaps
+            cpu = (w - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
+            return 2 * cpu if twice else cpu
         seconds = _ring_s(link, w, nbytes, 1 if fsdp2 else unit.buckets)
         if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
             seconds += 2 * w * nbytes / hw.memory_bytes_per_s
-            if reduce and not hw.native_reduce_scatter:  # an all-reduce, of a clone
-                seconds *= 2
-        return seconds
+        return 2 * seconds if twice else seconds
 
-    def collectives(link: Hardware) -> tuple[list[float], list[float]]:
-        """Each unit's all-gather and reduce-scatter over ``link``."""
-        gathers = [coll(link, u, _gather_bytes(u, step, system)) for u in units]
+    def collectives(link: Hardware | None) -> tuple[list[float], list[float]]:
+        """Each unit's all-gather and reduce-scatter over ``link`` (:func:`coll`)."""
+        gathers = [coll(link, u, _gather_bytes(u, step, system), False) for u in units]
         scatters = [
-            coll(link, u, _scatter_share(u, step, system), reduce=True)
-            if u.trainable_shard_numel
-            else 0.0
+            coll(link, u, _scatter_share(u, step, system), True) if u.trainable_shard_numel else 0.0
             for u in units
         ]
         return gathers, scatters
@@ -200,6 +205,7 @@ def step_time(
     )
     ag = [max(0.0, t - h) for t, h in zip(ag_total, ag_host, strict=True)]
     rs = [max(0.0, t - h) for t, h in zip(rs_total, rs_host, strict=True)]
+    ag_cpu, rs_cpu = collectives(None)  # the slower link's own CPU, on the compute's core
     blocks = range(len(units) - 1)
     # checkpointing recomputes every unit's forward but the root's
     recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
@@ -208,13 +214,21 @@ def step_time(
     def at(values: list[float], i: int) -> float:
         return values[i] if 0 <= i < len(blocks) else 0.0
 
-    # side by side (max): the compute and the waiting for the link
-    forward = ag[-1] + at(ag, 0) + fwd[-1]
-    forward += sum(max(fwd[i], at(ag, i + 1)) for i in blocks)
+    def beside(compute: float, cpu: float, waiting: float) -> float:
+        """Compute beside a collective: the core does both, the link waits."""
+        return max(compute + cpu, waiting)
+
+    forward = beside(0.0, ag_cpu[-1], ag[-1]) + beside(0.0, at(ag_cpu, 0), at(ag, 0)) + fwd[-1]
+    forward += sum(beside(fwd[i], at(ag_cpu, i + 1), at(ag, i + 1)) for i in blocks)
     last = len(blocks) - 1
-    backward = max(bwd[-1], at(ag, last) if fsdp2 else 0.0)
-    backward += sum(max(bwd[i], at(ag, i - 1) + at(rs, i + 1)) for i in blocks)
-    backward += at(rs, 0) + rs[-1]
+    # FSDP2 gathers the last block again under the head's backward
+    regather = (at(ag_cpu, last), at(ag, last)) if fsdp2 else (0.0, 0.0)
+    backward = beside(bwd[-1], *regather)
+    backward += sum(
+        beside(bwd[i], at(ag_cpu, i - 1) + at(rs_cpu, i + 1), at(ag, i - 1) + at(rs, i + 1))
+        for i in blocks
+    )
+    backward += beside(0.0, at(rs_cpu, 0), at(rs, 0)) + beside(0.0, rs_cpu[-1], rs[-1])
     local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
     optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
     regathered = blocks if fsdp2 else range(last)
