@@ -57,3 +57,25 @@ def test_train_refuses_before_any_worker_starts(tmp_path: Path) -> None:
     assert proc.stderr.count("\n") == 1, proc.stderr  # one line: no worker started
     assert "raggedfsdp: error: memory: each rank needs about" in proc.stderr
     assert not out.exists()
+
+
+def test_on_a_gpu_the_budget_is_its_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here, so CUDA's answers are stood in for: the GPU's free memory (NVML) is each
+    rank's budget, its total when NVML is missing, and the run is refused by the same rule."""
+    gib = 2**30
+    props = type("Props", (), {"total_memory": 80 * gib})()
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(preflight.torch.cuda, "get_device_properties", lambda _: props)
+    monkeypatch.setattr(preflight.torch.cuda, "device_memory_used", lambda _: 30 * gib)
+    assert preflight._memory_per_rank(8) == (50 * gib, "GPU 0's free memory, 50.0 GiB of 80.0 GiB")
+
+    def no_nvml(_: int) -> int:
+        raise ModuleNotFoundError("pynvml")
+
+    monkeypatch.setattr(preflight.torch.cuda, "device_memory_used", no_nvml)
+    assert preflight._memory_per_rank(8) == (80 * gib, "GPU 0's total memory, 80.0 GiB")
+    cfg = TrainConfig(model="gpt-small", batch_size=64)
+    need = preflight.predicted_memory(cfg, 2).peak
+    props.total_memory = need  # no room for the 10% reserve
+    with pytest.raises(ValueError, match=r"is usable: GPU 0's total memory"):
+        preflight.check_memory(cfg, 2, 2)
