@@ -111,15 +111,7 @@ class FSDPParamGroup:
         gathered = _views(self._gather_storage)
         param_buffers = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
-            # A compressed all-gather dequantizes every parameter, the rank's own ones too;
-            # under offload ``local`` is host memory, which the compute must not read.
-            whole_from_local = (
-                config.zero_copy
-                and bucket.comm_dtype == bucket.dtype
-                and self._compressed_gather(bucket) is None
-                and offload is None
-            )
-            bucket.bind_full(full, param_buffer, whole_from_local=whole_from_local)
+            bucket.bind_full(full, param_buffer, whole_from_local=self._whole_from_local(bucket))
         for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
         # The unsharded gradients of all trainable buckets: one pooled block per backward,
@@ -163,6 +155,18 @@ class FSDPParamGroup:
             )
             for bucket in buckets
         ]
+
+    def _whole_from_local(self, bucket: DBuffer) -> bool:
+        """Whether parameters this rank holds whole are views of its shard when unsharded (see
+        ``DBuffer.bind_full``): with zero copy and no cast; not when a compressed all-gather
+        dequantizes every parameter, the rank's own ones too, nor under offload, where the shard
+        is host memory that the compute must not read."""
+        return (
+            self.config.zero_copy
+            and bucket.comm_dtype == bucket.dtype
+            and self._compressed_gather(bucket) is None
+            and self.offload is None
+        )
 
     def set_path(self, path: str) -> None:
         """This unit's module is ``path`` below the module ``fully_shard`` was last applied to
