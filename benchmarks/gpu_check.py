@@ -88,16 +88,16 @@ def _relative_errors(got: dict, want: dict) -> float:
 
 def _offload_run(base: torch.nn.Module, batches, offload: CPUOffloadPolicy | None) -> tuple:
     """``base`` wrapped (with ``offload`` or without) and trained: its full state, losses, and
-    the peak of the device memory it allocated itself (None off CUDA)."""
+    the device bytes it peaks at in training (what it keeps there included, what other objects
+    hold not; None off CUDA)."""
     cuda = next(base.parameters()).device.type == "cuda"
     gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     floor = torch.cuda.memory_allocated() if cuda else 0  # what other objects hold
     model = copy.deepcopy(base)
     _wrap(model, None, offload)
+    gc.collect()  # the copy's unsharded originals, gone with wrapping
+    if cuda:  # from here: what the wrapped model keeps on the device, and its training's peak
+        torch.cuda.reset_peak_memory_stats()
     losses = _train(model, batches)
     peak = torch.cuda.max_memory_allocated() - floor if cuda else None
     return rf.full_state_dict(model), losses, peak
