@@ -9,7 +9,11 @@ Usage (on the GPU machine, from the repository root; about 3-6 minutes on one H2
    root) trains a few AdamW steps and must equal the same model trained unwrapped on the same
    device (fp32, TF32 off: max relative error per tensor <= 1e-5; bf16 mixed precision: the
    loss curve within 2% of fp32's). A DCP checkpoint of the sharded model is saved, loaded into a
-   freshly wrapped model and compared bit for bit.
+   freshly wrapped model and compared bit for bit. **CPU offload**: the same model wrapped with
+   ``offload_policy=CPUOffloadPolicy(pin_memory=True)`` trains the same steps and must equal the
+   run without it (max relative error per tensor <= 1e-5) and, on CUDA, peak at fewer bytes
+   (``torch.cuda.max_memory_allocated`` of each run's own allocations, both reported). On CPU the
+   policy is met as is (nothing to copy), so ``--device cpu`` only smoke-tests the script there.
 2. **Timing**: ``raggedfsdp bench`` (raggedfsdp, FSDP2, DDP and the compute floor interleaved, as
    on CPU) at world size 1 for gpt-medium and gpt-ref; medians and ratios.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import subprocess
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import raggedfsdp as rf
 from raggedfsdp.models import GPT, GPT_CONFIGS
@@ -62,10 +68,52 @@ def _train(model: torch.nn.Module, batches) -> list[float]:
     return losses
 
 
-def _wrap(model: torch.nn.Module, mp_policy: rf.MixedPrecisionPolicy | None) -> None:
+def _wrap(
+    model: torch.nn.Module,
+    mp_policy: rf.MixedPrecisionPolicy | None,
+    offload: CPUOffloadPolicy | None = None,
+) -> None:
     for block in model.blocks:
-        rf.fully_shard(block, mp_policy=mp_policy)
-    rf.fully_shard(model, mp_policy=mp_policy)
+        rf.fully_shard(block, mp_policy=mp_policy, offload_policy=offload)
+    rf.fully_shard(model, mp_policy=mp_policy, offload_policy=offload)
+
+
+def _relative_errors(got: dict, want: dict) -> float:
+    """The largest per-tensor max |got - want| / max |want|."""
+    return max(
+        ((got[k].float() - want[k].float().cpu()).abs().max() / want[k].abs().max()).item()
+        for k in want
+    )
+
+
+def _offload_run(base: torch.nn.Module, batches, offload: CPUOffloadPolicy | None) -> tuple:
+    """``base`` wrapped (with ``offload`` or without) and trained: its full state, losses, and
+    the device bytes it peaks at in training (what it keeps there included, what other objects
+    hold not; None off CUDA)."""
+    cuda = next(base.parameters()).device.type == "cuda"
+    gc.collect()
+    floor = torch.cuda.memory_allocated() if cuda else 0  # what other objects hold
+    model = copy.deepcopy(base)
+    _wrap(model, None, offload)
+    gc.collect()  # the copy's unsharded originals, gone with wrapping
+    if cuda:  # from here: what the wrapped model keeps on the device, and its training's peak
+        torch.cuda.reset_peak_memory_stats()
+    losses = _train(model, batches)
+    peak = torch.cuda.max_memory_allocated() - floor if cuda else None
+    return rf.full_state_dict(model), losses, peak
+
+
+def _offload_check(base: torch.nn.Module, batches) -> dict:
+    """CPU offload (pinned) against the same training without: parameters and device peaks."""
+    plain, plain_losses, plain_peak = _offload_run(base, batches, None)
+    offloaded, losses, peak = _offload_run(base, batches, CPUOffloadPolicy(pin_memory=True))
+    return {
+        "offload_max_relative_error": _relative_errors(offloaded, plain),
+        "offload_losses": losses,
+        "no_offload_losses": plain_losses,
+        "offload_peak_bytes": peak,
+        "no_offload_peak_bytes": plain_peak,
+    }
 
 
 def _correctness(rank: int, world: int, model_name: str, device_type: str) -> dict:
@@ -86,11 +134,7 @@ def _correctness(rank: int, world: int, model_name: str, device_type: str) -> di
     _wrap(sharded, None)
     losses = _train(sharded, batches)
     full = rf.full_state_dict(sharded)
-    want = reference.state_dict()
-    errors = {
-        k: ((full[k].float() - want[k].float().cpu()).abs().max() / want[k].abs().max()).item()
-        for k in want
-    }
+    fp32_error = _relative_errors(full, reference.state_dict())
     bf16 = copy.deepcopy(base)
     _wrap(bf16, rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
     bf16_losses = _train(bf16, batches)
@@ -107,14 +151,14 @@ def _correctness(rank: int, world: int, model_name: str, device_type: str) -> di
         "device": str(device),
         "backend": torch.distributed.get_backend(),
         "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "fp32_max_relative_error": max(errors.values()),
+        "fp32_max_relative_error": fp32_error,
         "fp32_losses": losses,
         "reference_losses": ref_losses,
         "bf16_losses": bf16_losses,
         "bf16_max_loss_gap": max(abs(a - b) / b for a, b in zip(bf16_losses, losses, strict=True)),
         "dcp_round_trip_bitwise": bitwise,
         "peak_bytes": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
-    }
+    } | _offload_check(base, batches)
 
 
 def _bench(model: str, steps: int, timeout: float) -> dict:
@@ -148,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         check["fp32_max_relative_error"] <= FP32_TOLERANCE
         and check["bf16_max_loss_gap"] <= BF16_LOSS_TOLERANCE
         and check["dcp_round_trip_bitwise"]
+        and check["offload_max_relative_error"] <= FP32_TOLERANCE
+        and (args.device != "cuda" or check["offload_peak_bytes"] < check["no_offload_peak_bytes"])
     )
     report["correctness"] = check
     print(json.dumps(check, indent=2), flush=True)
@@ -169,6 +215,9 @@ def _markdown(report: dict) -> str:
         f"{check['fp32_max_relative_error']:.2e} (tolerance {FP32_TOLERANCE:g})",
         f"- bf16 mixed precision: loss within {check['bf16_max_loss_gap']:.2%} of fp32",
         f"- DCP round trip bit for bit: {check['dcp_round_trip_bitwise']}",
+        f"- CPUOffloadPolicy(pin_memory=True) vs none: max relative error "
+        f"{check['offload_max_relative_error']:.2e} (tolerance {FP32_TOLERANCE:g}); device peak "
+        f"{_mib(check['offload_peak_bytes'])} vs {_mib(check['no_offload_peak_bytes'])} MiB",
         f"- passed: {check['passed']}",
         "",
     ]
@@ -192,6 +241,10 @@ def _markdown(report: dict) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
 ``W * S`` elements; rank ``r`` owns ``[r*S, (r+1)*S)``. A :class:`DBuffer` holds
 
 - ``local``      ``[S]`` master dtype, persistent: the sharded parameters are views of it, so the
-  optimizer updates it in place;
+  optimizer updates it in place (on the host under CPU offload, ``_offload.py``);
 - ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
   all-gather writes straight into it and the unsharded parameters are views of it (those this
   rank holds whole are views of ``local`` instead: nothing needs placing for them);
@@ -33,6 +33,7 @@ from torch import nn
 
 from ..layout import ShardInfo, mark_sharded
 from ..planner import ShardPlan
+from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._sharded_grad import as_sharded_grad
 
@@ -105,6 +106,7 @@ class DBuffer:
         group: torch.distributed.ProcessGroup | None,
         comm_dtype: torch.dtype,
         device: torch.device,
+        offload: HostOffload | None = None,
     ) -> None:
         self.plan = plan
         self.rank = rank
@@ -116,7 +118,11 @@ class DBuffer:
         self.comm_dtype = comm_dtype
         self.requires_grad = first.requires_grad
         # Zeros, so the padding between parameters is deterministic in every collective.
-        self.local = torch.zeros(self.shard_numel, dtype=self.dtype, device=device)  # 1-D [S]
+        self.local = (  # 1-D [S]; on the host under CPU offload
+            torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
+            if offload is None
+            else offload.zeros(self.shard_numel, self.dtype)
+        )
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
         self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; bound during backward
         # The group sharded gradients' norms reduce over ([Note: torch's clip_grad_norm_ over
@@ -133,7 +139,7 @@ class DBuffer:
             lo = entry.offset + start - shard_start
             view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
             if original.device.type != "meta":
-                view.copy_(layout.to_local(original.detach().to(device), rank))
+                view.copy_(layout.to_local(original.detach().to(view.device), rank))
             sharded = nn.Parameter(view, requires_grad=original.requires_grad)
             mark_sharded(sharded, ShardInfo(layout, rank, group))
             unsharded = nn.Parameter(  # its data (a view) is bound in bind_full

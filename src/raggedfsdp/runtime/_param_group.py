@@ -21,6 +21,7 @@ from ._compressed import BucketCompression
 from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
+from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._pool import BufferPool
 from ._reduce import BucketReduce, ReduceQueue
@@ -78,11 +79,13 @@ class FSDPParamGroup:
         device: torch.device,
         label: str,
         compression: CommCompression | None = None,
+        offload: HostOffload | None = None,
     ) -> None:
         self.mesh_info = mesh_info
         self.config = config
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
-        self.device = device
+        self.device = device  # the compute device; the shards' too unless offloaded
+        self.offload = offload  # CPU offload: the shards on the host (_offload.py)
         self.path = ""  # the module's path below the root (set_path); names buckets and params
         self.label = label  # for errors and profiler ranges: the path once known
         self.sharded_state = ShardedState.SHARDED
@@ -108,13 +111,7 @@ class FSDPParamGroup:
         gathered = _views(self._gather_storage)
         param_buffers = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
-            # A compressed all-gather dequantizes every parameter, the rank's own ones too.
-            whole_from_local = (
-                config.zero_copy
-                and bucket.comm_dtype == bucket.dtype
-                and self._compressed_gather(bucket) is None
-            )
-            bucket.bind_full(full, param_buffer, whole_from_local=whole_from_local)
+            bucket.bind_full(full, param_buffer, whole_from_local=self._whole_from_local(bucket))
         for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
         # The unsharded gradients of all trainable buckets: one pooled block per backward,
@@ -154,9 +151,22 @@ class FSDPParamGroup:
                 group=self.mesh_info.shard_group,
                 comm_dtype=bucket.comm_dtype,
                 device=self.device,
+                offload=self.offload,
             )
             for bucket in buckets
         ]
+
+    def _whole_from_local(self, bucket: DBuffer) -> bool:
+        """Whether parameters this rank holds whole are views of its shard when unsharded (see
+        ``DBuffer.bind_full``): with zero copy and no cast; not when a compressed all-gather
+        dequantizes every parameter, the rank's own ones too, nor under offload, where the shard
+        is host memory that the compute must not read."""
+        return (
+            self.config.zero_copy
+            and bucket.comm_dtype == bucket.dtype
+            and self._compressed_gather(bucket) is None
+            and self.offload is None
+        )
 
     def set_path(self, path: str) -> None:
         """This unit's module is ``path`` below the module ``fully_shard`` was last applied to
@@ -277,7 +287,10 @@ class FSDPParamGroup:
             group = self.mesh_info.shard_group
             return compressed.all_gather(full, bucket.local, group, self.stats, self._pool)
         rank, size = bucket.rank, bucket.shard_numel
-        if full.dtype != bucket.dtype:
+        if self.offload is not None:  # the host shard into its device slot: the only copy
+            shard = full[rank * size : (rank + 1) * size]
+            self.offload.to_device(shard, bucket.local, self._pool, self.stats)
+        elif full.dtype != bucket.dtype:
             # Mixed precision: cast the fp32 shard into its slot of the bf16 buffer; this cast
             # is the only copy, and the all-gather then runs in place.
             shard = full[rank * size : (rank + 1) * size]
@@ -320,6 +333,8 @@ class FSDPParamGroup:
             self.wait_for_unshard()  # never free a buffer a collective is still writing
         if self.sharded_state is ShardedState.SHARDED:
             return
+        if self.offload is not None:
+            self.offload.wait()  # the host may write the shards from now on
         self._hold(unsharded=False)
         self._free(self._param_storage + self._gather_storage)
         self.sharded_state = ShardedState.SHARDED
@@ -477,7 +492,12 @@ class FSDPParamGroup:
 
     def _attach_reduced(self, bucket: DBuffer, output: torch.Tensor) -> None:
         """The reduced gradient shard ``output`` becomes the sharded gradients (or is added to
-        those still held: gradients accumulate across steps, as in torch)."""
+        those still held: gradients accumulate across steps, as in torch). Under offload it is
+        copied to the host first, and the sharded gradients are views of the host copy."""
+        if self.offload is not None:
+            output = self.offload.to_host(output, bucket.dtype, self.stats)
+            if bucket.has_sharded_grads():
+                self.offload.wait()  # the host adds the copy below
         if bucket.has_sharded_grads():
             for param in bucket.params:
                 piece = output[param.local_start : param.local_end].view(param.sharded.shape)
@@ -504,6 +524,8 @@ class FSDPParamGroup:
         if self.knobs.requires_gradient_sync:  # no optimizer step between no_sync micro-batches
             for compressed in self._compressed.values():
                 compressed.drop_quantized_shard()
+        if self.offload is not None:
+            self.offload.wait()  # the optimizer may read the gradients and write the shards
         self.training_state = TrainingState.IDLE
 
     # -- state outside a step ------------------------------------------------------------------
@@ -514,9 +536,8 @@ class FSDPParamGroup:
         full: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
-            all_gather(
-                gathered, bucket.local, self.mesh_info.shard_group, RuntimeStats(), async_op=False
-            )
+            shard = bucket.local.to(bucket.device)  # itself, unless offloaded to the host
+            all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
             for param in bucket.params:
                 piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)

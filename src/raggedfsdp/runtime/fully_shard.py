@@ -16,8 +16,8 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
@@ -26,6 +26,7 @@ from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
 from ._mesh import device_for, mesh_info
 from ._metrics import RuntimeStats
+from ._offload import HostOffload, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, state_of, states_under
@@ -356,15 +357,23 @@ def _check_fsdp2_arguments(
         )
 
 
-def _check_offload(offload_policy: OffloadPolicy | None, device: torch.device) -> None:
-    """A ``CPUOffloadPolicy`` is what a CPU device does anyway; on an accelerator it is not
-    implemented."""
-    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+def _offload(
+    offload_policy: OffloadPolicy | None,
+    device: torch.device,
+    compression: CommCompression | None,
+) -> HostOffload | None:
+    """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU);
+    a compressed all-gather, which quantizes the shard where it lies, is refused with it."""
+    offload = offload_for(offload_policy, device)
+    if offload is not None and compression is not None and compression.all_gather is not None:
         _unsupported(
-            "offload_policy=CPUOffloadPolicy() on an accelerator",
-            "sharded parameters, gradients and optimizer state live on the device; shard over "
-            "more ranks or use a CPU mesh",
+            f"offload_policy=CPUOffloadPolicy() with CommCompression(all_gather="
+            f"{compression.all_gather})",
+            "the quantized all-gather encodes the shard where it lives, which offload puts on "
+            "the host; keep compression for the reduce-scatter only (all_gather=None), or drop "
+            "the offload",
         )
+    return offload
 
 
 def _check_reduce_dtype(
@@ -505,10 +514,12 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
     ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
     units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    devices and not supported on accelerators. ``ignored_params`` stay unsharded and unmanaged
-    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather and/or
-    the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
-    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
+    devices; on an accelerator the shards, gradients and optimizer state live on the host and
+    only the unsharded parameters on the device (not with a compressed all-gather).
+    ``ignored_params`` stay unsharded and unmanaged (their gradients are not reduced), as in
+    FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by blocks
+    (:class:`CommCompression`; a ``planner`` given too must carry the same one, and
+    ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
@@ -520,7 +531,7 @@ def fully_shard(
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
-    _check_offload(offload_policy, device)
+    offload = _offload(offload_policy, device, planner.compression)
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
@@ -530,6 +541,7 @@ def fully_shard(
         device=device,
         label=type(module).__name__,
         compression=planner.compression,
+        offload=offload,
     )
     FSDPState(module, group, reshard_after_forward)
     _mark_sharded(registrations, module)

@@ -1,0 +1,135 @@
+"""CPU offload (FSDP2's ``CPUOffloadPolicy``): shards, gradients and optimizer state on the host.
+
+With a :class:`HostOffload` a bucket's ``local`` shard lives on the host (pinned when asked and
+an accelerator is present), so the sharded parameters, their gradients and the optimizer's state
+(made like the parameters) are host tensors and the optimizer steps there; the compute device
+holds only unsharded buffers. Around the collectives, which run on the compute device:
+
+- unshard: the host shard is copied into this rank's slot of the device ``full`` buffer (cast to
+  ``param_dtype`` on the device, after the copy), then the all-gather runs in place as without
+  offload; a parameter this rank holds whole is a view of ``full`` too, never of host memory;
+- reduce: the reduced gradient shard (cast to the master dtype on the device) is copied into a
+  fresh host buffer, and the sharded gradients are views of it.
+
+The path is written against a compute device and the host only, so it runs on a CPU device too:
+:func:`forcing_host_copies` (tests only) makes a CPU unit take it, with separate host buffers and
+the same copies, which is how it is tested without an accelerator.
+
+[Note: non-blocking offload copies] From and to *pinned* host memory, copies are issued with
+``non_blocking=True``: stream order already makes the device side safe (the all-gather and the
+compute that read the copied shard, and the caching allocator's reuse of a device source, are
+ordered after the copy on the same stream). What stream order does not cover is the host: it must
+not read a gradient the device is still writing, nor write a shard (optimizer step, load) the
+device is still reading. So every such copy records an event, and :meth:`HostOffload.wait`
+blocks on them before the host touches those buffers: at reshard and at the end of the
+iteration (before any optimizer step), and before adding a new gradient to one still held.
+Pageable memory gets blocking copies (a non-blocking copy to pageable memory is not
+asynchronous anyway, and from it would be unsafe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+from ._metrics import RuntimeStats
+from ._pool import BufferPool
+
+__all__ = ["HostOffload", "forcing_host_copies", "offload_for"]
+
+_HOST = torch.device("cpu")
+
+# Set only by forcing_host_copies (tests): CPU units take the offload path too.
+_force_host_copies = False
+
+
+@contextmanager
+def forcing_host_copies() -> Iterator[None]:
+    """Tests only: units sharded inside this block with ``CPUOffloadPolicy`` on a CPU device
+    take the offload path (separate host buffers and copies) instead of meeting the policy as
+    is; it lets the copies be tested without an accelerator."""
+    global _force_host_copies
+    previous, _force_host_copies = _force_host_copies, True
+    try:
+        yield
+    finally:
+        _force_host_copies = previous
+
+
+def offload_for(policy: OffloadPolicy | None, device: torch.device) -> HostOffload | None:
+    """The offload a unit on ``device`` runs with: ``None`` without a ``CPUOffloadPolicy`` and on
+    a CPU device, where the policy is met as is (everything is on the host already) unless
+    :func:`forcing_host_copies` is on."""
+    if not isinstance(policy, CPUOffloadPolicy):
+        return None
+    if device.type == "cpu" and not _force_host_copies:
+        return None
+    # Pinning needs an accelerator runtime (it fails without one, DESIGN.md).
+    pin = policy.pin_memory and device.type != "cpu" and torch.accelerator.is_available()
+    return HostOffload(device, pin_memory=pin)
+
+
+class HostOffload:
+    """The host side of one unit under CPU offload, and the copies to and from its device."""
+
+    def __init__(self, device: torch.device, *, pin_memory: bool) -> None:
+        self.device = device  # the compute device (all-gather, compute, reduce-scatter)
+        self.pin_memory = pin_memory
+        #: events recorded after non-blocking copies, until :meth:`wait` (see the Note)
+        self._events: list[torch.Event] = []
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host buffer, uninitialised (pinned when asked)."""
+        return torch.empty(numel, dtype=dtype, device=_HOST, pin_memory=self.pin_memory)
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D host buffer of zeros (the ``local`` shard: padding stays deterministic)."""
+        return self.empty(numel, dtype).zero_()
+
+    def to_device(
+        self, slot: torch.Tensor, local: torch.Tensor, pool: BufferPool, stats: RuntimeStats
+    ) -> None:
+        """Copy the host shard ``local`` into ``slot`` (this rank's slot of the device ``full``),
+        cast to ``slot``'s dtype on the device."""
+        if slot.dtype == local.dtype:
+            self._copy(slot, local)
+            stats.add_copy(slot)
+            return
+        # Mixed precision: move the master values as they are, then cast on the device (as
+        # FSDP2 does), so the parameters equal the cast without offload bit for bit.
+        staging = pool.take(local.numel(), local.dtype, self.device)
+        self._copy(staging, local)
+        slot.copy_(staging)
+        stats.add_copy(staging)
+        stats.add_copy(slot)
+        pool.give(staging)  # reuse is stream-ordered after the cast
+
+    def to_host(
+        self, reduced: torch.Tensor, dtype: torch.dtype, stats: RuntimeStats
+    ) -> torch.Tensor:
+        """The reduced gradient shard ``reduced`` (on the device) in a fresh host buffer of the
+        master ``dtype``, cast on the device first."""
+        if reduced.dtype != dtype:
+            reduced = reduced.to(dtype)
+            stats.add_copy(reduced)
+        host = self.empty(reduced.numel(), dtype)
+        self._copy(host, reduced)
+        stats.add_copy(host)
+        return host
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=self.pin_memory)
+        if self.pin_memory:
+            event = torch.Event(device=self.device)
+            event.record()
+            self._events.append(event)
+
+    def wait(self) -> None:
+        """Block until the copies issued so far are done, so the host may read the gradients and
+        write the shards (see the Note)."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
