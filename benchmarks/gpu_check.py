@@ -185,7 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    backend = "nccl" if args.device == "cuda" else "gloo"
+    # CPU offload reduces host tensors too (gradient norms, full state dicts), as FSDP2's does:
+    # Gloo for those beside NCCL
+    backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
     model = "gpt-tiny" if args.quick else "gpt-small"
     [check] = run_on_ranks(_correctness, 1, model, args.device, backend=backend, timeout=600)
     check["passed"] = (

@@ -14,14 +14,21 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel, make_batches
-from raggedfsdp.runtime._offload import HostOffload, forcing_host_copies, offload_for
+from raggedfsdp.runtime._collectives import _is_gloo
+from raggedfsdp.runtime._offload import (
+    HostOffload,
+    check_host_backend,
+    forcing_host_copies,
+    offload_for,
+)
+from raggedfsdp.spawn import run_on_ranks
 
 WORLD = 2
 STEPS = 3
@@ -310,3 +317,45 @@ def test_cpu_offload_policy_is_accepted_on_an_accelerator():
     with forcing_host_copies():
         forced = offload_for(CPUOffloadPolicy(), torch.device("cpu"))
     assert isinstance(forced, HostOffload) and not forced.pin_memory
+
+
+def test_offload_needs_a_group_that_reduces_host_tensors():
+    """An NCCL-only group (stood in for: no GPU here) is refused before any collective, naming
+    the fix; a group with a CPU backend passes."""
+
+    def group(name: str, *types: str) -> Any:
+        return type(
+            "Group", (), {"group_name": name, "_device_types": [*map(torch.device, types)]}
+        )()
+
+    with pytest.raises(ValueError, match=r"'0' has backends for cuda only; .*cpu:gloo,cuda:nccl"):
+        check_host_backend([group("0", "cuda")])
+    check_host_backend([group("1", "cuda", "cpu")])
+
+
+def _per_device_backends(rank: int, world: int) -> dict[str, Any]:
+    """The same training under the world group, which names its backend per device type
+    (``"cpu:gloo"``, as ``"cpu:gloo,cuda:nccl"`` does on a GPU node), and under a plain Gloo
+    group: offload copies, a compressed reduce-scatter."""
+    torch.set_num_threads(1)
+    int8 = rf.CommCompression(reduce_scatter=torch.int8)
+    gloo = DeviceMesh.from_group(torch.distributed.new_group(backend="gloo"), "cpu")
+    out: dict[str, Any] = {
+        "backend": str(torch.distributed.get_backend()),
+        "gloo_carries_cpu": _is_gloo(None, torch.device("cpu")),
+    }
+    for name, mesh in (("per_device", None), ("gloo", gloo)):
+        model = _model(True, compression=int8, mesh=mesh)
+        _train(model, rank)
+        out[name] = _flat(model)
+    return out
+
+
+def test_a_group_with_a_backend_per_device_type():
+    """It trains as a Gloo group does, and the runtime sees that Gloo carries its CPU tensors
+    (so it takes its own Gloo collectives, cheaper than Gloo's native ones)."""
+    [first, second] = run_on_ranks(_per_device_backends, WORLD, backend="cpu:gloo", timeout=300)
+    assert first["backend"] == "cpu:gloo"
+    for rank in (first, second):
+        assert rank["gloo_carries_cpu"]
+        assert torch.equal(rank["per_device"], rank["gloo"])

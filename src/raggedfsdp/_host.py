@@ -31,8 +31,8 @@ def local_device(local_rank: int) -> torch.device:
 
 def default_device() -> torch.device:
     """The device this rank computes on once the process group exists: its current GPU under
-    NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    NCCL (alone or beside Gloo, ``"cpu:gloo,cuda:nccl"``), else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -41,10 +41,11 @@ def run_on_ranks(
 
     ``fn`` must be importable by module and name (spawned processes import it). ``pg_timeout``
     (seconds) is the process group's collective timeout; ``env`` is added to each rank's
-    environment; ``backend`` forces ``"gloo"`` or ``"nccl"`` (default: NCCL when every rank can
-    have its own GPU, else Gloo). ``netns`` names a network namespace (``ip netns add``) that
-    every rank joins before the process group exists, so their traffic crosses its loopback
-    (the slow-link bed of ``raggedfsdp bench --link-gbit``; needs root).
+    environment; ``backend`` forces ``"gloo"``, ``"nccl"`` or a per-device pair such as
+    ``"cpu:gloo,cuda:nccl"`` (default: NCCL when every rank can have its own GPU, else Gloo).
+    ``netns`` names a network namespace (``ip netns add``) that every rank joins before the
+    process group exists, so their traffic crosses its loopback (the slow-link bed of
+    ``raggedfsdp bench --link-gbit``; needs root).
     """
     import torch.multiprocessing as mp
 
@@ -107,7 +108,7 @@ def _rank_entry(
         if backend is None:
             enough = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
             backend = "nccl" if enough else "gloo"
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(rank)
         dist.init_process_group(
             backend,

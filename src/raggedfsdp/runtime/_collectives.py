@@ -82,7 +82,7 @@ def all_gather(
         stats.all_gather_calls += 1
         stats.all_gather_bytes += shard.numel() * shard.element_size()
         stats.all_gather_uncompressed_bytes += shard.numel() * shard.element_size()
-        if _is_gloo(group):
+        if _is_gloo(group, output.device):
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
             work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
@@ -134,7 +134,7 @@ def reduce_scatter(
         stats.reduce_scatter_calls += 1
         stats.reduce_scatter_bytes += full.numel() * full.element_size()
         stats.reduce_scatter_uncompressed_bytes += full.numel() * full.element_size()
-        if _is_gloo(group):
+        if _is_gloo(group, full.device):
             pending = _gloo_reduce_scatter(output, full, group, stats, scratch)
         else:
             work = _reduce_scatter_tensor(
@@ -211,8 +211,13 @@ def _exchange(
     return works
 
 
-def _is_gloo(group: dist.ProcessGroup | None) -> bool:
-    return dist.get_backend(group) == "gloo"
+def _is_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether Gloo carries ``device``'s tensors in ``group``, which may pair a backend with
+    each device type (``"cpu:gloo,cuda:nccl"``: torch's default, and what CPU offload needs)."""
+    name = str(dist.get_backend(group))
+    if ":" in name:
+        name = dict(pair.split(":", 1) for pair in name.split(",")).get(device.type, "")
+    return name == "gloo"
 
 
 @functools.cache

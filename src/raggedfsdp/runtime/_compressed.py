@@ -190,7 +190,7 @@ class BucketCompression:
             mine = self._quantized_shard(local, rank)
             received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
             messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if _is_gloo(group):
+            if _is_gloo(group, local.device):
                 works = _exchange([(p, mine, messages[p]) for p in peers], group, _TAG_ALL_GATHER)
                 messages[rank] = mine
             else:
@@ -233,7 +233,7 @@ class BucketCompression:
             incoming = pool.take(world * nbytes, torch.uint8, full_grad.device)
             sent = [outgoing[k * nbytes : (k + 1) * nbytes] for k in range(world)]
             received = [incoming[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if _is_gloo(group):
+            if _is_gloo(group, full_grad.device):
                 transfers = [(p, sent[p], received[p]) for p in peers]
                 works = _exchange(transfers, group, _TAG_ALL_TO_ALL)
                 received[rank] = sent[rank]

@@ -33,12 +33,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
 
-__all__ = ["HostOffload", "forcing_host_copies", "offload_for"]
+__all__ = ["HostOffload", "check_host_backend", "forcing_host_copies", "offload_for"]
 
 _HOST = torch.device("cpu")
 
@@ -70,6 +71,25 @@ def offload_for(policy: OffloadPolicy | None, device: torch.device) -> HostOfflo
     # Pinning needs an accelerator runtime (it fails without one, DESIGN.md).
     pin = policy.pin_memory and device.type != "cpu" and torch.accelerator.is_available()
     return HostOffload(device, pin_memory=pin)
+
+
+def check_host_backend(groups: list[dist.ProcessGroup]) -> None:
+    """Under offload, host tensors meet collectives outside the runtime's own: the partial norms
+    of ``clip_grad_norm_``, Muon's and Shampoo's exchanges of whole matrices, the gathers of a
+    full state dict. A group with no CPU backend (NCCL alone) would fail there, in the middle of
+    a step; so, as with FSDP2's offload, the groups must have one, e.g.
+    ``init_process_group("cpu:gloo,cuda:nccl")`` (torch's default, ``backend=None``, makes both).
+    Groups that do not list their device types are trusted."""
+    for group in groups:
+        types = getattr(group, "_device_types", None)
+        if types is not None and torch.device("cpu") not in types:
+            names = ", ".join(sorted(t.type for t in types))
+            raise ValueError(
+                f"offload_policy=CPUOffloadPolicy() needs a process group that can reduce host "
+                f"tensors (gradient norms, optimizer exchanges, full state dicts), but "
+                f"{group.group_name!r} has backends for {names} only; initialise it with "
+                f'backend="cpu:gloo,{types[0].type}:nccl" (or backend=None, which makes both)'
+            )
 
 
 class HostOffload:

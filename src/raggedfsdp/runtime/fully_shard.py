@@ -26,7 +26,7 @@ from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
 from ._mesh import device_for, mesh_info
 from ._metrics import RuntimeStats
-from ._offload import HostOffload, offload_for
+from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._state import FSDPState, state_of, states_under
@@ -532,6 +532,8 @@ def fully_shard(
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
     offload = _offload(offload_policy, device, planner.compression)
+    if offload is not None:
+        check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
