@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
-from ._mesh import device_for, mesh_info
+from ._mesh import MeshInfo, device_for, mesh_info
 from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
@@ -361,10 +361,14 @@ def _offload(
     offload_policy: OffloadPolicy | None,
     device: torch.device,
     compression: CommCompression | None,
+    info: MeshInfo,
 ) -> HostOffload | None:
     """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU);
-    a compressed all-gather, which quantizes the shard where it lies, is refused with it."""
+    refused with a compressed all-gather, which quantizes the shard where it lies, and over
+    groups that cannot reduce host tensors."""
     offload = offload_for(offload_policy, device)
+    if offload is not None:
+        check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
     if offload is not None and compression is not None and compression.all_gather is not None:
         _unsupported(
             f"offload_policy=CPUOffloadPolicy() with CommCompression(all_gather="
@@ -531,9 +535,7 @@ def fully_shard(
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
-    offload = _offload(offload_policy, device, planner.compression)
-    if offload is not None:
-        check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
+    offload = _offload(offload_policy, device, planner.compression, info)
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
