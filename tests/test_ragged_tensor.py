@@ -5,8 +5,10 @@ checkpoints), and that the package no longer uses the deprecated ShardedTensor."
 from __future__ import annotations
 
 import filecmp
+import pickle
 import tempfile
 import warnings
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,17 @@ def test_state_dict_operations_keep_the_container_and_others_are_refused() -> No
     assert repr(value).startswith("RaggedTensor(shape=[5, 6], dtype=torch.float32, rank=1")
     with pytest.raises(ValueError, match="has 15 elements, got 14"):
         to_ragged_tensor(piece[:14], layout, 1, None)
+
+
+def test_copies_and_pickles_as_its_piece_and_place() -> None:
+    layout, _, piece = _piece()
+    value = to_ragged_tensor(piece, layout, 1, None)
+    for copy in (deepcopy(value), pickle.loads(pickle.dumps(value))):
+        assert is_ragged(copy) and copy.shard_layout == layout and copy.shard_rank == 1
+        assert torch.equal(local_flat(copy), piece)
+        assert local_flat(copy).data_ptr() != piece.data_ptr()
+        first = copy.rectangles[0][1]
+        assert local_flat(copy).data_ptr() == first.data_ptr()  # views again
 
 
 def _rf_model(seed: int, block_size: Any) -> torch.nn.Module:

@@ -140,6 +140,22 @@ class RaggedTensor(torch.Tensor):
                 return view
         raise ValueError(f"{index.fqn!r} has no rectangle at offsets {index.offset} on this rank")
 
+    def __deepcopy__(self, memo: dict) -> RaggedTensor:
+        """A copy of the piece, at the same place over the same process group (a handle: shared,
+        as it cannot be copied)."""
+        return self._with_piece(self.piece.clone())
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``) as the piece and its place; loading cuts the rectangles again.
+        A process group cannot travel, so only a RaggedTensor over the default group pickles."""
+        if self.shard_group is not None:
+            raise TypeError(
+                "a RaggedTensor over a process group other than the default cannot be pickled; "
+                "save it with torch.distributed.checkpoint, or pickle local_flat(value) or "
+                "gather_full(value)"
+            )
+        return (RaggedTensor, (self.piece, self.shard_layout, self.shard_rank, None))
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (
             f"RaggedTensor(shape={list(self.shape)}, dtype={self.dtype}, rank={self.shard_rank}, "
