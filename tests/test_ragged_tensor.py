@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import error_message, run_distributed
 from parity_models import OddModel
 from raggedfsdp.runtime import RaggedTensor, is_ragged, local_flat, to_ragged_tensor
 
@@ -134,7 +134,8 @@ def _deprecations(caught: list[warnings.WarningMessage]) -> list[str]:
 
 def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
     """Saves the same model as raggedfsdp, as ShardedTensors and as FSDP2; loads raggedfsdp's
-    into another plan and reads it through DSD, recording torch's deprecation warnings."""
+    into another plan and reads it through DSD, recording torch's deprecation warnings; and the
+    errors of loading a full tensor of the wrong shape, and RaggedTensors of another plan."""
     torch.set_num_threads(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -158,7 +159,17 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
         torch_fully_shard(block)
     torch_fully_shard(fsdp2)
     dcp.save(fsdp2.state_dict(), checkpoint_id=f"{path}/fsdp2")
-    return {"full": full, "warnings": _deprecations(caught), "control": _deprecations(control)}
+    wrong_shape = {**model.state_dict(), "emb.weight": torch.zeros(3, 3)}
+    errors = {
+        "shape": error_message(lambda: model.load_state_dict(wrong_shape)),
+        "plan": error_message(lambda: model.load_state_dict(other.state_dict())),
+    }
+    return {
+        "full": full,
+        "warnings": _deprecations(caught),
+        "control": _deprecations(control),
+        "errors": errors,
+    }
 
 
 def _load_plain(path: str) -> dict[str, torch.Tensor]:
@@ -191,6 +202,8 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
     for rank, result in enumerate(results):
         assert result["warnings"] == [], rank
         assert result["control"], rank  # negative control: the check does see the warning
+        assert "expected the full shape [37, 24]" in result["errors"]["shape"], rank
+        assert "do not match this rank's layout" in result["errors"]["plan"], rank
     for name in ("fsdp2", "single"):
         theirs = meta[name].state_dict_metadata
         assert theirs.keys() == ours.state_dict_metadata.keys()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layout import ShardInfo, shard_info
-from ._ragged_tensor import RaggedTensor, to_ragged_tensor
+from ._ragged_tensor import RaggedTensor, local_flat, to_ragged_tensor
 
 __all__ = ["load_state_dict_pre_hook", "state_dict_post_hook"]
 
@@ -74,34 +74,18 @@ def load_state_dict_pre_hook(
 def _local_from_ragged(
     value: RaggedTensor, param: torch.Tensor, info: ShardInfo, key: str
 ) -> torch.Tensor:
-    """This rank's piece of ``value``: the parameter itself when DCP loaded into it in place,
-    else a copy of ``value``'s rectangles, which must be this rank's own."""
+    """This rank's piece of ``value``, whose rectangles must be this rank's own. (DCP loaded
+    into the parameter in place when ``value`` came from this model's ``state_dict()``.)"""
     if tuple(value.shape) != tuple(info.layout.global_shape):
         raise ValueError(
             f"state dict entry {key!r} has shape {list(value.shape)}, expected "
             f"{list(info.layout.global_shape)}"
         )
-    if all(_is_view_of(view, param) for _, view in value.rectangles):
-        return param.detach()  # DCP loaded in place already
-    mine = to_ragged_tensor(torch.empty_like(param), info.layout, info.rank, info.group)
-    theirs = dict(value.rectangles)
-    out = torch.empty_like(param).reshape(-1)
-    position = 0
-    for offsets, view in mine.rectangles:
-        source = theirs.get(offsets)
-        if source is None or source.shape != view.shape:
-            raise ValueError(
-                f"state dict entry {key!r}: its RaggedTensor's rectangles do not match this "
-                f"rank's layout; load it with torch.distributed.checkpoint, which reshards"
-            )
-        out[position : position + source.numel()] = source.reshape(-1)
-        position += source.numel()
-    return out.view(param.shape)
-
-
-def _is_view_of(tensor: torch.Tensor, param: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return True
-    base = param.data_ptr()
-    end = base + param.numel() * param.element_size()
-    return base <= tensor.data_ptr() < end
+    theirs = [(tuple(offsets), tuple(view.shape)) for offsets, view in value.rectangles]
+    if theirs != info.layout.boxes(info.rank):
+        # Compared even when this rank holds nothing: an empty piece of another plan is not ours.
+        raise ValueError(
+            f"state dict entry {key!r}: its RaggedTensor's rectangles do not match this "
+            f"rank's layout; load it with torch.distributed.checkpoint, which reshards"
+        )
+    return local_flat(value).view(param.shape)
