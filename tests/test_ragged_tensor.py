@@ -147,6 +147,8 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
         other.load_state_dict(state)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(other, options=options)
+        offloaded = get_model_state_dict(other, options=StateDictOptions(cpu_offload=True))
+        sharded = all(is_ragged(v) for v in offloaded.values())
     with warnings.catch_warnings(record=True) as control:
         warnings.simplefilter("always")
         state = model.state_dict()
@@ -166,6 +168,7 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     return {
         "full": full,
+        "sharded": sharded,
         "warnings": _deprecations(caught),
         "control": _deprecations(control),
         "errors": errors,
@@ -201,6 +204,7 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
             assert filecmp.cmp(f"{path}/rf/{file}", f"{path}/sharded_tensor/{file}", False)
     for rank, result in enumerate(results):
         assert result["warnings"] == [], rank
+        assert result["sharded"], rank  # DSD's cpu_offload keeps RaggedTensors (on the CPU)
         assert result["control"], rank  # negative control: the check does see the warning
         assert "expected the full shape [37, 24]" in result["errors"]["shape"], rank
         assert "do not match this rank's layout" in result["errors"]["plan"], rank
