@@ -17,10 +17,13 @@ DCP's metadata holds only the global shape, the dtype and these chunks, so a che
 one torch's former ``ShardedTensor`` of the same rectangles wrote, and reshards into FSDP2
 (DTensor) or a single process. It is a ``torch.Tensor`` (a wrapper subclass of the global shape
 and dtype, with no storage of its own) because DCP and DSD take a value that is not a tensor for
-a replicated object: DCP looks shards up only in tensors (``find_state_dict_object``), and DSD's
-``rank0_only`` walk keeps non-tensors as they are. Only the few operations DSD applies to a
-state value work on it (``detach``, ``to``/``cpu``, ``clone``: applied to the piece); anything
-else is an error that says to use :func:`local_flat` or :func:`gather_full`.
+a replicated object, or refuse it: DCP looks shards up by offset only in tensors
+(``utils.find_state_dict_object``), some releases write non-tensors from the coordinator rank
+only (``default_planner.create_default_local_save_plan``), and DSD's walk
+(``_state_dict_utils._iterate_state_dict``) rejects types it does not know. Only the few
+operations DSD applies to a state value work on it (``detach``, ``to``/``cpu``, ``clone``:
+applied to the piece); anything else is an error that says to use :func:`local_flat` or
+:func:`gather_full`.
 """
 
 from __future__ import annotations
