@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from ..layout import ShardLayout, shard_info
-from ..runtime import local_flat, to_sharded_tensor
+from ..runtime import RaggedTensor, local_flat, to_ragged_tensor
 
 __all__ = [
     "copy_flat",
@@ -101,7 +100,7 @@ def entry(
                 f"parameter {fqn!r} a layout with {layout.local_numel(info.rank)} elements on "
                 f"rank {info.rank}, but the value has {flat.numel()}"
             )
-        return to_sharded_tensor(flat, layout, info.rank, info.group)
+        return to_ragged_tensor(flat, layout, info.rank, info.group)
     if isinstance(value, torch.Tensor) and value.ndim == 0:
         return value
     if info.layout.ndim == 0:
@@ -112,7 +111,7 @@ def entry(
     if isinstance(value, torch.Tensor) and value.numel() == info.layout.local_numel(info.rank):
         if not value.is_contiguous():
             value = value.contiguous()  # a copy: loading then copies back into the state
-        return to_sharded_tensor(value, info.layout, info.rank, info.group)
+        return to_ragged_tensor(value, info.layout, info.rank, info.group)
     if not isinstance(value, (torch.Tensor, list, tuple, dict)):
         return value
     shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -133,9 +132,9 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     }
 
 
-def same_storage(value: ShardedTensor, target: torch.Tensor) -> bool:
-    ptr = target.untyped_storage().data_ptr()
-    return all(s.tensor.untyped_storage().data_ptr() == ptr for s in value.local_shards())
+def same_storage(value: RaggedTensor, target: torch.Tensor) -> bool:
+    """Whether ``value``'s piece lives in ``target``'s storage (DCP loaded into it in place)."""
+    return local_flat(value).untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
 
 
 def copy_flat(flat: torch.Tensor, target: torch.Tensor | list[torch.Tensor]) -> None:
@@ -179,7 +178,7 @@ def load_optim_state_dict(
             if key not in state[fqn]:
                 raise ValueError(f"optimizer state of {fqn!r} has no {key!r}")
             loaded = state[fqn][key]
-            if isinstance(loaded, ShardedTensor):
+            if isinstance(loaded, RaggedTensor):
                 if isinstance(target, torch.Tensor) and same_storage(loaded, target):
                     continue
                 copy_flat(local_flat(loaded), target)
@@ -225,9 +224,7 @@ def expected_entries(state: Mapping[str, Any], prefix: str = "") -> Iterator[tup
         name = f"{prefix}{key}"
         if isinstance(value, Mapping):
             yield from expected_entries(value, f"{name}.")
-        elif isinstance(value, ShardedTensor):
-            yield name, tuple(value.size())
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, torch.Tensor):  # a RaggedTensor's shape is the global one
             yield name, tuple(value.shape)
         elif _is_tensor_list(value):
             for i, item in enumerate(value):

@@ -3,25 +3,32 @@
 [Note: torch.distributed.checkpoint.state_dict over ragged shards]
 FSDP2's parameters and optimizer state are DTensors, which ``get_model_state_dict`` /
 ``get_optimizer_state_dict`` (DSD) gather for ``full_state_dict=True`` and DCP reshards. Ours are
-plain local tensors; the model's ``state_dict()`` already turns them into ShardedTensors (see
+plain local tensors; the model's ``state_dict()`` already turns them into RaggedTensors (see
 [Note: ragged shards in DCP]). Two things make the rest of DSD right, installed once at import:
 
-1. **Full state**: DSD gathers a ShardedTensor with ``_all_gather_sharded_tensor``, which assumes
-   even chunks of dim 0 over the default group. For a ShardedTensor of ours (and only those) the
-   gather is :func:`~raggedfsdp.runtime.gather_full`: the pieces padded to the largest, one
-   all-gather over the shard group, cut by the layout. Every rank joins it, so
-   ``cpu_offload=True`` (values on rank 0 only) cannot hang.
+1. **Full state**: DSD gathers through ``_gather_state_dict``, whose walk
+   (``torch.distributed._state_dict_utils._iterate_state_dict``) dispatches on a closed list of
+   types (ShardedTensor, DTensor, Tensor) to functions private to each caller. A RaggedTensor is
+   a plain ``torch.Tensor`` there, which is what every other walk wants (``cpu_offload`` moves it
+   with ``.to("cpu")``, a copy of its piece); only the gather must differ. So DSD's
+   ``_gather_state_dict`` is wrapped, not the walk: RaggedTensors (and nothing else) are first
+   replaced by :func:`~raggedfsdp.runtime.gather_full` (the pieces padded to the largest, one
+   all-gather over the shard group, cut by the layout), then torch's function runs unchanged on
+   what is left. Every rank joins every gather before torch's walk drops the values of ranks
+   other than 0, so ``cpu_offload=True`` (values on rank 0 only) cannot hang. This depends on
+   one name and its first argument only, not on the walk's internals, which change between
+   releases.
 2. **Optimizer state**: an optimizer over sharded parameters gets, at its first ``step()`` (a
    global step pre-hook; DSD steps a fresh optimizer itself to create its state), a
    ``state_dict`` post-hook that, while DSD reads the state (``_get_optim_state_dict``, wrapped
-   to say so), turns the state of sharded parameters into ShardedTensors by the rules of [Note:
+   to say so), turns the state of sharded parameters into RaggedTensors by the rules of [Note:
    optimizer state across world sizes]; and a ``load_state_dict`` pre-hook that accepts
-   ShardedTensors (resharded by DCP), full tensors (``full_state_dict=True``) or this rank's own
+   RaggedTensors (resharded by DCP), full tensors (``full_state_dict=True``) or this rank's own
    pieces, and hands torch's loader this rank's pieces. A plain ``optimizer.state_dict()`` keeps
    this rank's own tensors (FSDP2's holds DTensors), so a per-rank ``torch.save`` loads into any
    fresh optimizer at the same world size, as before.
 
-Both are contained: the gather wrapper delegates anything else to torch's function, and an
+Both are contained: the gather wrapper hands everything else to torch's function, and an
 optimizer without sharded parameters gets no hooks. If a torch release moves either wrapped
 function, the import-time check in :func:`install` raises rather than letting a state dict be
 wrong.
@@ -36,31 +43,28 @@ from itertools import chain
 from typing import Any
 
 import torch
-import torch.distributed._state_dict_utils as torch_state_dict_utils
 import torch.distributed.checkpoint.state_dict as dsd
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..layout import shard_info
-from ..runtime import gather_full, is_ragged, local_flat
+from ..runtime import RaggedTensor, gather_full, local_flat
 from ._optim_state import copy_flat, entry, same_storage, state_layout
 
 __all__ = ["install"]
 
 _HOOKED = "_raggedfsdp_state_dict_hooks"
-# Whether DSD is reading optimizer state: only then is it returned as ShardedTensors, so a plain
+# Whether DSD is reading optimizer state: only then is it returned as RaggedTensors, so a plain
 # optimizer.state_dict() keeps this rank's own tensors (loadable by any fresh optimizer).
 _IN_DSD = contextvars.ContextVar("raggedfsdp_in_dsd", default=False)
 
 
 def install() -> None:
-    """Make DSD gather ragged ShardedTensors and hook optimizers over sharded parameters.
-    Idempotent."""
-    torch_gather = _torch_function(torch_state_dict_utils, "_all_gather_sharded_tensor")
+    """Make DSD gather RaggedTensors and hook optimizers over sharded parameters. Idempotent."""
+    torch_gather = _torch_function(dsd, "_gather_state_dict")
     torch_get_optim = _torch_function(dsd, "_get_optim_state_dict")
     if getattr(torch_gather, "_raggedfsdp", False):
         return
-    torch_state_dict_utils._all_gather_sharded_tensor = _gather_wrapper(torch_gather)
+    dsd._gather_state_dict = _gather_wrapper(torch_gather)
     dsd._get_optim_state_dict = _in_dsd(torch_get_optim)
     register_optimizer_step_pre_hook(_hook_optimizer)
 
@@ -88,14 +92,25 @@ def _in_dsd(torch_get_optim: Callable[..., Any]) -> Callable[..., Any]:
     return get_optim
 
 
-def _gather_wrapper(torch_gather: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def gather(sharded_tensor: ShardedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if is_ragged(sharded_tensor):
-            return gather_full(sharded_tensor)
-        return torch_gather(sharded_tensor, *args, **kwargs)
+def _gather_wrapper(torch_gather: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(torch_gather)
+    def gather(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return torch_gather(_gather_ragged(state_dict), *args, **kwargs)
 
     gather._raggedfsdp = True  # type: ignore[attr-defined]
     return gather
+
+
+def _gather_ragged(value: Any) -> Any:
+    """``value`` with every RaggedTensor, in nested dicts, lists and tuples, replaced by its full
+    tensor (a collective per RaggedTensor, in the walk's order, the same on every rank)."""
+    if isinstance(value, RaggedTensor):
+        return gather_full(value)
+    if isinstance(value, dict):
+        return {key: _gather_ragged(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gather_ragged(item) for item in value)
+    return value
 
 
 def _hook_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -118,7 +133,7 @@ def _spread(param: torch.Tensor) -> bool:
 
 def _sharded_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict:
     """Under DSD, ``optimizer.state_dict()`` with the state of sharded parameters as
-    ShardedTensors (new per-parameter dicts: torch's are the optimizer's own)."""
+    RaggedTensors (new per-parameter dicts: torch's are the optimizer's own)."""
     if not _IN_DSD.get():
         return state_dict
     params = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
@@ -154,7 +169,7 @@ def _local_value(
 ) -> Any:
     """This rank's piece of one loaded state value, copied into the state it replaces when there
     is one (so the optimizer keeps its own tensors, and a value DCP loaded in place is kept)."""
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, RaggedTensor):
         if isinstance(held, torch.Tensor) and same_storage(value, held):
             return held
         flat = local_flat(value)

@@ -4,18 +4,19 @@ buffer per bucket, so the all-gather and the reduce-scatter run in place.
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
 :class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint layer,
-:func:`full_parameters`, :func:`to_sharded_tensor` (DCP's container of a ragged shard, with
-:func:`local_flat`, :func:`gather_full` and :func:`is_ragged`), and :func:`error_feedback_state` /
-:func:`load_error_feedback_state` (the residuals of compressed reduce-scatters, per rank).
+:func:`full_parameters`, :class:`RaggedTensor` (DCP's container of a ragged shard, with
+:func:`to_ragged_tensor`, :func:`local_flat`, :func:`gather_full` and :func:`is_ragged`), and
+:func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
+reduce-scatters, per rank).
 Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), collectives
 (``_collectives``), block quantization (``_quant``), one bucket's quantized messages
 (``_codec``), one parameter's record (``_param``), a unit's group (``_param_group``), reductions
 in flight (``_reduce``), hooks (``_state``), state machines (``_states``), state dicts
-(``_state_dict``) and sharded gradients (``_sharded_grad``).
+(``_state_dict``; their container, ``_ragged_tensor``) and sharded gradients (``_sharded_grad``).
 """
 
 from ._metrics import RuntimeStats
-from ._state_dict import gather_full, is_ragged, local_flat, to_sharded_tensor
+from ._ragged_tensor import RaggedTensor, gather_full, is_ragged, local_flat, to_ragged_tensor
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
     FSDPBackend,
@@ -33,6 +34,7 @@ __all__ = [
     "FSDPBackend",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "RaggedTensor",
     "RuntimeStats",
     "UnshardHandle",
     "error_feedback_state",
@@ -43,5 +45,5 @@ __all__ = [
     "load_error_feedback_state",
     "local_flat",
     "register_fsdp_forward_method",
-    "to_sharded_tensor",
+    "to_ragged_tensor",
 ]

@@ -39,7 +39,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -492,9 +491,6 @@ def _run_job(
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the options and train; the exit status (user errors: one line, status 2)."""
     args = build_parser().parse_args(argv)
-    # raggedfsdp's DCP values are ShardedTensors (the only DCP container for ragged shards; see
-    # checkpoint.py), which torch warns about on every save and load.
-    warnings.filterwarnings("ignore", "Please use DTensor instead", FutureWarning)
     out: str | None = None
     try:
         cfg = config_from_args(args)
