@@ -17,7 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
@@ -165,6 +170,7 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
     errors = {
         "shape": error_message(lambda: model.load_state_dict(wrong_shape)),
         "plan": error_message(lambda: model.load_state_dict(other.state_dict())),
+        **_optimizer_plan_errors(model, other),
     }
     return {
         "full": full,
@@ -172,6 +178,22 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
         "warnings": _deprecations(caught),
         "control": _deprecations(control),
         "errors": errors,
+    }
+
+
+def _optimizer_plan_errors(model: torch.nn.Module, other: torch.nn.Module) -> dict[str, str]:
+    """Optimizer state of another plan, handed over without DCP (which would reshard it):
+    through raggedfsdp's functions and through DSD."""
+    optimizers = []
+    for m in (model, other):
+        optimizers.append(torch.optim.AdamW(m.parameters(), lr=1e-3))
+        rf.checkpoint.init_optimizer_state(m, optimizers[-1])
+    ours, theirs = optimizers
+    state = rf.optim_state_dict(other, theirs)
+    dsd_state = get_optimizer_state_dict(other, theirs)
+    return {
+        "optimizer": error_message(lambda: rf.load_optim_state_dict(model, ours, state)),
+        "dsd_optimizer": error_message(lambda: set_optimizer_state_dict(model, ours, dsd_state)),
     }
 
 
@@ -207,7 +229,8 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
         assert result["sharded"], rank  # DSD's cpu_offload keeps RaggedTensors (on the CPU)
         assert result["control"], rank  # negative control: the check does see the warning
         assert "expected the full shape [37, 24]" in result["errors"]["shape"], rank
-        assert "do not match this rank's layout" in result["errors"]["plan"], rank
+        for kind in ("plan", "optimizer", "dsd_optimizer"):
+            assert "rectangles do not match this rank's layout" in result["errors"][kind], rank
     for name in ("fsdp2", "single"):
         theirs = meta[name].state_dict_metadata
         assert theirs.keys() == ours.state_dict_metadata.keys()

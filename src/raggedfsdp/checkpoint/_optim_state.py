@@ -137,6 +137,22 @@ def same_storage(value: RaggedTensor, target: torch.Tensor) -> bool:
     return local_flat(value).untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
 
 
+def loaded_piece(
+    optimizer: torch.optim.Optimizer, param: torch.Tensor, key: str, value: RaggedTensor, where: str
+) -> torch.Tensor:
+    """This rank's piece of a loaded state value, which must be placed as this rank's state of
+    ``param`` is (a piece of another plan may have the same size: copying it would be silently
+    wrong; DCP reshards)."""
+    info = shard_info(param)
+    layout = state_layout(optimizer, param, key, local_flat(value))
+    if info is None or layout is None or not value.placed_as(layout, info.rank):
+        raise ValueError(
+            f"optimizer state of {where} ({key!r}): its RaggedTensor's rectangles do not match "
+            f"this rank's layout; load it with torch.distributed.checkpoint, which reshards"
+        )
+    return local_flat(value)
+
+
 def copy_flat(flat: torch.Tensor, target: torch.Tensor | list[torch.Tensor]) -> None:
     """Copy ``flat`` (1-D) into a state value: a tensor, or a list taken as the concatenation of
     its flattenings (as :func:`optim_state_dict` stores it)."""
@@ -171,7 +187,7 @@ def load_optim_state_dict(
 ) -> None:
     """Put ``state`` (an :func:`optim_state_dict` of this optimizer, filled by ``dcp.load``) into
     the optimizer. Values DCP loaded in place are left alone; the others are copied in."""
-    for fqn, _param, current in _state_items(model, optimizer):
+    for fqn, param, current in _state_items(model, optimizer):
         if fqn not in state:
             raise ValueError(f"optimizer state has no entry for parameter {fqn!r}")
         for key, target in list(current.items()):
@@ -181,7 +197,7 @@ def load_optim_state_dict(
             if isinstance(loaded, RaggedTensor):
                 if isinstance(target, torch.Tensor) and same_storage(loaded, target):
                     continue
-                copy_flat(local_flat(loaded), target)
+                copy_flat(loaded_piece(optimizer, param, key, loaded, repr(fqn)), target)
             elif isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
                 if loaded.data_ptr() != target.data_ptr():
                     target.copy_(loaded)

@@ -47,8 +47,8 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..layout import shard_info
-from ..runtime import RaggedTensor, gather_full, local_flat
-from ._optim_state import copy_flat, entry, same_storage, state_layout
+from ..runtime import RaggedTensor, gather_full
+from ._optim_state import copy_flat, entry, loaded_piece, same_storage, state_layout
 
 __all__ = ["install"]
 
@@ -172,7 +172,7 @@ def _local_value(
     if isinstance(value, RaggedTensor):
         if isinstance(held, torch.Tensor) and same_storage(value, held):
             return held
-        flat = local_flat(value)
+        flat = loaded_piece(optimizer, param, key, value, "a parameter")
     else:
         layout = state_layout(optimizer, param, key, held if held is not None else value)
         full = isinstance(value, torch.Tensor) and layout is not None

@@ -90,6 +90,12 @@ class RaggedTensor(torch.Tensor):
         value.shard_layout, value.shard_rank, value.shard_group = layout, rank, group
         return value
 
+    def placed_as(self, layout: ShardLayout, rank: int) -> bool:
+        """Whether this is ``rank``'s piece of a tensor placed by ``layout``: the same global
+        shape and rectangles. (A piece of another plan may have the same size, even none.)"""
+        mine = [(tuple(offsets), tuple(view.shape)) for offsets, view in self.rectangles]
+        return tuple(self.shape) == tuple(layout.global_shape) and mine == layout.boxes(rank)
+
     def _with_piece(self, piece: torch.Tensor) -> RaggedTensor:
         return RaggedTensor(piece, self.shard_layout, self.shard_rank, self.shard_group)
 

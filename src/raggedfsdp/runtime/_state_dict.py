@@ -81,8 +81,7 @@ def _local_from_ragged(
             f"state dict entry {key!r} has shape {list(value.shape)}, expected "
             f"{list(info.layout.global_shape)}"
         )
-    theirs = [(tuple(offsets), tuple(view.shape)) for offsets, view in value.rectangles]
-    if theirs != info.layout.boxes(info.rank):
+    if not value.placed_as(info.layout, info.rank):
         # Compared even when this rank holds nothing: an empty piece of another plan is not ours.
         raise ValueError(
             f"state dict entry {key!r}: its RaggedTensor's rectangles do not match this "
