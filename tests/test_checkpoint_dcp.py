@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import copy
 import tempfile
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
 import raggedfsdp as rf
 from harness import run_distributed
-from parity_models import OddModel
+from parity_models import OddModel, make_batches
 
 
 def _model(block_size, seed: int) -> torch.nn.Module:
@@ -62,3 +66,52 @@ def test_load_full_state_dict_into_sharded_model():
     for got in run_distributed(_load_full, 3, full):
         for k in full:
             assert torch.equal(got[k], full[k]), k
+
+
+def _async_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """torchtitan's asynchronous checkpoint: ``dcp.async_save`` of the model's and the
+    optimizer's state (DSD, sharded) over a subgroup's mesh, the parameters changed by the next
+    step before the write is waited on; then a synchronous load into a fresh model."""
+    torch.set_num_threads(1)
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(world))), "cpu")
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(5)
+        model = OddModel()
+        rf.FSDPBackend(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        idx, targets = make_batches(1, 2 * world)[0]
+        model(idx[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = build()
+    step(model, optimizer)
+    snapshot = rf.full_state_dict(model)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    future = dcp.async_save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+    step(model, optimizer)  # changes the parameters in place while the write may be running
+    future.result()
+    fresh, fresh_optimizer = build()
+    model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])  # fmt: skip
+    loaded = rf.full_state_dict(fresh)
+    # the same next step from the loaded state reproduces the original's
+    step(fresh, fresh_optimizer)
+    return {"snapshot": snapshot, "loaded": loaded, "stepped": rf.full_state_dict(model),
+            "loaded_then_stepped": rf.full_state_dict(fresh)}  # fmt: skip
+
+
+def test_async_save_writes_the_state_as_it_was_when_called():
+    with tempfile.TemporaryDirectory() as path:
+        for rank in run_distributed(_async_save, 2, path):
+            for key, value in rank["snapshot"].items():
+                assert torch.equal(rank["loaded"][key], value), key
+                trained = not key.startswith("frozen")
+                assert trained != torch.equal(rank["stepped"][key], value), key  # it changed
+                assert torch.equal(rank["loaded_then_stepped"][key], rank["stepped"][key]), key

@@ -49,6 +49,19 @@ __all__ = ["RaggedTensor", "gather_full", "is_ragged", "local_flat", "to_ragged_
 _aten = torch.ops.aten
 
 
+class _Handle:
+    """A process group as an attribute that copies as itself: a group cannot be copied, and
+    DCP's ``async_save`` stages a tensor subclass by deep-copying its attributes."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _Handle:
+        return self
+
+
 class RaggedTensor(torch.Tensor):
     """A rank's ragged piece of a ``layout``-placed tensor, as DCP reads and writes it.
 
@@ -62,7 +75,12 @@ class RaggedTensor(torch.Tensor):
     # What gather_full needs. Not ``layout``: torch.Tensor.layout is the memory layout.
     shard_layout: ShardLayout
     shard_rank: int
-    shard_group: dist.ProcessGroup | None
+    _group: _Handle
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup | None:
+        """The process group of the layout's ranks (``None``: the default group)."""
+        return self._group.group
 
     # Everything goes to __torch_dispatch__, where only the state-dict operations are allowed.
     __torch_function__: ClassVar[Any] = torch._C._disabled_torch_function_impl
@@ -87,7 +105,7 @@ class RaggedTensor(torch.Tensor):
             view = piece[begin : begin + math.prod(sizes)].view(sizes)
             rectangles.append((torch.Size(offsets), view))
         value.piece, value.rectangles = piece, tuple(rectangles)
-        value.shard_layout, value.shard_rank, value.shard_group = layout, rank, group
+        value.shard_layout, value.shard_rank, value._group = layout, rank, _Handle(group)
         return value
 
     def placed_as(self, layout: ShardLayout, rank: int) -> bool:
@@ -112,6 +130,11 @@ class RaggedTensor(torch.Tensor):
         if func in cls._ON_PIECE and isinstance(args[0], RaggedTensor):
             value: RaggedTensor = args[0]
             return value._with_piece(func(value.piece, *args[1:], **(kwargs or {})))
+        if func is _aten.new_empty.default and tuple(args[1]) == tuple(args[0].shape):
+            # DCP's async_save stages a tensor subclass as new_empty of its shape, then its
+            # attributes (the piece and the rectangles, views of one storage, copied once)
+            value = args[0]
+            return value._with_piece(value.piece.new_empty(value.piece.shape, **(kwargs or {})))
         raise NotImplementedError(
             f"{func} is not supported on a RaggedTensor (a rank's ragged piece of a sharded "
             f"tensor, for checkpoints); use raggedfsdp.runtime.local_flat for this rank's "
