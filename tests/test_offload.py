@@ -153,9 +153,14 @@ def _placement(rank: int) -> dict[str, Any]:
                         out["state_on_param"] &= value.device == sharded.device
                         out["state_on_param"] &= _storage(value) not in locals_
     out["grads_seen"] = len(host_grads)
+    stats = model.stats()
+    host = sum(b.local.nbytes + (b.local.nbytes if b.has_sharded_grads() else 0)
+               for g in groups for b in g.buckets)  # fmt: skip
+    out["offloaded_bytes"] = (stats["offloaded_bytes"], stats["persistent_bytes"], host)
     out["unsharded_on_device"], out["freed_after_reshard"] = _unsharded_where(model, groups)
     plain = _model(False)
     out["plain_views_of_local"] = _unsharded_where(plain, [s.group for s in plain._all_states()])[0]
+    out["plain_offloaded_bytes"] = plain.stats()["offloaded_bytes"]
     return out
 
 
@@ -279,6 +284,9 @@ def test_shards_gradients_and_optimizer_state_are_in_the_host_buffers(results):
         assert placement["params_in_local"]
         assert placement["grads_seen"] > 0 and placement["grads_in_host"]
         assert placement["state_on_param"]
+        offloaded, persistent, host = placement["offloaded_bytes"]
+        assert offloaded == persistent == host > 0  # no residuals here: all of it on the host
+        assert placement["plain_offloaded_bytes"] == 0
 
 
 def test_unsharded_parameters_are_device_buffers_freed_at_reshard(results):

@@ -170,12 +170,16 @@ class FSDPModule:
 
     def stats(self) -> dict[str, float]:
         """Communication, copy and memory counters since the last :meth:`reset_stats` (zeros
-        before the first forward), with this model's persistent bytes and padding."""
+        before the first forward), with this model's persistent bytes (``offloaded_bytes`` of
+        them on the host under CPU offload) and padding."""
         state = self._fsdp_state
         states = self._all_states()
         stats = state.ctx.resources.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
         out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
+        # under CPU offload the shards and their gradients are on the host (residuals are not)
+        offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
+        out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)
         plans = self.shard_plans()
         out["padding_numel"] = sum(p.padding_numel for p in plans)
         out["param_numel"] = sum(p.param_numel for p in plans)
