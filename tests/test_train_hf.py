@@ -292,3 +292,27 @@ def test_config_file_key_folder_and_dry_run(command, tmp_path):
     assert "model.layers.1/" in out and "estimated memory per rank" in out
     status, out, _ = command("train", "--help")
     assert "--hf-config" in out and "--compile" in out
+
+
+@pytest.mark.slow
+def test_export_needs_no_file_outside_the_checkpoint(corpus, tmp_path):
+    """Trained from a relative path to a config.json, the checkpoint carries the config: it
+    exports from another folder after the file is gone, as the model the run trained."""
+    transformers = pytest.importorskip("transformers")
+    work = tmp_path / "work"
+    transformers.AutoConfig.for_model(**hf.TINY_CONFIGS["tiny-llama"]).save_pretrained(
+        work / "my-llama"
+    )
+    argv = ["--hf-config=my-llama", "--steps=2", "--batch-size=4", "--seq-len=32",
+            "--checkpoint-every=2", "--eval-every=0", f"--data={corpus}", "--out=run"]  # fmt: skip
+    code = (
+        "import json, sys\nfrom raggedfsdp.train import main\n"
+        "sys.exit(main(json.loads(sys.argv[1])))"
+    )
+    ok(subprocess.run([sys.executable, "-c", code, json.dumps(argv)], cwd=work,
+                      capture_output=True, text=True, env=ENV, timeout=180))  # fmt: skip
+    shutil.rmtree(work / "my-llama")
+    [written, *_] = export_checkpoint(work / "run", tmp_path / "exported.pt")
+    state = torch.load(written)
+    model = transformers.AutoModelForCausalLM.from_config(hf.hf_config("tiny-llama"))
+    model.load_state_dict(state, strict=True)

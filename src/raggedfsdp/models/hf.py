@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ __all__ = [
     "INSTALL_HINT",
     "TINY_CONFIGS",
     "build_hf_model",
+    "config_record",
     "decoder_layers",
     "experts_per_token",
     "hf_config",
@@ -139,12 +141,24 @@ class _ByteTargets(nn.Module):
         return super().forward(*args, **kwargs)
 
 
-def build_hf_model(spec: str, device: torch.device | str) -> nn.Module:
-    """The causal LM of ``spec`` on ``device``, in fp32, initialised by HF's own scheme from
-    torch's global generator (seed it first: every rank then holds the same weights). On the
-    meta device nothing is initialised (for plans and checks)."""
+def config_record(spec: str) -> dict[str, Any]:
+    """The config of ``spec`` as a JSON-able dict, for a checkpoint to carry: a model can be
+    built from it (:func:`build_hf_model`) wherever the checkpoint goes, without the file
+    ``spec`` named (a relative path, a file since moved)."""
+    return hf_config(spec).to_dict()
+
+
+def build_hf_model(spec: str | Mapping[str, Any], device: torch.device | str) -> nn.Module:
+    """The causal LM of ``spec`` (as :func:`hf_config` takes it, or a :func:`config_record`) on
+    ``device``, in fp32, initialised by HF's own scheme from torch's global generator (seed it
+    first: every rank then holds the same weights). On the meta device nothing is initialised
+    (for plans and checks)."""
     transformers = _transformers()
-    config = hf_config(spec)
+    if isinstance(spec, Mapping):
+        record = dict(spec)
+        config = transformers.AutoConfig.for_model(record.pop("model_type"), **record)
+    else:
+        config = hf_config(spec)
     device = torch.device(device)
     if device.type == "meta":
         with torch.device("meta"):

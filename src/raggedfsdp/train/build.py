@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import cast
+from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,8 +65,11 @@ def new_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
     return new_model_of(cfg.model, cfg.hf_config, device)
 
 
-def new_model_of(model: str, hf_config: str | None, device: torch.device | str) -> nn.Module:
-    """:func:`new_model` from the two options alone (what a checkpoint's config records)."""
+def new_model_of(
+    model: str, hf_config: str | Mapping[str, Any] | None, device: torch.device | str
+) -> nn.Module:
+    """:func:`new_model` from the two options alone (what a checkpoint's config records;
+    ``hf_config`` may be the config itself, :func:`raggedfsdp.models.hf.config_record`)."""
     if hf_config is not None:
         return hf.build_hf_model(hf_config, device)
     return GPT(GPT_CONFIGS[model], device=device)

@@ -343,7 +343,9 @@ def export_checkpoint(
     if hf_config is None and name not in GPT_CONFIGS:
         raise ValueError(f"checkpoint {str(path)!r} was saved by an unknown model {name!r}")
     state = load_full(path, "model.")
-    model = new_model_of(meta["config"].get("model"), hf_config, "meta")
+    # the config the checkpoint carries (older ones: the path or name it was trained from)
+    record = meta.get("hf_config_record", hf_config)
+    model = new_model_of(meta["config"].get("model"), record, "meta")
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:

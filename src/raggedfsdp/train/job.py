@@ -53,6 +53,7 @@ from .._console import USAGE_ERROR, format_bytes
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..layout import global_shape
+from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, optimizer_bytes
 from .checkpoints import describe_failure, load_checkpoint, save_checkpoint
@@ -184,6 +185,15 @@ class _Run:
         """The validation loss now (a collective: every rank calls it)."""
         return evaluate(self.model, self.val_batches, self.device)
 
+    def _checkpoint_meta(self) -> dict[str, Any]:
+        """What ``COMPLETE.json`` records beside the files: the run's config and data position,
+        and a Hugging Face model's config itself, so export needs no file outside the
+        checkpoint."""
+        meta = {"config": self.cfg.to_dict(), "data": self.sampler.state_dict()}
+        if self.cfg.hf_config is not None:
+            meta["hf_config_record"] = hf.config_record(self.cfg.hf_config)
+        return meta
+
     def _before_commit(self, step: int) -> None:
         """``--fail-during-save``: kill the last rank once, after the shards are written and
         before the checkpoint is marked complete (what resuming must survive)."""
@@ -203,7 +213,7 @@ class _Run:
             step,
             model=self.model,
             optimizer=self.optimizer,
-            meta={"config": self.cfg.to_dict(), "data": self.sampler.state_dict()},
+            meta=self._checkpoint_meta(),
             before_commit=functools.partial(self._before_commit, step),
         )
         self.monitor.print(f"checkpoint: {path}")
