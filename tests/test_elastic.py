@@ -161,8 +161,11 @@ def _finish(tmp: Path, *nodes: tuple[str, subprocess.Popen]) -> dict[str, str]:
         outputs[name] = (tmp / f"{name}.txt").read_text()
         assert node.returncode == 0, f"{name}: exit {node.returncode}\n{outputs[name]}"
         assert "Traceback" not in outputs[name], outputs[name]
-        # torchrun's own log lines ("W1202 12:00:00.000000 ...") stay off the terminal.
-        assert not re.search(r"^\[?[IWE]\d{4} ", outputs[name], re.MULTILINE), outputs[name]
+        # torchrun's own log lines ("W1202 12:00:00.000000 ...") stay off the terminal. (Not
+        # torch's C++ warnings, "[W1202 ...] TCPStore.cpp": when the node hosting the
+        # rendezvous store ends first, another agent's last store call may print one to its
+        # stderr, which the workers share, so it cannot be moved to a file.)
+        assert not re.search(r"^[IWE]\d{4} ", outputs[name], re.MULTILINE), outputs[name]
     return outputs
 
 
