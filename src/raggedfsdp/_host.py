@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 __all__ = [
     "available_ram_bytes",
+    "backend_for",
     "current_rss_bytes",
     "default_device",
     "local_device",
@@ -29,10 +30,20 @@ def local_device(local_rank: int) -> torch.device:
     return device
 
 
+def backend_for(group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend that carries ``device_type``'s tensors in ``group`` (``None``: the default
+    group): its one backend, or the one it pairs with that device type (``"cpu:gloo,cuda:nccl"``,
+    torch's default and what CPU offload needs); ``""`` when it pairs none with it."""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    return dict(pair.split(":", 1) for pair in name.split(",")).get(device_type, "")
+
+
 def default_device() -> torch.device:
-    """The device this rank computes on once the process group exists: its current GPU under
-    NCCL (alone or beside Gloo, ``"cpu:gloo,cuda:nccl"``), else the CPU."""
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
+    """The device this rank computes on once the process group exists: its current GPU when
+    NCCL carries CUDA tensors (alone or beside Gloo), else the CPU."""
+    if dist.is_initialized() and backend_for(None, "cuda") == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from .._host import backend_for
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
 
@@ -212,12 +213,8 @@ def _exchange(
 
 
 def _is_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether Gloo carries ``device``'s tensors in ``group``, which may pair a backend with
-    each device type (``"cpu:gloo,cuda:nccl"``: torch's default, and what CPU offload needs)."""
-    name = str(dist.get_backend(group))
-    if ":" in name:
-        name = dict(pair.split(":", 1) for pair in name.split(",")).get(device.type, "")
-    return name == "gloo"
+    """Whether Gloo carries ``device``'s tensors in ``group``."""
+    return backend_for(group, device.type) == "gloo"
 
 
 @functools.cache
