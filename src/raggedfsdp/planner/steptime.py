@@ -36,7 +36,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from .cost import StepShape, UnitBytes
@@ -170,42 +170,49 @@ def step_time(
 
     Long by nature: the forward and backward pipelines, written out.
     """
+    if host_overhead_s < 0:
+        raise ValueError(f"host_overhead_s must be >= 0, got {host_overhead_s}")
     w = world_size
     rate = hw.peak_flops * hw.efficiency
     fsdp2 = system == "fsdp2"
+    Cost = Callable[[UnitBytes, int], float]  # one collective's seconds from its bytes
 
-    def coll(link: Hardware | None, unit: UnitBytes, nbytes: int, reduce: bool) -> float:
-        """One collective's seconds over ``link``; with ``None``, the CPU its bytes cost on
-        the slower link (:attr:`Hardware.link_cpu_s_per_byte`)."""
-        twice = fsdp2 and reduce and not hw.native_reduce_scatter  # an all-reduce, of a clone
-        if link is None:
-            slow = w > hw.devices_per_node and not hw.overlaps
-            cpu = (w - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
-            return 2 * cpu if twice else cpu
-        seconds = _ring_s(link, w, nbytes, 1 if fsdp2 else unit.buckets)
-        if fsdp2:  # copy-out of the all-gather / copy-in of the reduce-scatter, read and write
-            seconds += 2 * w * nbytes / hw.memory_bytes_per_s
-        return 2 * seconds if twice else seconds
+    def over(link: Hardware) -> Cost:
+        """A collective's seconds over ``link``."""
 
-    def collectives(link: Hardware | None) -> tuple[list[float], list[float]]:
-        """Each unit's all-gather and reduce-scatter over ``link`` (:func:`coll`)."""
-        gathers = [coll(link, u, _gather_bytes(u, step, system), False) for u in units]
+        def seconds(unit: UnitBytes, nbytes: int) -> float:
+            ring = _ring_s(link, w, nbytes, 1 if fsdp2 else unit.buckets)
+            # FSDP2's copy-out of the all-gather / copy-in of the reduce-scatter, read and write
+            return ring + 2 * w * nbytes / hw.memory_bytes_per_s if fsdp2 else ring
+
+        return seconds
+
+    def link_cpu(unit: UnitBytes, nbytes: int) -> float:
+        """The CPU a collective's bytes cost on the slower link (host backends only)."""
+        slow = w > hw.devices_per_node and not hw.overlaps
+        return (w - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
+
+    def collectives(cost: Cost) -> tuple[list[float], list[float]]:
+        """Each unit's all-gather and reduce-scatter by ``cost``."""
+        gathers = [cost(u, _gather_bytes(u, step, system)) for u in units]
+        # where the backend has no reduce-scatter, FSDP2's is an all-reduce of a clone: twice
+        twice = 2 if fsdp2 and not hw.native_reduce_scatter else 1
         scatters = [
-            coll(link, u, _scatter_share(u, step, system), True) if u.trainable_shard_numel else 0.0
+            twice * cost(u, _scatter_share(u, step, system)) if u.trainable_shard_numel else 0.0
             for u in units
         ]
         return gathers, scatters
 
     fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
-    ag_total, rs_total = collectives(hw)
+    ag_total, rs_total = collectives(over(hw))
     # What the host's cores do (no overlap: the collectives at the host's own speed); the rest
     # of each collective is waiting for a slower link, which the prefetch overlaps with compute.
     ag_host, rs_host = (
-        collectives(hw.unthrottled()) if not hw.overlaps else ([0.0] * len(units),) * 2
+        collectives(over(hw.unthrottled())) if not hw.overlaps else ([0.0] * len(units),) * 2
     )
     ag = [max(0.0, t - h) for t, h in zip(ag_total, ag_host, strict=True)]
     rs = [max(0.0, t - h) for t, h in zip(rs_total, rs_host, strict=True)]
-    ag_cpu, rs_cpu = collectives(None)  # the slower link's own CPU, on the compute's core
+    ag_cpu, rs_cpu = collectives(link_cpu)  # the slower link's own CPU, on the compute's core
     blocks = range(len(units) - 1)
     # checkpointing recomputes every unit's forward but the root's
     recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
@@ -235,8 +242,6 @@ def step_time(
     codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
     forward += sum(ag_host)  # the host's share, one collective after another
     backward += sum(ag_host[i] for i in regathered) + sum(rs_host)
-    if host_overhead_s < 0:
-        raise ValueError(f"host_overhead_s must be >= 0, got {host_overhead_s}")
     total = forward + backward + optimizer + codec + host_overhead_s
     comm_s = sum(ag_total) + sum(ag_total[i] for i in regathered) + sum(rs_total)
     return StepTime(
