@@ -371,9 +371,10 @@ def _offload(
     refused with a compressed all-gather, which quantizes the shard where it lies, and over
     groups that cannot reduce host tensors."""
     offload = offload_for(offload_policy, device)
-    if offload is not None:
-        check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
-    if offload is not None and compression is not None and compression.all_gather is not None:
+    if offload is None:
+        return None
+    check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
+    if compression is not None and compression.all_gather is not None:
         _unsupported(
             f"offload_policy=CPUOffloadPolicy() with CommCompression(all_gather="
             f"{compression.all_gather})",
