@@ -5,7 +5,8 @@ is a new launcher with the lost node's command. Judged by the checkpoints and me
 leave: a replaced node's run ends bit for bit where the uninterrupted run ends; an elastic run
 goes 2 -> 1 -> 2 ranks on two nodes and 3 -> 2 -> 3 on three, each time from the newest
 checkpoint. The node lost is never the first one, which hosts the rendezvous (losing that one
-ends the job: docs/operations.md). Every launch runs under hard timeouts, and every process a
+ends the job), except behind a ``raggedfsdp rendezvous`` store, where any node may go. Every
+launch runs under hard timeouts, and every process a
 test started is killed in its ``finally``.
 """
 
@@ -75,12 +76,27 @@ def _args(corpus: Path, out: Path, *, steps: int, batch: int) -> list[str]:
 
 
 @contextlib.contextmanager
-def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subprocess.Popen]]:
+def _cluster(
+    tmp: Path, args: list[str], *, store: bool = False
+) -> Iterator[Callable[[str, int], subprocess.Popen]]:
     """``start(name, node_rank)`` starts a node (its output in ``tmp/name.txt``); all the nodes
-    started are killed, with their workers, when the block ends."""
+    started are killed, with their workers, when the block ends. With ``store``, a ``raggedfsdp
+    rendezvous`` process hosts the rendezvous first (its output in ``tmp/store.log``)."""
     started: list[subprocess.Popen] = []
     port = free_port()
     common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={RDZV}"]
+    if store:
+        with open(tmp / "store.log", "w") as log:
+            started.append(
+                subprocess.Popen(
+                    cli_command("rendezvous", f"--port={port}"),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=ENV,
+                    start_new_session=True,
+                )
+            )
+        _wait_for("the rendezvous store", lambda: _listening(port))
 
     def start(name: str, node_rank: int) -> subprocess.Popen:
         log = open(tmp / f"{name}.txt", "w")  # noqa: SIM115 - the child holds it
@@ -93,7 +109,7 @@ def _cluster(tmp: Path, args: list[str]) -> Iterator[Callable[[str, int], subpro
         )
         log.close()
         started.append(node)
-        if len(started) == 1:
+        if len(started) == 1 and not store:
             # The first node hosts the rendezvous (its store dies with it): let it bind the
             # port before the others come, so the node the tests lose is never the host.
             _wait_for("the rendezvous host", lambda: _listening(port))
@@ -237,6 +253,44 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
     assert first_at_one in (21, 30)  # log_every 10: the first step, or the first logged one
     assert records[-1]["step"] == steps and records[-1]["world_size"] == 2
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["own-store", "node-hosts-store"])
+def test_losing_the_first_node_behind_a_rendezvous_store(tmp_path, corpus, store):
+    """With ``raggedfsdp rendezvous`` hosting the store, losing the first node (the one that
+    would host it) leaves the other training alone to the end. Without it (the negative
+    control) the rendezvous goes with that node and the survivor ends in one line."""
+    steps = 60
+    out = tmp_path / "run"
+    args = [*_args(corpus, out, steps=steps, batch=8), "--nnodes=1:2", "--nproc=1"]
+    with _cluster(tmp_path, [*args, "--max-restarts=2"], store=store) as start:
+        a, b = start("a", 0), start("b", 1)
+        _wait_for("the checkpoint of step 20", _complete(out, 20))
+        _lose(a)
+        if not store:
+            b.wait(timeout=DEADLINE_S)
+            lines = (tmp_path / "b.txt").read_text().splitlines()
+            assert b.returncode == 1, lines
+            assert lines[-1].startswith("raggedfsdp: error: the nodes did not meet at"), lines
+            return
+        outputs = _finish(tmp_path, ("b", b))
+    assert "now 1)" in "".join(_resumed(tmp_path)), outputs
+    sizes = [r["world_size"] for r in _train_records(out)]
+    assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [2, 1], sizes
+    assert _train_records(out)[-1]["step"] == steps
+
+
+def test_a_rendezvous_store_on_a_taken_port_is_one_line(capsys):
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.main(["rendezvous", f"--port={port}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"raggedfsdp: error: --port {port}: cannot listen")
+    assert "address already in use" in err[0]
+    assert cli.main(["rendezvous", "--port=70000"]) == 2
+    assert "expected a TCP port in [1, 65535], got '70000'" in capsys.readouterr().err
 
 
 def _text(path: Path) -> str:

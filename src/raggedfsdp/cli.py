@@ -22,6 +22,7 @@ from . import bench
 from ._console import USAGE_ERROR, one_line
 from .planner import command as plan_command
 from .train.launch import configure_export_parser, configure_train_parser, run_export, run_train
+from .train.rendezvous import configure_rendezvous_parser, run_rendezvous
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -65,6 +66,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         "write a training checkpoint's model as a plain state dict",
         configure_export_parser,
         run_export,
+    ),
+    "rendezvous": Subcommand(
+        "host a multi-node job's rendezvous store, so that any training node may be lost",
+        configure_rendezvous_parser,
+        run_rendezvous,
     ),
 }
 """Every subcommand, by name. Add one by adding an entry."""

@@ -10,7 +10,8 @@ One machine (default: 2 worker processes on CPU, one per GPU with CUDA)::
 
     raggedfsdp train --model gpt-tiny --steps 200
 
-Several machines (run on each; the first to reach the endpoint hosts the rendezvous)::
+Several machines (run on each; the first to reach the endpoint hosts the rendezvous, unless
+``raggedfsdp rendezvous`` hosts it there: :mod:`.rendezvous`)::
 
     raggedfsdp train --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc 8 ...
 
@@ -126,7 +127,8 @@ def configure_train_parser(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="c10d rendezvous endpoint shared by all nodes (default with one node: a free local "
-        "port)",
+        "port); the first launcher there hosts it, or 'raggedfsdp rendezvous' does, so that "
+        "any node may be lost",
     )
     launcher.add_argument(
         "--rdzv-id", default="raggedfsdp", metavar="ID", help="job id shared by all nodes"
