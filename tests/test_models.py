@@ -9,6 +9,7 @@ import torch
 
 from raggedfsdp.models import GPT, GPT_CONFIGS, MODEL_NAMES, GPTConfig, build_model
 from raggedfsdp.models.gpt import init_parameter_
+from raggedfsdp.models.zoo import DEEPSEEK_V2_LITE, DeepSeekHF, DeepSeekV3
 
 TINY = GPT_CONFIGS["gpt-tiny"]
 
@@ -131,18 +132,31 @@ def test_zoo_parameter_counts(name: str) -> None:
     assert abs(total - PUBLIC_COUNTS[name]) / PUBLIC_COUNTS[name] < 0.01, total
 
 
+def _numel(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 @pytest.mark.parametrize(
     ("separate", "fused"),
     [("deepseek-v3-671b-experts", "deepseek-v3-671b"), ("gpt-oss-120b-experts", "gpt-oss-120b")],
 )
 def test_separate_experts_have_the_fused_models_parameters(separate: str, fused: str) -> None:
-    """The separate-expert layouts repeat their fused twins' shape defaults in a class of their
-    own: the counts must stay equal to the element."""
+    """The two layouts of one config lay out the same parameters under other names: the counts
+    are equal to the element."""
+    assert _numel(build_model(separate)) == _numel(build_model(fused))
 
-    def count(name: str) -> int:
-        return sum(p.numel() for p in build_model(name).parameters())
 
-    assert count(separate) == count(fused)
+def test_deepseek_reference_layout_of_v2_lite() -> None:
+    """One config serves both DeepSeek layouts: V2-Lite's (no query low-rank path, no
+    correction bias) gives the reference layout a plain ``wq``, no buffer, and the parameters of
+    its Hugging Face layout."""
+    with torch.device("meta"):
+        fused, separate = DeepSeekV3(DEEPSEEK_V2_LITE), DeepSeekHF(DEEPSEEK_V2_LITE)
+    params = dict(fused.named_parameters())
+    assert params["layers.0.attn.wq.weight"].shape == (16 * (128 + 64), 2048)
+    assert not any(".wq_a." in name or ".q_norm." in name for name in params)
+    assert list(fused.buffers()) == []
+    assert _numel(fused) == _numel(separate)
 
 
 def test_zoo_shapes() -> None:

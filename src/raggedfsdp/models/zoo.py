@@ -38,17 +38,24 @@ deepseek-v2-lite            15,706,484,224      15.7B
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
 
 __all__ = [
+    "DEEPSEEK_V2_LITE",
+    "DEEPSEEK_V3",
     "GPTOSS",
     "GPTOSSHF",
+    "GPT_OSS_120B",
     "MODEL_NAMES",
+    "DeepSeekConfig",
     "DeepSeekHF",
     "DeepSeekV3",
+    "GPTOSSConfig",
     "Llama3",
     "build_model",
 ]
@@ -134,28 +141,107 @@ class Llama3(_PlanningOnly):
 # --------------------------------------------------------------------------------------------
 
 
-class _MLA(nn.Module):
-    """Multi-head latent attention: low-rank query and key/value paths."""
+@dataclass(frozen=True, kw_only=True)
+class DeepSeekConfig:
+    """Shape of a DeepSeek-V2/V3 model, the one source for both its layouts (:class:`DeepSeekV3`
+    and :class:`DeepSeekHF`). Fields follow the checkpoint's ``config.json``.
 
-    def __init__(
-        self,
-        hidden: int,
-        n_heads: int,
-        q_lora_rank: int,
-        kv_lora_rank: int,
-        qk_nope_dim: int,
-        qk_rope_dim: int,
-        v_dim: int,
-    ) -> None:
+    Attributes:
+        hidden: ``hidden_size``.
+        n_layers: ``num_hidden_layers``.
+        n_dense_layers: ``first_k_dense_replace``: the first layers have a dense SwiGLU, the
+            others a mixture of experts.
+        dense_inner: ``intermediate_size``, the dense SwiGLU's width.
+        moe_inner: ``moe_intermediate_size``, one expert's SwiGLU width.
+        n_routed: ``n_routed_experts``.
+        n_shared: ``n_shared_experts``, laid out as one SwiGLU ``n_shared`` times as wide.
+        n_heads: ``num_attention_heads``.
+        q_lora_rank: ``q_lora_rank``; ``None`` (null) for a plain query projection.
+        kv_lora_rank: ``kv_lora_rank``.
+        qk_nope_dim: ``qk_nope_head_dim``.
+        qk_rope_dim: ``qk_rope_head_dim``.
+        v_dim: ``v_head_dim``.
+        vocab: ``vocab_size`` (embeddings untied, ``tie_word_embeddings`` false).
+        correction_bias: the router's ``e_score_correction_bias`` buffer, which ``topk_method``
+            ``noaux_tc`` has and ``greedy`` has not.
+    """
+
+    hidden: int
+    n_layers: int
+    n_dense_layers: int
+    dense_inner: int
+    moe_inner: int
+    n_routed: int
+    n_shared: int
+    n_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_dim: int
+    qk_rope_dim: int
+    v_dim: int
+    vocab: int
+    correction_bias: bool
+
+
+DEEPSEEK_V3 = DeepSeekConfig(
+    hidden=7168,
+    n_layers=61,
+    n_dense_layers=3,
+    dense_inner=18432,
+    moe_inner=2048,
+    n_routed=256,
+    n_shared=1,
+    n_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_dim=128,
+    vocab=129280,
+    correction_bias=True,
+)
+"""deepseek-ai/DeepSeek-V3's ``config.json``: 671B parameters, the main model (the
+multi-token-prediction module, ``num_nextn_predict_layers`` 1, about 14B more, is not included)."""
+
+DEEPSEEK_V2_LITE = DeepSeekConfig(
+    hidden=2048,
+    n_layers=27,
+    n_dense_layers=1,
+    dense_inner=10944,
+    moe_inner=1408,
+    n_routed=64,
+    n_shared=2,
+    n_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_dim=128,
+    qk_rope_dim=64,
+    v_dim=128,
+    vocab=102400,
+    correction_bias=False,
+)
+"""deepseek-ai/DeepSeek-V2-Lite's ``config.json``: 15.7B parameters (model card)."""
+
+
+class _MLA(nn.Module):
+    """Multi-head latent attention: low-rank query and key/value paths (``wq`` when there is no
+    query low-rank path, as in DeepSeek's reference ``model.py``)."""
+
+    def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        self.wq_a = nn.Linear(hidden, q_lora_rank, bias=False)
-        self.q_norm = nn.RMSNorm(q_lora_rank)
-        self.wq_b = nn.Linear(q_lora_rank, n_heads * (qk_nope_dim + qk_rope_dim), bias=False)
+        q_out = cfg.n_heads * (cfg.qk_nope_dim + cfg.qk_rope_dim)
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(cfg.hidden, q_out, bias=False)
+        else:
+            self.wq_a = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
+            self.q_norm = nn.RMSNorm(cfg.q_lora_rank)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
         # The rope part of the key is shared by all heads, so it rides along with the latent.
-        self.wkv_a = nn.Linear(hidden, kv_lora_rank + qk_rope_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(kv_lora_rank)
-        self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_dim), bias=False)
-        self.wo = nn.Linear(n_heads * v_dim, hidden, bias=False)
+        self.wkv_a = nn.Linear(cfg.hidden, cfg.kv_lora_rank + cfg.qk_rope_dim, bias=False)
+        self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank)
+        kv_out = cfg.n_heads * (cfg.qk_nope_dim + cfg.v_dim)
+        self.wkv_b = nn.Linear(cfg.kv_lora_rank, kv_out, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.v_dim, cfg.hidden, bias=False)
 
 
 class _FusedSwiGLUExperts(nn.Module):
@@ -173,69 +259,38 @@ class _FusedSwiGLUExperts(nn.Module):
 
 
 class _DeepSeekMoE(nn.Module):
-    def __init__(self, hidden: int, n_routed: int, moe_inner: int, n_shared: int) -> None:
+    def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        self.gate = nn.Linear(hidden, n_routed, bias=False)
+        self.gate = nn.Linear(cfg.hidden, cfg.n_routed, bias=False)
         # Auxiliary-loss-free balancing bias: adjusted by a rule, not by gradients, so it is a
         # buffer (it must not enter the optimizer or the gradient buckets).
-        self.gate.register_buffer("e_score_correction_bias", torch.zeros(n_routed))
-        self.experts = _FusedSwiGLUExperts(n_routed, hidden, moe_inner)
-        self.shared_experts = _SwiGLU(hidden, n_shared * moe_inner)
+        if cfg.correction_bias:
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed))
+        self.experts = _FusedSwiGLUExperts(cfg.n_routed, cfg.hidden, cfg.moe_inner)
+        self.shared_experts = _SwiGLU(cfg.hidden, cfg.n_shared * cfg.moe_inner)
 
 
 class _DeepSeekBlock(nn.Module):
-    def __init__(self, hidden: int, mla: _MLA, ffn: nn.Module) -> None:
+    def __init__(self, cfg: DeepSeekConfig, dense: bool) -> None:
         super().__init__()
-        self.attn = mla
-        self.ffn = ffn
-        self.attn_norm = nn.RMSNorm(hidden)
-        self.ffn_norm = nn.RMSNorm(hidden)
+        self.attn = _MLA(cfg)
+        self.ffn = _SwiGLU(cfg.hidden, cfg.dense_inner) if dense else _DeepSeekMoE(cfg)
+        self.attn_norm = nn.RMSNorm(cfg.hidden)
+        self.ffn_norm = nn.RMSNorm(cfg.hidden)
 
 
 class DeepSeekV3(_PlanningOnly):
-    """DeepSeek-V3 (671B) shapes, module names after DeepSeek's reference inference ``model.py``.
+    """DeepSeek-V2/V3 shapes (by default V3's 671B, :data:`DEEPSEEK_V3`), module names after
+    DeepSeek's reference inference ``model.py``."""
 
-    Shapes from deepseek-ai/DeepSeek-V3 ``config.json``: ``hidden_size`` 7168,
-    ``num_hidden_layers`` 61, ``first_k_dense_replace`` 3, ``intermediate_size`` 18432,
-    ``moe_intermediate_size`` 2048, ``n_routed_experts`` 256, ``n_shared_experts`` 1,
-    ``num_attention_heads`` 128, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
-    ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, ``vocab_size`` 129280,
-    ``tie_word_embeddings`` false. The multi-token-prediction module (``num_nextn_predict_layers``
-    1, about 14B more) is not included: the 671B figure is the main model.
-    """
-
-    def __init__(
-        self,
-        *,
-        hidden: int = 7168,
-        n_layers: int = 61,
-        n_dense_layers: int = 3,
-        dense_inner: int = 18432,
-        moe_inner: int = 2048,
-        n_routed: int = 256,
-        n_shared: int = 1,
-        n_heads: int = 128,
-        q_lora_rank: int = 1536,
-        kv_lora_rank: int = 512,
-        qk_nope_dim: int = 128,
-        qk_rope_dim: int = 64,
-        v_dim: int = 128,
-        vocab: int = 129280,
-    ) -> None:
+    def __init__(self, config: DeepSeekConfig = DEEPSEEK_V3) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        layers = []
-        for i in range(n_layers):
-            mla = _MLA(hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_dim)
-            ffn: nn.Module = (
-                _SwiGLU(hidden, dense_inner)
-                if i < n_dense_layers
-                else _DeepSeekMoE(hidden, n_routed, moe_inner, n_shared)
-            )
-            layers.append(_DeepSeekBlock(hidden, mla, ffn))
-        self.layers = nn.ModuleList(layers)
-        self.norm = nn.RMSNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(
+            _DeepSeekBlock(config, dense=i < config.n_dense_layers) for i in range(config.n_layers)
+        )
+        self.norm = nn.RMSNorm(config.hidden)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,76 +298,96 @@ class DeepSeekV3(_PlanningOnly):
 # --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, kw_only=True)
+class GPTOSSConfig:
+    """Shape of a GPT-OSS model, the one source for both its layouts (:class:`GPTOSS` and
+    :class:`GPTOSSHF`). Fields follow the checkpoint's ``config.json``.
+
+    Attributes:
+        hidden: ``hidden_size``.
+        n_layers: ``num_hidden_layers``.
+        n_heads: ``num_attention_heads``.
+        n_kv_heads: ``num_key_value_heads``.
+        head_dim: ``head_dim``.
+        n_experts: ``num_local_experts``.
+        inner: ``intermediate_size``, one expert's SwiGLU width.
+        vocab: ``vocab_size`` (embeddings untied, ``tie_word_embeddings`` false).
+    """
+
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    inner: int
+    vocab: int
+
+
+GPT_OSS_120B = GPTOSSConfig(
+    hidden=2880,
+    n_layers=36,
+    n_heads=64,
+    n_kv_heads=8,
+    head_dim=64,
+    n_experts=128,
+    inner=2880,
+    vocab=201088,
+)
+"""openai/gpt-oss-120b's ``config.json``: 116.8B parameters (model card)."""
+
+
 class _GPTOSSAttention(nn.Module):
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=True)
-        self.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=True)
-        self.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=True)
-        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=True)
+        q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden, q_out, bias=True)
+        self.k_proj = nn.Linear(cfg.hidden, kv_out, bias=True)
+        self.v_proj = nn.Linear(cfg.hidden, kv_out, bias=True)
+        self.o_proj = nn.Linear(q_out, cfg.hidden, bias=True)
         # One learned "attention sink" logit per head.
-        self.sinks = nn.Parameter(torch.empty(n_heads))
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads))
 
 
 class _GPTOSSExperts(nn.Module):
     """Fused experts in the Hugging Face layout ``[E, in, out]`` (gate and up interleaved)."""
 
-    def __init__(self, n_experts: int, hidden: int, inner: int) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, hidden, 2 * inner))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(n_experts, 2 * inner))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, inner, hidden))
-        self.down_proj_bias = nn.Parameter(torch.empty(n_experts, hidden))
+        n, hidden, inner = cfg.n_experts, cfg.hidden, cfg.inner
+        self.gate_up_proj = nn.Parameter(torch.empty(n, hidden, 2 * inner))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n, 2 * inner))
+        self.down_proj = nn.Parameter(torch.empty(n, inner, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(n, hidden))
 
 
 class _GPTOSSMoE(nn.Module):
-    def __init__(self, hidden: int, n_experts: int, inner: int) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.router = nn.Linear(hidden, n_experts, bias=True)
-        self.experts = _GPTOSSExperts(n_experts, hidden, inner)
+        self.router = nn.Linear(cfg.hidden, cfg.n_experts, bias=True)
+        self.experts = _GPTOSSExperts(cfg)
 
 
 class _GPTOSSBlock(nn.Module):
-    def __init__(
-        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, n_experts: int, inner: int
-    ) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.self_attn = _GPTOSSAttention(hidden, n_heads, n_kv_heads, head_dim)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-        self.mlp = _GPTOSSMoE(hidden, n_experts, inner)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden)
+        self.self_attn = _GPTOSSAttention(cfg)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
+        self.mlp = _GPTOSSMoE(cfg)
 
 
 class GPTOSS(_PlanningOnly):
-    """GPT-OSS-120B shapes, module names after the Hugging Face ``GptOssForCausalLM``.
+    """GPT-OSS shapes (by default :data:`GPT_OSS_120B`), module names after the Hugging Face
+    ``GptOssForCausalLM``: attention and expert projections carry biases, each layer has
+    per-head attention sinks."""
 
-    Shapes from openai/gpt-oss-120b ``config.json``: ``hidden_size`` 2880,
-    ``num_hidden_layers`` 36, ``num_attention_heads`` 64, ``num_key_value_heads`` 8,
-    ``head_dim`` 64, ``num_local_experts`` 128, ``intermediate_size`` 2880, ``vocab_size`` 201088,
-    ``tie_word_embeddings`` false; attention and expert projections carry biases, each layer has
-    per-head attention sinks. Total 116.8B parameters (model card).
-    """
-
-    def __init__(
-        self,
-        *,
-        hidden: int = 2880,
-        n_layers: int = 36,
-        n_heads: int = 64,
-        n_kv_heads: int = 8,
-        head_dim: int = 64,
-        n_experts: int = 128,
-        inner: int = 2880,
-        vocab: int = 201088,
-    ) -> None:
+    def __init__(self, config: GPTOSSConfig = GPT_OSS_120B) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(
-            _GPTOSSBlock(hidden, n_heads, n_kv_heads, head_dim, n_experts, inner)
-            for _ in range(n_layers)
-        )
-        self.norm = nn.RMSNorm(hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
+        self.layers = nn.ModuleList(_GPTOSSBlock(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.hidden)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,58 +431,50 @@ class _HFMLA(nn.Module):
     """DeepSeek-V2/V3 multi-head latent attention, Hugging Face names (``q_proj`` when there is
     no query low-rank path, as in DeepSeek-V2-Lite)."""
 
-    def __init__(
-        self,
-        hidden: int,
-        n_heads: int,
-        q_lora_rank: int | None,
-        kv_lora_rank: int,
-        qk_nope_dim: int,
-        qk_rope_dim: int,
-        v_dim: int,
-    ) -> None:
+    def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        q_out = n_heads * (qk_nope_dim + qk_rope_dim)
-        if q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        q_out = cfg.n_heads * (cfg.qk_nope_dim + cfg.qk_rope_dim)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(cfg.hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=False)
-            self.q_a_layernorm = nn.RMSNorm(q_lora_rank)
-            self.q_b_proj = nn.Linear(q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + qk_rope_dim, bias=False)
-        self.kv_a_layernorm = nn.RMSNorm(kv_lora_rank)
-        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (qk_nope_dim + v_dim), bias=False)
-        self.o_proj = nn.Linear(n_heads * v_dim, hidden, bias=False)
+            self.q_a_proj = nn.Linear(cfg.hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = nn.RMSNorm(cfg.q_lora_rank)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        kv_a_out = cfg.kv_lora_rank + cfg.qk_rope_dim
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden, kv_a_out, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(cfg.kv_lora_rank)
+        kv_out = cfg.n_heads * (cfg.qk_nope_dim + cfg.v_dim)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, kv_out, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.v_dim, cfg.hidden, bias=False)
 
 
 class _HFMoEGate(nn.Module):
     """The router: ``weight [n_routed, hidden]``; DeepSeek-V3's auxiliary-loss-free balancing
     bias ``e_score_correction_bias`` is a buffer (set by a rule, not trained by gradients)."""
 
-    def __init__(self, hidden: int, n_routed: int, correction_bias: bool) -> None:
+    def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_routed, hidden))
-        if correction_bias:
-            self.register_buffer("e_score_correction_bias", torch.zeros(n_routed))
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed, cfg.hidden))
+        if cfg.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed))
 
 
 class _HFDeepSeekMoE(nn.Module):
-    def __init__(
-        self, hidden: int, n_routed: int, moe_inner: int, n_shared: int, correction_bias: bool
-    ) -> None:
+    def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        self.experts = _NumberedModules([_HFMLP(hidden, moe_inner) for _ in range(n_routed)])
-        self.gate = _HFMoEGate(hidden, n_routed, correction_bias)
-        self.shared_experts = _HFMLP(hidden, n_shared * moe_inner)
+        experts = [_HFMLP(cfg.hidden, cfg.moe_inner) for _ in range(cfg.n_routed)]
+        self.experts = _NumberedModules(experts)
+        self.gate = _HFMoEGate(cfg)
+        self.shared_experts = _HFMLP(cfg.hidden, cfg.n_shared * cfg.moe_inner)
 
 
 class _HFDeepSeekLayer(nn.Module):
-    def __init__(self, hidden: int, self_attn: nn.Module, mlp: nn.Module) -> None:
+    def __init__(self, cfg: DeepSeekConfig, dense: bool) -> None:
         super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
+        self.self_attn = _HFMLA(cfg)
+        self.mlp = _HFMLP(cfg.hidden, cfg.dense_inner) if dense else _HFDeepSeekMoE(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
 class _HFDecoder(nn.Module):
@@ -425,80 +492,46 @@ class DeepSeekHF(_PlanningOnly):
 
     Parameter names as in the public checkpoints (``model.layers.N.self_attn.q_a_proj.weight``,
     ``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, ``mlp.shared_experts.*``,
-    ``mlp.gate.weight``, ``lm_head.weight``). The defaults are deepseek-ai/DeepSeek-V3's
-    ``config.json`` (see :class:`DeepSeekV3`; the same shapes, so the same 671B). DeepSeek-V2-Lite
-    (``config.json`` of deepseek-ai/DeepSeek-V2-Lite): ``hidden_size`` 2048,
-    ``num_hidden_layers`` 27, ``first_k_dense_replace`` 1, ``intermediate_size`` 10944,
-    ``moe_intermediate_size`` 1408, ``n_routed_experts`` 64, ``n_shared_experts`` 2,
-    ``num_attention_heads`` 16, ``q_lora_rank`` null (a plain ``q_proj``), ``kv_lora_rank`` 512,
-    head dims 128/64/128, ``vocab_size`` 102400, ``topk_method`` greedy (no correction bias),
-    ``tie_word_embeddings`` false: 15.7B parameters (model card).
+    ``mlp.gate.weight``, ``lm_head.weight``). By default V3's shape, :data:`DEEPSEEK_V3` (as
+    :class:`DeepSeekV3`, so the same 671B); ``deepseek-v2-lite`` is :data:`DEEPSEEK_V2_LITE`.
     """
 
-    def __init__(
-        self,
-        *,
-        hidden: int = 7168,
-        n_layers: int = 61,
-        n_dense_layers: int = 3,
-        dense_inner: int = 18432,
-        moe_inner: int = 2048,
-        n_routed: int = 256,
-        n_shared: int = 1,
-        n_heads: int = 128,
-        q_lora_rank: int | None = 1536,
-        kv_lora_rank: int = 512,
-        qk_nope_dim: int = 128,
-        qk_rope_dim: int = 64,
-        v_dim: int = 128,
-        vocab: int = 129280,
-        correction_bias: bool = True,
-    ) -> None:
+    def __init__(self, config: DeepSeekConfig = DEEPSEEK_V3) -> None:
         super().__init__()
-        layers = []
-        for i in range(n_layers):
-            attn = _HFMLA(
-                hidden, n_heads, q_lora_rank, kv_lora_rank, qk_nope_dim, qk_rope_dim, v_dim
-            )
-            mlp: nn.Module = (
-                _HFMLP(hidden, dense_inner)
-                if i < n_dense_layers
-                else _HFDeepSeekMoE(hidden, n_routed, moe_inner, n_shared, correction_bias)
-            )
-            layers.append(_HFDeepSeekLayer(hidden, attn, mlp))
-        self.model = _HFDecoder(vocab, hidden, layers)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        layers: list[nn.Module] = [
+            _HFDeepSeekLayer(config, dense=i < config.n_dense_layers)
+            for i in range(config.n_layers)
+        ]
+        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
 class _HFGPTOSSRouter(nn.Module):
-    def __init__(self, hidden: int, n_experts: int) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, hidden))
-        self.bias = nn.Parameter(torch.empty(n_experts))
+        self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.hidden))
+        self.bias = nn.Parameter(torch.empty(cfg.n_experts))
 
 
 class _HFGPTOSSMoE(nn.Module):
-    def __init__(self, hidden: int, n_experts: int, inner: int) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.router = _HFGPTOSSRouter(hidden, n_experts)
-        self.experts = _NumberedModules(
-            [_HFMLP(hidden, inner, bias=True) for _ in range(n_experts)]
-        )
+        self.router = _HFGPTOSSRouter(cfg)
+        experts = [_HFMLP(cfg.hidden, cfg.inner, bias=True) for _ in range(cfg.n_experts)]
+        self.experts = _NumberedModules(experts)
 
 
 class _HFGPTOSSLayer(nn.Module):
-    def __init__(
-        self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, n_experts: int, inner: int
-    ) -> None:
+    def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
-        self.self_attn = _GPTOSSAttention(hidden, n_heads, n_kv_heads, head_dim)
-        self.mlp = _HFGPTOSSMoE(hidden, n_experts, inner)
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
+        self.self_attn = _GPTOSSAttention(cfg)
+        self.mlp = _HFGPTOSSMoE(cfg)
+        self.input_layernorm = nn.RMSNorm(cfg.hidden)
+        self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
 class GPTOSSHF(_PlanningOnly):
-    """GPT-OSS-120B with its experts unfused: one ``nn.Linear`` (with bias) per expert and
+    """GPT-OSS with its experts unfused: one ``nn.Linear`` (with bias) per expert and
     projection, in the Hugging Face module tree (``model.layers.N.self_attn.q_proj.weight``,
     ``model.layers.N.mlp.router.weight``, ``lm_head.weight``).
 
@@ -506,34 +539,16 @@ class GPTOSSHF(_PlanningOnly):
     gate and up interleaved, ``down_proj [128, 2880, 2880]``, as :class:`GPTOSS` has them); no
     public checkpoint stores them apart, so the unfused names follow the Hugging Face MoE
     convention (Mixtral, Qwen-MoE, DeepSeek): ``mlp.experts.E.gate_proj`` / ``up_proj``
-    ``[2880, 2880]`` and ``down_proj [2880, 2880]``, each with its ``bias [2880]``. Same shapes
-    as :class:`GPTOSS` otherwise, so the same 116.8B parameters.
+    ``[2880, 2880]`` and ``down_proj [2880, 2880]``, each with its ``bias [2880]``. By default
+    :data:`GPT_OSS_120B`, as :class:`GPTOSS`, so the same 116.8B parameters.
     """
 
-    def __init__(
-        self,
-        *,
-        hidden: int = 2880,
-        n_layers: int = 36,
-        n_heads: int = 64,
-        n_kv_heads: int = 8,
-        head_dim: int = 64,
-        n_experts: int = 128,
-        inner: int = 2880,
-        vocab: int = 201088,
-    ) -> None:
+    def __init__(self, config: GPTOSSConfig = GPT_OSS_120B) -> None:
         super().__init__()
-        layers = [
-            _HFGPTOSSLayer(hidden, n_heads, n_kv_heads, head_dim, n_experts, inner)
-            for _ in range(n_layers)
-        ]
-        self.model = _HFDecoder(vocab, hidden, layers)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        layers: list[nn.Module] = [_HFGPTOSSLayer(config) for _ in range(config.n_layers)]
+        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
-
-# --------------------------------------------------------------------------------------------
-# Registry
-# --------------------------------------------------------------------------------------------
 
 _PUBLIC_BUILDERS = {
     "llama3-8b": lambda: Llama3(hidden=4096, n_layers=32, n_heads=32, ffn=14336),
@@ -543,19 +558,7 @@ _PUBLIC_BUILDERS = {
     "gpt-oss-120b": GPTOSS,
     "deepseek-v3-671b-experts": DeepSeekHF,
     "gpt-oss-120b-experts": GPTOSSHF,
-    "deepseek-v2-lite": lambda: DeepSeekHF(
-        hidden=2048,
-        n_layers=27,
-        n_dense_layers=1,
-        dense_inner=10944,
-        moe_inner=1408,
-        n_routed=64,
-        n_shared=2,
-        n_heads=16,
-        q_lora_rank=None,
-        vocab=102400,
-        correction_bias=False,
-    ),
+    "deepseek-v2-lite": lambda: DeepSeekHF(DEEPSEEK_V2_LITE),
 }
 
 MODEL_NAMES: tuple[str, ...] = (*GPT_CONFIGS, *_PUBLIC_BUILDERS)

@@ -80,9 +80,8 @@ def all_gather(
     MiB). NCCL keeps its native in-place all-gather.
     """
     with record_function("raggedfsdp::all_gather"):
-        stats.all_gather_calls += 1
-        stats.all_gather_bytes += shard.numel() * shard.element_size()
-        stats.all_gather_uncompressed_bytes += shard.numel() * shard.element_size()
+        nbytes = shard.numel() * shard.element_size()
+        stats.note_all_gather(nbytes, uncompressed_bytes=nbytes)
         if _is_gloo(group, output.device):
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
@@ -132,9 +131,8 @@ def reduce_scatter(
     CPU time, ``benchmarks/bench_collectives.py``). NCCL keeps its native kernel.
     """
     with record_function("raggedfsdp::reduce_scatter"):
-        stats.reduce_scatter_calls += 1
-        stats.reduce_scatter_bytes += full.numel() * full.element_size()
-        stats.reduce_scatter_uncompressed_bytes += full.numel() * full.element_size()
+        nbytes = full.numel() * full.element_size()
+        stats.note_reduce_scatter(nbytes, uncompressed_bytes=nbytes)
         if _is_gloo(group, full.device):
             pending = _gloo_reduce_scatter(output, full, group, stats, scratch)
         else:

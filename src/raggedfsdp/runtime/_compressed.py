@@ -195,9 +195,7 @@ class BucketCompression:
                 messages[rank] = mine
             else:
                 works = [_all_gather_tensor(received, mine, group=group, async_op=True)]
-            stats.all_gather_calls += 1
-            stats.all_gather_bytes += nbytes
-            stats.all_gather_uncompressed_bytes += size * full.element_size()
+            stats.note_all_gather(nbytes, uncompressed_bytes=size * full.element_size())
 
         def dequantize() -> None:
             with record_function("raggedfsdp::dequantize"):
@@ -239,9 +237,8 @@ class BucketCompression:
                 received[rank] = sent[rank]
             else:
                 works = [dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)]
-            stats.reduce_scatter_calls += 1
-            stats.reduce_scatter_bytes += world * nbytes
-            stats.reduce_scatter_uncompressed_bytes += full_grad.numel() * full_grad.element_size()
+            uncompressed = full_grad.numel() * full_grad.element_size()
+            stats.note_reduce_scatter(world * nbytes, uncompressed_bytes=uncompressed)
 
         def reduce() -> None:
             with record_function("raggedfsdp::dequantize_sum"):

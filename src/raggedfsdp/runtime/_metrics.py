@@ -49,6 +49,20 @@ class RuntimeStats:
             setattr(self, name, value)
         self.unsharded_bytes = self.peak_unsharded_bytes = held
 
+    def note_all_gather(self, nbytes: int, uncompressed_bytes: int) -> None:
+        """One all-gather into which this rank sent ``nbytes`` (``uncompressed_bytes`` without
+        compression)."""
+        self.all_gather_calls += 1
+        self.all_gather_bytes += nbytes
+        self.all_gather_uncompressed_bytes += uncompressed_bytes
+
+    def note_reduce_scatter(self, nbytes: int, uncompressed_bytes: int) -> None:
+        """One reduce-scatter into which this rank sent ``nbytes`` (``uncompressed_bytes``
+        without compression)."""
+        self.reduce_scatter_calls += 1
+        self.reduce_scatter_bytes += nbytes
+        self.reduce_scatter_uncompressed_bytes += uncompressed_bytes
+
     def note_unsharded(self, delta: int) -> None:
         self.unsharded_bytes += delta
         self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
