@@ -4,8 +4,9 @@ Without capacity flags it reports the plans (padding, elements per rank, FSDP2/F
 them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
 ``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
 (``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
-``raggedfsdp train`` spells them) it answers "will it fit, and how
-fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside FSDP2.
+``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) it answers "will it fit,
+and how fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
+FSDP2.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ _CAPACITY_FLAGS = (
     "compress_all_gather",
     "compress_reduce_scatter",
     "error_feedback",
+    "offload",
+    "pin_memory",
 )
 #: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -179,6 +182,19 @@ def _configure_capacity(parser: argparse.ArgumentParser) -> None:
         help="also write a PNG of memory and step time against W (4 to 16,384)",
     )
     _configure_compression(group)
+    group.add_argument(
+        "--offload",
+        action="store_true",
+        default=None,
+        help="CPU offload (CPUOffloadPolicy) for both systems: shards, gradients and optimizer "
+        "state on the host; device and host bytes, PCIe copies, the optimizer on the host",
+    )
+    group.add_argument(
+        "--pin-memory",
+        action="store_true",
+        default=None,
+        help="the offload policy's pin_memory (needs --offload)",
+    )
 
 
 def _configure_compression(group: argparse._ArgumentGroup) -> None:
@@ -230,6 +246,13 @@ def _run_capacity(args: argparse.Namespace) -> int:
     if args.link_gbit:
         overrides["link_gbit"] = args.link_gbit
     hw = hardware(args.gpu or "h100", **overrides)
+    if args.pin_memory and not args.offload:
+        raise ValueError("--pin-memory pins the host copies of --offload; add --offload")
+    if args.offload and hw.pcie_bytes_per_s is None:
+        raise ValueError(
+            f"--offload needs a device with a host to offload to, but --gpu {hw.name} runs on "
+            f"the host already (no PCIe link in the preset); use a GPU preset, e.g. --gpu h100"
+        )
     gpt = GPT_CONFIGS.get(args.model)
     default_dtype = "float32" if hw.name == "cpu-gloo" else "bfloat16"
     options = CapacityOptions(
@@ -244,6 +267,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
         compression=CompressionSpec.parse(
             args.compress_all_gather, args.compress_reduce_scatter, bool(args.error_feedback)
         ),
+        offload=bool(args.offload),
+        pin_memory=bool(args.pin_memory),
     )
     report = capacity_report(args.model, args.world, hw, options)
     if args.json:
