@@ -246,7 +246,7 @@ def capacity_report(
 
     Raises:
         ValueError: an unknown model (the message lists the zoo), a bad world size, or one the
-            model cannot be sharded over.
+            model cannot be sharded over; offload on a preset without a host link.
     """
     if isinstance(model, str):
         name, module = model, build_model(model, device="meta")

@@ -140,10 +140,8 @@ class StepTime:
 
     @property
     def exposed_comm_s(self) -> float:
-        busy = (
-            self.compute_s + self.optimizer_s + self.codec_s + self.host_overhead_s
-            + self.host_copy_s
-        )  # fmt: skip
+        busy = self.compute_s + self.optimizer_s + self.codec_s
+        busy += self.host_overhead_s + self.host_copy_s
         return max(0.0, self.total_s - busy)
 
     @property
@@ -310,10 +308,10 @@ def _optimizer_s(
     state and reads the gradients; on the host under offload, where the node's ranks share its
     memory bandwidth."""
     local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
-    bandwidth = (
-        hw.offload_rates(world_size)[1] if step.offload else hw.memory_bytes_per_s
-    )  # fmt: skip
-    return (2 * local + local + 2 * optimizer_bytes) / bandwidth
+    traffic = 2 * local + local + 2 * optimizer_bytes
+    if step.offload:
+        return traffic / hw.offload_rates(world_size)[1]
+    return traffic / hw.memory_bytes_per_s
 
 
 def _codec_s(
