@@ -22,6 +22,10 @@ Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.
   the quantized master shard of each bucket (one message, :mod:`.wire`) and, with error
   feedback, each trainable bucket's 8-bit residual (``W`` messages).
 
+- **CPU offload** (``StepShape.offload``, ``runtime/_offload.py``): shards, gradients and
+  optimizer state move to the host (:attr:`MemoryBreakdown.host`); the device keeps the rest,
+  plus the pooled staging of a cast (:func:`offload_staging_bytes`).
+
 FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
 the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
 tensors, and the unsharded gradients (per parameter, allocated by autograd) are copied into a
