@@ -9,6 +9,7 @@ computes and keeps from :mod:`.shapes`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +75,11 @@ class CapacityOptions:
             quantization blocks whole, the collectives move codes and scales, the residuals and
             quantized shards count in memory and quantizing in the step time. FSDP2 beside it
             stays uncompressed.
+        offload: CPU offload (``CPUOffloadPolicy``) for both systems: shards, gradients and
+            optimizer state on the host, host <-> device copies over PCIe, the optimizer step
+            on the host; ``fits`` is then the device's peak. Needs a preset with a host link.
+        pin_memory: the policy's ``pin_memory`` (reported; the model gives pinned and pageable
+            copies the same PCIe bandwidth, docs/capacity.md).
     """
 
     batch: int
@@ -85,6 +91,8 @@ class CapacityOptions:
     param_dtype: torch.dtype = torch.float32
     reserve: float = DEFAULT_RESERVE
     compression: Compression | None = None
+    offload: bool = False
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -104,6 +112,7 @@ class CapacityOptions:
             compression=self.compression
             if self.compression is not None and self.compression.enabled
             else None,
+            offload=self.offload,
         )
 
 
@@ -114,7 +123,8 @@ class SystemCost:
     memory: MemoryBreakdown
     bytes: CollectiveBytes
     time: StepTime
-    fits: bool  # peak <= (1 - reserve) x device memory
+    fits: bool  # peak <= (1 - reserve) x device memory (the device's peak under offload)
+    host_per_node: int = 0  # under offload: the host bytes of a node's ranks together
 
 
 @dataclass(frozen=True)
@@ -133,6 +143,8 @@ class CapacityReport:
     worlds: tuple[WorldCapacity, ...]
     #: the smallest power of two W (up to 16,384) at which raggedfsdp fits, or None
     smallest_world: int | None
+    #: under offload, the same search without it (None otherwise, or when none fits)
+    smallest_world_without_offload: int | None = None
 
     @property
     def usable_bytes(self) -> int:
@@ -166,6 +178,8 @@ def plan_capacity(
     """Plan ``module`` (master dtype, best on meta) at ``world_size`` and cost both systems."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+    if options.offload:
+        hw.offload_rates(world_size)  # raises for a preset without a host link
     start = time.perf_counter()
     step = options.step(hw)
     policy = RaggedShard(block_size=options.block_size)
@@ -194,6 +208,7 @@ def plan_capacity(
                 shape, units, step, hw, world_size, optimizer_bytes=state, system=system
             ),
             fits=memory.peak <= usable,
+            host_per_node=memory.host * min(world_size, hw.devices_per_node),
         )
     return WorldCapacity(world_size, time.perf_counter() - start, systems)
 
@@ -231,7 +246,7 @@ def capacity_report(
 
     Raises:
         ValueError: an unknown model (the message lists the zoo), a bad world size, or one the
-            model cannot be sharded over.
+            model cannot be sharded over; offload on a preset without a host link.
     """
     if isinstance(model, str):
         name, module = model, build_model(model, device="meta")
@@ -248,6 +263,10 @@ def capacity_report(
                 raise
             break
     smallest = _smallest_world(module, shape, hw, options) if find_smallest else None
+    plain = None
+    if find_smallest and options.offload:
+        without = dataclasses.replace(options, offload=False, pin_memory=False)
+        plain = _smallest_world(module, shape, hw, without)
     return CapacityReport(
         model=name,
         hardware=hw,
@@ -255,4 +274,5 @@ def capacity_report(
         param_numel=sum(u.param_numel for u in shape.units),
         worlds=tuple(worlds),
         smallest_world=smallest,
+        smallest_world_without_offload=plain,
     )

@@ -43,6 +43,8 @@ def _options_text(report: CapacityReport) -> str:
         parts.append(f"buckets <= {format_bytes(o.buffer_size)}")
     if o.compression is not None and o.compression.enabled:
         parts.append(f"raggedfsdp compressed: {_compression_text(o.compression)}")
+    if o.offload:
+        parts.append(f"CPU offload ({'pinned' if o.pin_memory else 'pageable'})")
     return ", ".join(parts)
 
 
@@ -85,8 +87,13 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
     for system in SYSTEMS:
         table.add_column(system, justify="right")
     memories = [c.memory.to_dict() for c in costs]
-    for label, key in _MEMORY_ROWS:
-        table.add_row(label, *(format_bytes(m[key]) for m in memories))
+    if report.options.offload:  # the split is in its own table (_offload_table)
+        table.add_row("device peak", *(format_bytes(c.memory.peak) for c in costs))
+        table.add_row("host, this rank", *(format_bytes(c.memory.host) for c in costs))
+        table.add_row("host, its node", *(format_bytes(c.host_per_node) for c in costs))
+    else:
+        for label, key in _MEMORY_ROWS:
+            table.add_row(label, *(format_bytes(m[key]) for m in memories))
     table.add_row(
         "fits",
         *(("yes" if c.fits else "NO") + f" (peak: {c.memory.phase} backward)" for c in costs),
@@ -108,12 +115,66 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
         ("  compute", "compute_s"),
         ("  collectives (own time)", "comm_s"),
         ("  quantizing (compute thread)", "codec_s"),
+        ("  host <-> device copies (compute stream)", "host_copy_s"),
         ("  communication exposed", "exposed_comm_s"),
     ):
         table.add_row(label, *(f"{c.time.to_dict()[key] * 1000:,.1f} ms" for c in costs))
     table.add_row("tokens/s per device", *(f"{c.time.tokens_per_s:,.0f}" for c in costs))
     table.add_row("communication share", *(f"{100 * c.time.comm_share:.1f}%" for c in costs))
     return table
+
+
+#: (label, the device's bytes, the host's bytes) of a rank under offload, from
+#: :meth:`MemoryBreakdown.to_dict`; None: nothing there
+_OFFLOAD_ROWS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("sharded parameters", None, "params"),
+    ("sharded gradients", None, "grads"),
+    ("optimizer state", None, "optimizer"),
+    ("residuals, divisor", "device_persistent", None),
+    ("persistent", "device_persistent", "host"),
+    ("unsharded at the peak", "unsharded", None),
+    ("cast staging (pooled)", "staging", None),
+    ("activations at the peak", "activations", None),
+    ("peak", "peak", "host"),
+)
+
+
+def _offload_table(report: CapacityReport, world: WorldCapacity) -> Table:
+    """Under offload: one rank's bytes on the device and on the host, for both systems."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"where the bytes live, W={world.world_size:,}, CPU offload",
+        caption=f"device: usable {format_bytes(report.usable_bytes)}; host: per rank, and "
+        f"x{min(world.world_size, report.hardware.devices_per_node)} ranks per node below",
+    )
+    table.add_column("per rank")
+    for system in SYSTEMS:
+        table.add_column(f"{system} device", justify="right")
+        table.add_column(f"{system} host", justify="right")
+    memories = [world.systems[s].memory.to_dict() for s in SYSTEMS]
+    for label, device, host in _OFFLOAD_ROWS:
+        cells = []
+        for memory in memories:
+            cells += [format_bytes(memory[k]) if k else "-" for k in (device, host)]
+        table.add_row(label, *cells)
+    nodes = [("-", format_bytes(world.systems[s].host_per_node)) for s in SYSTEMS]
+    table.add_row("per node", *(cell for pair in nodes for cell in pair))
+    return table
+
+
+def _smallest_text(report: CapacityReport) -> str | None:
+    """The smallest-W line (``None``: none fits)."""
+    if report.smallest_world is None:
+        return None
+    if not report.options.offload:
+        return f"smallest power-of-two W that fits: {report.smallest_world:,}"
+    plain = report.smallest_world_without_offload
+    without = f"{plain:,}" if plain is not None else "none up to 16,384"
+    return (
+        f"smallest power-of-two W that fits with CPU offload: {report.smallest_world:,} "
+        f"(without offload: {without})"
+    )
 
 
 def render_capacity(report: CapacityReport, out: TextIO) -> None:
@@ -125,9 +186,12 @@ def render_capacity(report: CapacityReport, out: TextIO) -> None:
         console = Console(file=out, width=120)
     console.print(f"{report.model}: {report.param_numel:,} parameters")
     for world in report.worlds:
+        if report.options.offload:
+            console.print(_offload_table(report, world))
         console.print(_world_table(report, world))
-    if report.smallest_world is not None:
-        console.print(f"smallest power-of-two W that fits: {report.smallest_world:,}")
+    smallest = _smallest_text(report)
+    if smallest is not None:
+        console.print(smallest)
     else:
         console.print(
             "no W up to 16,384 fits (activations do not shrink with W): turn on "
@@ -151,13 +215,18 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
         "compression": _compression_text(o.compression),
         "usable_bytes": report.usable_bytes,
         "smallest_world": report.smallest_world,
+        "offload": o.offload,
+        "pin_memory": o.pin_memory,
     }
+    if o.offload:
+        head["smallest_world_without_offload"] = report.smallest_world_without_offload
     records = []
     for world in report.worlds:
         systems = {
             name: {
                 "memory": cost.memory.to_dict(),
                 "fits": cost.fits,
+                **({"host_per_node": cost.host_per_node} if o.offload else {}),
                 "bytes": asdict(cost.bytes),
                 "time": cost.time.to_dict(),
             }

@@ -4,8 +4,9 @@ Without capacity flags it reports the plans (padding, elements per rank, FSDP2/F
 them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
 ``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
 (``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
-``raggedfsdp train`` spells them) it answers "will it fit, and how
-fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside FSDP2.
+``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) it answers "will it fit,
+and how fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
+FSDP2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ._planner import OPTIMIZER_TYPES
 from .bucketing import parse_buffer_size
 from .capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from .capacity_view import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
-from .hardware import HARDWARE, hardware
+from .hardware import HARDWARE, Hardware, hardware
 from .report import PlanReport, WorldReport, plan_report
 from .wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 
@@ -64,6 +65,8 @@ _CAPACITY_FLAGS = (
     "compress_all_gather",
     "compress_reduce_scatter",
     "error_feedback",
+    "offload",
+    "pin_memory",
 )
 #: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -179,6 +182,24 @@ def _configure_capacity(parser: argparse.ArgumentParser) -> None:
         help="also write a PNG of memory and step time against W (4 to 16,384)",
     )
     _configure_compression(group)
+    _configure_offload(group)
+
+
+def _configure_offload(group: argparse._ArgumentGroup) -> None:
+    """CPU offload: both systems with ``CPUOffloadPolicy`` (docs/capacity.md)."""
+    group.add_argument(
+        "--offload",
+        action="store_true",
+        default=None,
+        help="CPU offload (CPUOffloadPolicy) for both systems: shards, gradients and optimizer "
+        "state on the host; device and host bytes, PCIe copies, the optimizer on the host",
+    )
+    group.add_argument(
+        "--pin-memory",
+        action="store_true",
+        default=None,
+        help="the offload policy's pin_memory (needs --offload)",
+    )
 
 
 def _configure_compression(group: argparse._ArgumentGroup) -> None:
@@ -230,6 +251,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
     if args.link_gbit:
         overrides["link_gbit"] = args.link_gbit
     hw = hardware(args.gpu or "h100", **overrides)
+    _check_offload(args, hw)
     gpt = GPT_CONFIGS.get(args.model)
     default_dtype = "float32" if hw.name == "cpu-gloo" else "bfloat16"
     options = CapacityOptions(
@@ -244,6 +266,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
         compression=CompressionSpec.parse(
             args.compress_all_gather, args.compress_reduce_scatter, bool(args.error_feedback)
         ),
+        offload=bool(args.offload),
+        pin_memory=bool(args.pin_memory),
     )
     report = capacity_report(args.model, args.world, hw, options)
     if args.json:
@@ -260,6 +284,18 @@ def _run_capacity(args: argparse.Namespace) -> int:
         elif not args.json:
             sys.stdout.write(f"plot: {args.plot}\n")
     return 0
+
+
+def _check_offload(args: argparse.Namespace, hw: Hardware) -> None:
+    """``--offload`` needs a device with a host link, ``--pin-memory`` needs ``--offload``: one
+    line naming the flag, before any planning."""
+    if args.pin_memory and not args.offload:
+        raise ValueError("--pin-memory pins the host copies of --offload; add --offload")
+    if args.offload and hw.pcie_bytes_per_s is None:
+        raise ValueError(
+            f"--offload needs a device with a host to offload to, but --gpu {hw.name} runs on "
+            f"the host already (no PCIe link in the preset); use a GPU preset, e.g. --gpu h100"
+        )
 
 
 def _percent(ratio: float) -> str:

@@ -22,6 +22,10 @@ Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.
   the quantized master shard of each bucket (one message, :mod:`.wire`) and, with error
   feedback, each trainable bucket's 8-bit residual (``W`` messages).
 
+- **CPU offload** (``StepShape.offload``, ``runtime/_offload.py``): shards, gradients and
+  optimizer state move to the host (:attr:`MemoryBreakdown.host`); the device keeps the rest,
+  plus the pooled staging of a cast (:func:`offload_staging_bytes`).
+
 FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
 the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
 tensors, and the unsharded gradients (per parameter, allocated by autograd) are copied into a
@@ -47,6 +51,7 @@ __all__ = [
     "UnitBytes",
     "compression_state_bytes",
     "memory_breakdown",
+    "offload_staging_bytes",
     "optimizer_state_bytes",
     "unit_bytes",
 ]
@@ -247,6 +252,8 @@ class StepShape:
     gloo: bool = False  # the Gloo reduce-scatter's receive buffer
     #: compressed communication (raggedfsdp only; units then carry their messages)
     compression: Compression | None = None
+    #: CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state on the host
+    offload: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len"):
@@ -278,19 +285,47 @@ class MemoryBreakdown:
     #: one buffer kept for the bucket's life) and the 8-bit error-feedback residuals (``W``
     #: messages per trainable bucket)
     compression: int = 0
+    #: CPU offload: ``params``, ``grads`` and ``optimizer`` are on the host, the rest on the
+    #: device (:func:`memory_breakdown`)
+    offload: bool = False
+    #: raggedfsdp under offload and mixed precision: the master-dtype device buffers the shards
+    #: are copied into before their cast, pooled, one per shard size, until backward ends
+    staging: int = 0
 
     @property
     def persistent(self) -> int:
         return self.params + self.grads + self.optimizer + self.constants + self.compression
 
     @property
-    def peak(self) -> int:
-        forward = self.params + self.optimizer + self.constants + self.compression
-        return max(forward + self.unsharded + self.activations, self.persistent)
+    def offloaded(self) -> int:
+        """Shards and their gradients on the host: the runtime's ``stats()["offloaded_bytes"]``."""
+        return self.params + self.grads if self.offload else 0
 
-    def to_dict(self) -> dict[str, int | str]:
+    @property
+    def host(self) -> int:
+        """Host bytes of the rank under offload: shards, gradients and optimizer state."""
+        return self.offloaded + (self.optimizer if self.offload else 0)
+
+    @property
+    def device_persistent(self) -> int:
+        """Persistent bytes on the device: all of them without offload; with it, the Gloo
+        divisor and compression's residuals (the runtime's ``persistent_bytes`` less
+        ``offloaded_bytes``, plus the divisor, which the runtime does not count)."""
+        return self.persistent - self.host
+
+    @property
+    def peak(self) -> int:
+        """The device's peak: what it holds through forward and backward (the shards and the
+        optimizer state unless offloaded) with the unsharded units and activations, or the
+        optimizer step's persistent bytes."""
+        resident = self.device_persistent - (0 if self.offload else self.grads)
+        forward = resident + self.staging + self.unsharded + self.activations
+        return max(forward, self.device_persistent)
+
+    def to_dict(self) -> dict[str, int | str | bool]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {**out, "persistent": self.persistent, "peak": self.peak}
+        derived = ("persistent", "offloaded", "host", "device_persistent", "peak")
+        return {**out, **{name: getattr(self, name) for name in derived}}
 
 
 def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
@@ -333,24 +368,16 @@ def memory_breakdown(
 
     Unsharded at the loss's backward: the root's and the last block's parameters (the root
     prefetches nothing: the last block was never resharded). At the last block's backward: both
-    with their gradients, and the next block's all-gathered parameters (prefetch depth 1)."""
+    with their gradients, and the next block's all-gathered parameters (prefetch depth 1).
+
+    With ``step.offload`` the shards, gradients and optimizer state are host bytes
+    (:attr:`MemoryBreakdown.host`) and the device keeps the rest: raggedfsdp's shard slot is
+    part of the unsharded buffer (the host shard is copied into it), so offload adds only the
+    pooled staging of a cast (:func:`offload_staging_bytes`); FSDP2's host-to-device copies of
+    the prefetched unit's padded shards (``_fsdp_param.py``: ``all_gather_inputs``) live
+    until its copy-in, at the last block's backward."""
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
-    if system == "raggedfsdp":
-        local = sum(u.shard_numel for u in units)
-        local_grads = sum(u.trainable_shard_numel for u in units)
-        params = [u.storage_bytes(w, comm) for u in units]
-        grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
-        gathered = params
-    elif system == "fsdp2":
-        local = sum(u.fsdp2_shard_numel for u in units)
-        local_grads = sum(u.fsdp2_shard_numel for u in units if u.trainable_shard_numel)
-        # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
-        # all-gather in flight holds is its padded output
-        params = [u.param_numel * comm for u in units]
-        grads = [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units]
-        gathered = [w * u.fsdp2_shard_numel * comm for u in units]
-    else:
-        raise ValueError(f"unknown system {system!r}: expected 'raggedfsdp' or 'fsdp2'")
+    local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
     n = len(units) - 1  # blocks before the root
     loss_act, block_act = activation_bytes(shape, step)
     last = params[n - 1] if n else 0
@@ -360,9 +387,11 @@ def memory_breakdown(
         + grads[-1]
         + last
         + (grads[n - 1] if n else 0)
-        + (gathered[n - 2] if n >= 2 else 0),
+        + (gathered[n - 2] if n >= 2 else 0)
+        + (_fsdp2_copies(units[n - 2], step) if system == "fsdp2" and n >= 2 else 0),
         block_act,
     )
+    staging = offload_staging_bytes(units, step) if system == "raggedfsdp" else 0
     unsharded, activations = max(loss, block, key=sum)
     return MemoryBreakdown(
         params=local * master,
@@ -371,12 +400,61 @@ def memory_breakdown(
         unsharded=unsharded,
         activations=activations,
         phase="loss" if sum(loss) >= sum(block) else "block",
-        unsharded_peak=_unsharded_high_water(params, grads, units, step, w, system),
+        unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system),
         constants=comm if step.gloo and system == "raggedfsdp" else 0,
         compression=compression_state_bytes(units, step.compression, w)
         if system == "raggedfsdp"
         else 0,
+        offload=step.offload,
+        staging=staging,
     )
+
+
+def _buffers(
+    units: Sequence[UnitBytes], comm: int, w: int, system: str
+) -> tuple[int, int, list[int], list[int], list[int]]:
+    """``system``'s sharded elements and their gradients' per rank, and per unit the bytes of
+    its unsharded parameters, of its unsharded gradients and of its all-gather output."""
+    if system == "raggedfsdp":
+        params = [u.storage_bytes(w, comm) for u in units]
+        return (
+            sum(u.shard_numel for u in units),
+            sum(u.trainable_shard_numel for u in units),
+            params,
+            [u.storage_bytes(w, comm, trainable=True) for u in units],
+            params,
+        )
+    if system == "fsdp2":
+        # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
+        # all-gather in flight holds is its padded output
+        return (
+            sum(u.fsdp2_shard_numel for u in units),
+            sum(u.fsdp2_shard_numel for u in units if u.trainable_shard_numel),
+            [u.param_numel * comm for u in units],
+            [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units],
+            [w * u.fsdp2_shard_numel * comm for u in units],
+        )
+    raise ValueError(f"unknown system {system!r}: expected 'raggedfsdp' or 'fsdp2'")
+
+
+def offload_staging_bytes(units: Sequence[UnitBytes], step: StepShape) -> int:
+    """raggedfsdp under offload with a cast (``param_dtype`` other than the master dtype): each
+    shard is copied to the device as it is, into a pooled buffer, and cast into its slot there
+    (``runtime/_offload.py``: ``to_device``). The pool keeps one such buffer per shard size
+    until the end of backward: the sum over the distinct ``S`` of ``S`` master elements."""
+    if not step.offload or step.param_dtype == step.master_dtype:
+        return 0
+    sizes = {s for unit in units for s in unit.shards}
+    return sum(sizes) * step.master_dtype.itemsize
+
+
+def _fsdp2_copies(unit: UnitBytes, step: StepShape) -> int:
+    """FSDP2 under offload: one unit's padded shards copied to the device for its all-gather
+    (master dtype, and their cast under mixed precision) until its copy-in."""
+    if not step.offload:
+        return 0
+    cast = step.param_dtype.itemsize if step.param_dtype != step.master_dtype else 0
+    return unit.fsdp2_shard_numel * (step.master_dtype.itemsize + cast)
 
 
 def compression_state_bytes(

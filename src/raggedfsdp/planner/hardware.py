@@ -48,6 +48,12 @@ class Hardware:
             Gloo's clones its input, all-reduces it (a ring all-reduce: twice the steps and
             bytes of a ring reduce-scatter) and copies the rank's chunk out; FSDP2 runs it,
             raggedfsdp replaces it on Gloo with point-to-point transfers of the ring's bytes.
+        pcie_bytes_per_s: the device's link to its host (PCIe), per direction: what CPU offload's
+            copies of shards (host to device) and gradients (device to host) run at. ``None``
+            where the device *is* the host (``cpu-gloo``): offload means nothing there.
+        host_memory_bytes_per_s: the node's host memory bandwidth (all its sockets), shared by
+            its ``devices_per_node`` ranks: what an offloaded optimizer step runs at. ``None``
+            with ``pcie_bytes_per_s``.
         link_cpu_s_per_byte: host CPU a rank spends per byte it sends (and receives back) over
             the inter-node link, beyond what the host's own speed (``intra_*``) already costs:
             the kernel's per-packet work at that link's rate (TCP, a shaper's timers, waking
@@ -71,6 +77,8 @@ class Hardware:
     overlaps: bool = True
     native_reduce_scatter: bool = True
     link_cpu_s_per_byte: float = 0.0
+    pcie_bytes_per_s: float | None = None
+    host_memory_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -108,6 +116,23 @@ class Hardware:
             link_cpu_s_per_byte=0.0,
         )
 
+    def offload_rates(self, world_size: int) -> tuple[float, float]:
+        """``(PCIe bytes/s per direction, host memory bytes/s)`` one rank of ``world_size`` gets
+        under CPU offload: its own PCIe link, and its share of the node's host memory bandwidth
+        (the ranks of a node step their optimizers at the same time).
+
+        Raises:
+            ValueError: the preset has no host link (``cpu-gloo``: the device is the host).
+        """
+        if self.pcie_bytes_per_s is None or self.host_memory_bytes_per_s is None:
+            raise ValueError(
+                f"--offload (CPU offload) needs a device with a host link, but {self.name!r} "
+                f"has none: its device is the host already, so there is nothing to offload "
+                f"to; use a GPU preset ({', '.join(n for n in HARDWARE if n != self.name)})"
+            )
+        sharing = min(world_size, self.devices_per_node)
+        return self.pcie_bytes_per_s, self.host_memory_bytes_per_s / sharing
+
     def hop_latency_s(self, world_size: int) -> float:
         """The latency of one ring step over ``world_size`` devices."""
         if world_size <= self.devices_per_node:
@@ -123,6 +148,8 @@ def _gpu(
     hbm_tb_per_s: float,
     nvlink_gb_per_s: float,
     nic_gbit: float,
+    pcie_gb_per_s: float,
+    host_gb_per_s: float,
 ) -> Hardware:
     # Latencies: NCCL's per-step figures are a few microseconds over NVLink and InfiniBand; the
     # same value for every GPU generation (the link protocol, not the GPU, sets it).
@@ -137,28 +164,66 @@ def _gpu(
         devices_per_node=8,
         intra_latency_s=3e-6,
         inter_latency_s=6e-6,
+        pcie_bytes_per_s=pcie_gb_per_s * _GB,
+        host_memory_bytes_per_s=host_gb_per_s * _GB,
     )
 
 
 HARDWARE: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 900 GB/s
-    # bidirectional, ConnectX-7 400 Gb/s per GPU (DGX H100).
+    # bidirectional, ConnectX-7 400 Gb/s per GPU (DGX H100). Host link: PCIe Gen5 x16, "128GB/s"
+    # bidirectional in the datasheet, 64 GB/s each way. Host memory: DGX H100's two Xeon
+    # Platinum 8480C, 8 channels of DDR5-4800 each: 2 x 8 x 4.8 GT/s x 8 B = 614.4 GB/s.
     "h100": _gpu(
-        "h100", tflops=989, hbm_gb=80, hbm_tb_per_s=3.35, nvlink_gb_per_s=450, nic_gbit=400
+        "h100",
+        tflops=989,
+        hbm_gb=80,
+        hbm_tb_per_s=3.35,
+        nvlink_gb_per_s=450,
+        nic_gbit=400,
+        pcie_gb_per_s=64,
+        host_gb_per_s=614.4,
     ),
-    # NVIDIA H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e.
+    # NVIDIA H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e; the same PCIe Gen5 x16
+    # ("128GB/s", H200 datasheet) and DGX H200's host, the same two Xeon Platinum 8480C.
     "h200": _gpu(
-        "h200", tflops=989, hbm_gb=141, hbm_tb_per_s=4.8, nvlink_gb_per_s=450, nic_gbit=400
+        "h200",
+        tflops=989,
+        hbm_gb=141,
+        hbm_tb_per_s=4.8,
+        nvlink_gb_per_s=450,
+        nic_gbit=400,
+        pcie_gb_per_s=64,
+        host_gb_per_s=614.4,
     ),
     # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense BF16, 2.04 TB/s, NVLink 3 600 GB/s bidirectional,
-    # HDR 200 Gb/s per GPU (DGX A100).
+    # HDR 200 Gb/s per GPU (DGX A100). Host link: PCIe Gen4 x16, "64GB/s" bidirectional in the
+    # datasheet, 32 GB/s each way. Host memory: DGX A100's two AMD EPYC 7742, 8 channels of
+    # DDR4-3200 each: 2 x 8 x 3.2 GT/s x 8 B = 409.6 GB/s.
     "a100": _gpu(
-        "a100", tflops=312, hbm_gb=80, hbm_tb_per_s=2.039, nvlink_gb_per_s=300, nic_gbit=200
+        "a100",
+        tflops=312,
+        hbm_gb=80,
+        hbm_tb_per_s=2.039,
+        nvlink_gb_per_s=300,
+        nic_gbit=200,
+        pcie_gb_per_s=32,
+        host_gb_per_s=409.6,
     ),
     # NVIDIA B200 (DGX B200: 180 GB usable HBM3e per GPU, 8 TB/s): 2.25 PFLOP/s dense BF16,
-    # NVLink 5 1.8 TB/s bidirectional, ConnectX-7 400 Gb/s per GPU.
+    # NVLink 5 1.8 TB/s bidirectional, ConnectX-7 400 Gb/s per GPU. Host link: the GPU speaks
+    # PCIe Gen6 x16, but DGX B200's hosts, two Xeon Platinum 8570 (DGX B200 datasheet), are PCIe
+    # Gen5, so the link runs Gen5 x16: 64 GB/s each way. Host memory: the 8570's 8 channels of
+    # DDR5-5600 (Intel ARK), two sockets: 2 x 8 x 5.6 GT/s x 8 B = 716.8 GB/s.
     "b200": _gpu(
-        "b200", tflops=2250, hbm_gb=180, hbm_tb_per_s=8.0, nvlink_gb_per_s=900, nic_gbit=400
+        "b200",
+        tflops=2250,
+        hbm_gb=180,
+        hbm_tb_per_s=8.0,
+        nvlink_gb_per_s=900,
+        nic_gbit=400,
+        pcie_gb_per_s=64,
+        host_gb_per_s=716.8,
     ),
     # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py,
     # three runs on the quiet machine, load average under 1.2, medians): a 1024^3 fp32 matmul at
@@ -166,7 +231,8 @@ HARDWARE: dict[str, Hardware] = {
     # anyway); Gloo loopback at 1.37 GB/s each way with both ranks sending (1.12-1.54), 0.70 ms
     # per collective however small (a one-element all-gather, 0.61-0.73; a bare message is 0.1
     # ms); an in-place add at 22.5 GB/s (20.6-25.3). Every rank is a "node" of its own: Gloo, no
-    # NVLink. (Measured under a load average of 11, the link was 258 MB/s and 2.4 ms.)
+    # NVLink. (Measured under a load average of 11, the link was 258 MB/s and 2.4 ms.) No host
+    # link: the device is the host, so CPU offload means nothing here (offload_rates says so).
     "cpu-gloo": Hardware(
         name="cpu-gloo",
         peak_flops=158e9,

@@ -27,6 +27,16 @@
 - **compressed communication** (raggedfsdp): the collectives move the messages of codes and
   scales (:mod:`.wire`), and quantizing and dequantizing add their memory traffic at memory
   bandwidth to the step, on the compute thread (``codec_s``).
+- **CPU offload** (``step.offload``): every all-gather first copies the rank's shards from
+  the host (master dtype, host to device), every reduce-scatter's shard goes back (master
+  dtype, device to host), both over the device's PCIe link (:meth:`Hardware.offload_rates`).
+  raggedfsdp issues these copies on the compute stream (``runtime/_offload.py``; it has no
+  stream of its own), so they run one after another with the compute and each adds its whole
+  time to the step (``host_copy_s``): the all-gather waits for its copy, the compute after it
+  waits too. FSDP2 copies on its all-gather copy-in stream and its post-reduce stream
+  (``_fsdp_collectives.py``), so a copy runs in series with its collective but beside the
+  compute: it lengthens the collective's own time, which overlaps as above. The optimizer step
+  runs on the host, at the rank's share of the node's host memory bandwidth.
 - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
   its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
   critical path. Where the backend has no reduce-scatter of its own
@@ -44,7 +54,7 @@ from .hardware import Hardware
 from .shapes import ModelShape
 from .wire import codec_traffic_bytes
 
-__all__ = ["CollectiveBytes", "StepTime", "collective_bytes", "step_time"]
+__all__ = ["CollectiveBytes", "StepTime", "collective_bytes", "host_copy_bytes", "step_time"]
 
 
 @dataclass(frozen=True)
@@ -124,10 +134,14 @@ class StepTime:
     codec_s: float = 0.0
     #: the runtime's own CPU work, as measured by the caller (in ``total_s``)
     host_overhead_s: float = 0.0
+    #: CPU offload: the host <-> device copies that hold up the compute stream (raggedfsdp;
+    #: FSDP2's run beside it, in ``comm_s``), in ``total_s``
+    host_copy_s: float = 0.0
 
     @property
     def exposed_comm_s(self) -> float:
-        busy = self.compute_s + self.optimizer_s + self.codec_s + self.host_overhead_s
+        busy = self.compute_s + self.optimizer_s + self.codec_s
+        busy += self.host_overhead_s + self.host_copy_s
         return max(0.0, self.total_s - busy)
 
     @property
@@ -203,8 +217,13 @@ def step_time(
         ]
         return gathers, scatters
 
+    pcie = hw.offload_rates(w)[0] if step.offload else 1.0
+    h2d, d2h = host_copy_bytes(units, step, system)
     fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
     ag_total, rs_total = collectives(over(hw))
+    if fsdp2:  # its copies run on its collectives' streams, in series with them
+        ag_total = [t + b / pcie for t, b in zip(ag_total, h2d, strict=True)]
+        rs_total = [t + b / pcie for t, b in zip(rs_total, d2h, strict=True)]
     # What the host's cores do (no overlap: the collectives at the host's own speed); the rest
     # of each collective is waiting for a slower link, which the prefetch overlaps with compute.
     ag_host, rs_host = (
@@ -236,13 +255,14 @@ def step_time(
         for i in blocks
     )
     backward += beside(0.0, at(rs_cpu, 0), at(rs, 0)) + beside(0.0, rs_cpu[-1], rs[-1])
-    local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
-    optimizer = (2 * local + local + 2 * optimizer_bytes) / hw.memory_bytes_per_s
+    optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
     regathered = blocks if fsdp2 else range(last)
+    # raggedfsdp's copies hold up the compute stream: every gather's and every reduce's
+    copies = 0.0 if fsdp2 else (sum(h2d) + sum(h2d[i] for i in regathered) + sum(d2h)) / pcie
     codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
     forward += sum(ag_host)  # the host's share, one collective after another
     backward += sum(ag_host[i] for i in regathered) + sum(rs_host)
-    total = forward + backward + optimizer + codec + host_overhead_s
+    total = forward + backward + optimizer + codec + host_overhead_s + copies
     comm_s = sum(ag_total) + sum(ag_total[i] for i in regathered) + sum(rs_total)
     return StepTime(
         forward_s=forward,
@@ -254,7 +274,44 @@ def step_time(
         tokens_per_s=step.tokens / total if total else 0.0,
         codec_s=codec,
         host_overhead_s=host_overhead_s,
+        host_copy_s=copies,
     )
+
+
+def host_copy_bytes(
+    units: Sequence[UnitBytes], step: StepShape, system: str = "raggedfsdp"
+) -> tuple[list[int], list[int]]:
+    """CPU offload: per unit, the bytes one all-gather copies host to device (the rank's
+    shards in the master dtype: the cast happens on the device) and the bytes its
+    reduce-scatter's shard copies back (master dtype, cast on the device first); FSDP2's are its
+    padded shards (rank 0's: the largest). Zeros without offload."""
+    if not step.offload:
+        return [0] * len(units), [0] * len(units)
+    master = step.master_dtype.itemsize
+    h2d = [_shard(u, system) * master for u in units]
+    if system == "fsdp2":
+        d2h = [u.fsdp2_shard_numel * master if u.trainable_shard_numel else 0 for u in units]
+    else:
+        d2h = [u.trainable_shard_numel * master for u in units]
+    return h2d, d2h
+
+
+def _optimizer_s(
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    hw: Hardware,
+    world_size: int,
+    optimizer_bytes: int,
+    system: str,
+) -> float:
+    """The optimizer step, bound by memory bandwidth: it reads and writes the shards and the
+    state and reads the gradients; on the host under offload, where the node's ranks share its
+    memory bandwidth."""
+    local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
+    traffic = 2 * local + local + 2 * optimizer_bytes
+    if step.offload:
+        return traffic / hw.offload_rates(world_size)[1]
+    return traffic / hw.memory_bytes_per_s
 
 
 def _codec_s(
