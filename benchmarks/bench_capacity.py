@@ -68,7 +68,7 @@ def _planned(
     module = GPT(GPT_CONFIGS[model], device="meta")
     planner = StructAwarePlanner(optimizer_type=None if optimizer == "adamw" else optimizer)  # type: ignore[arg-type]
     plans = planner.plan_model(module, world)
-    return module, plans, unit_bytes(plans, [True] * len(plans))
+    return module, plans, unit_bytes(plans)
 
 
 def memory_grid(worlds: tuple[int, ...]) -> list[dict[str, Any]]:

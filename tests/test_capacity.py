@@ -136,7 +136,7 @@ def test_memory_counts_ragged_buffers_and_fsdp2_padding():
     module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
     shape = model_shape(module)
     plans = StructAwarePlanner().plan_model(module, 3)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=2, seq_len=64)
     ours = memory_breakdown(shape, units, step, 0, world_size=3)
     fsdp2 = memory_breakdown(shape, units, step, 0, world_size=3, system="fsdp2")
@@ -151,6 +151,23 @@ def test_memory_counts_ragged_buffers_and_fsdp2_padding():
     assert ours.activations == (loss if ours.phase == "loss" else block)
 
 
+def test_frozen_buckets_have_no_gradients():
+    """A frozen parameter's bucket (``/frozen/`` in its name) holds no gradient; the others do.
+    Negative control: the same model with everything trainable has more gradient bytes."""
+    module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
+    step = StepShape(batch=2, seq_len=64)
+
+    def grads() -> int:
+        units = unit_bytes(StructAwarePlanner().plan_model(module, 2))
+        return memory_breakdown(model_shape(module), units, step, 0, world_size=2).grads
+
+    trainable = grads()
+    module.pos_emb.weight.requires_grad_(False)
+    frozen = [p for p in StructAwarePlanner().plan_model(module, 2) if "/frozen/" in p.name]
+    assert len(frozen) == 1 and frozen[0].param_numel == module.pos_emb.weight.numel()
+    assert grads() == trainable - 4 * frozen[0].shard_numel
+
+
 def test_ring_time_and_bytes_by_hand():
     """One collective: (W-1) x (latency + S x itemsize / bandwidth) per bucket."""
     module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
@@ -158,7 +175,7 @@ def test_ring_time_and_bytes_by_hand():
     hw = hardware("h100", efficiency=1.0, intra_latency_s=1e-3)
     w = 4
     plans = StructAwarePlanner().plan_model(module, w, dtype=torch.bfloat16)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=1, seq_len=64, param_dtype=torch.bfloat16)
     moved = collective_bytes(units, step, w)
     s_total = sum(p.shard_numel for p in plans)
@@ -178,7 +195,7 @@ def test_cpu_gloo_adds_communication_to_compute():
     module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
     shape = model_shape(module)
     plans = StructAwarePlanner().plan_model(module, 2)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=2, seq_len=128, gloo=True)
     cpu = step_time(shape, units, step, HARDWARE["cpu-gloo"], 2, optimizer_bytes=0)
     assert cpu.total_s == pytest.approx(cpu.compute_s + cpu.comm_s + cpu.optimizer_s)
@@ -190,7 +207,7 @@ def test_host_overhead_adds_to_the_step_and_not_to_the_waiting():
     """A measured CPU cost of the runtime is added as is; it is not communication."""
     module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
     plans = StructAwarePlanner().plan_model(module, 2)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=2, seq_len=128, gloo=True)
     args = (model_shape(module), units, step, HARDWARE["cpu-gloo"], 2)
     plain = step_time(*args, optimizer_bytes=0)
@@ -207,7 +224,7 @@ def test_link_cpu_takes_the_compute_core_unless_the_link_is_slower():
     in its waiting; an accelerator's NIC costs the compute nothing."""
     module = GPT(GPT_CONFIGS["gpt-small"], device="meta")
     plans = StructAwarePlanner().plan_model(module, 2)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=2, seq_len=128, gloo=True)
     cost = 2e-9
 
@@ -295,7 +312,7 @@ def test_plan_command_capacity_json_and_plot(capsys, tmp_path):
         plans = StructAwarePlanner().plan_model(module, w)
         want = memory_breakdown(
             model_shape(module),
-            unit_bytes(plans, [True] * len(plans)),
+            unit_bytes(plans),
             StepShape(batch=2, seq_len=64, gloo=True),
             optimizer_state_bytes(plans, "adamw"),
             world_size=w,

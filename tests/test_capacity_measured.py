@@ -59,7 +59,7 @@ def _predict(
 ):
     module = GPT(GPT_CONFIGS[model], device="meta")
     plans = _planner(optimizer).plan_model(module, world)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     step = StepShape(batch=BATCH, seq_len=GPT_CONFIGS[model].seq_len, gloo=True)
     state = optimizer_state_bytes(plans, state_of or optimizer, rank=rank, tables=tables)
     return memory_breakdown(model_shape(module), units, step, state, world_size=world)

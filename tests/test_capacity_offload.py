@@ -189,7 +189,7 @@ def test_plan_command_offload_json(capsys):
         plans = StructAwarePlanner().plan_model(module, w)
         want = memory_breakdown(
             model_shape(module),
-            unit_bytes(plans, [True] * len(plans)),
+            unit_bytes(plans),
             StepShape(batch=1, seq_len=64, offload=True),
             optimizer_state_bytes(plans, "adamw"),
             world_size=w,

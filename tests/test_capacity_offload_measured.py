@@ -113,7 +113,7 @@ def predict(case: str, world: int, rank: int, *, offload: bool = True) -> Memory
     if spec is not None:
         policy = rf.RaggedShard()
         messages = [message_bytes(p, policy, spec.block_size) for p in plans]
-    units = unit_bytes(plans, [True] * len(plans), messages)
+    units = unit_bytes(plans, messages)
     step = StepShape(
         batch=BATCH,
         seq_len=cfg.seq_len,

@@ -195,7 +195,7 @@ def plan_capacity(
     messages = None
     if step.compression is not None:
         messages = [message_bytes(p, policy, step.compression.block_size) for p in plans]
-    units = unit_bytes(plans, ["/frozen/" not in p.name for p in plans], messages)
+    units = unit_bytes(plans, messages)
     state = optimizer_state_bytes(plans, options.optimizer)
     usable = hw.memory_bytes * (1 - options.reserve)
     systems = {}

@@ -128,20 +128,19 @@ def _unit_path(bucket_name: str) -> str:
 
 
 def unit_bytes(
-    plans: Sequence[ShardPlan],
-    requires_grad: Sequence[bool],
-    messages: Sequence[int] | None = None,
+    plans: Sequence[ShardPlan], messages: Sequence[int] | None = None
 ) -> list[UnitBytes]:
-    """Group the plans by unit (plan order: nested units first, the root last); ``messages``:
-    each plan's message bytes under compression (:func:`.wire.message_bytes`)."""
+    """Group the plans by unit (plan order: nested units first, the root last); a bucket is
+    trainable unless its name says ``/frozen/`` (:mod:`.bucketing`). ``messages``: each plan's
+    message bytes under compression (:func:`.wire.message_bytes`)."""
     units: dict[str, tuple[list[int], list[bool], list[int], list[int]]] = {}
     sizes = messages if messages is not None else [0] * len(plans)
-    for plan, grad, message in zip(plans, requires_grad, sizes, strict=True):
+    for plan, message in zip(plans, sizes, strict=True):
         shards, trainable, numels, codes = units.setdefault(
             _unit_path(plan.name), ([], [], [0, 0], [])
         )
         shards.append(plan.shard_numel)
-        trainable.append(grad)
+        trainable.append("/frozen/" not in plan.name)
         codes.append(message)
         numels[1] += plan.param_numel
         for entry in plan.entries.values():

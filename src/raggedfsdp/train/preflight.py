@@ -170,7 +170,7 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
         gloo=not torch.cuda.is_available(),
     )
     state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
-    units = unit_bytes(plans, [True] * len(plans))
+    units = unit_bytes(plans)
     shape = model_shape(model, experts_per_token=hf.experts_per_token(model), wrap=wrap)
     return memory_breakdown(shape, units, step, state, world_size=world_size)
 
