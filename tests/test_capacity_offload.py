@@ -129,10 +129,39 @@ def test_presets_have_sourced_host_figures():
     ):
         hw = HARDWARE[name]
         assert (hw.pcie_bytes_per_s, hw.host_memory_bytes_per_s) == (pcie, host)
+        assert hw.host_memory_bytes == 2 * 1024**4  # the DGX systems' 2 TB
         assert hw.offload_rates(2) == (pcie, host / 2)
         assert hw.offload_rates(1024) == (pcie, host / 8)
     cpu = HARDWARE["cpu-gloo"]
     assert cpu.pcie_bytes_per_s is None and cpu.host_memory_bytes_per_s is None
+    assert cpu.host_memory_bytes is None
+
+
+def test_offload_fits_only_where_the_node_has_the_host_ram():
+    """gpt-tiny's host bytes against a node's host RAM: it fits at the limit, not a byte below
+    it; the device side alone would fit both times (the negative control)."""
+    module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
+    options = CapacityOptions(batch=1, seq_len=64, offload=True, reserve=0.0)
+    cost = plan_capacity(module, SHAPE, 16, HARDWARE["h100"], options).systems["raggedfsdp"]
+    assert cost.fits and cost.host_fits and cost.host_per_node == 8 * cost.memory.host
+    for ram, fits in ((cost.host_per_node, True), (cost.host_per_node - 1, False)):
+        hw = hardware("h100", host_memory_bytes=ram)
+        got = plan_capacity(module, SHAPE, 16, hw, options).systems["raggedfsdp"]
+        assert (got.fits, got.host_fits) == (fits, fits)
+        assert got.memory.peak <= hw.memory_bytes  # the device alone fits
+
+
+def test_plan_command_says_when_the_host_ram_is_short(capsys):
+    argv = ["plan", "--model", "deepseek-v3-671b", "--world", "8", "--gpu", "h100", "--json"]
+    assert main([*argv, "--offload"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    ours = record["raggedfsdp"]
+    assert ours["host_per_node"] > 2 * 1024**4 * 0.9 and not ours["host_fits"]
+    assert not ours["fits"]
+    assert main([*argv[:-1], "--offload"]) == 0
+    out = capsys.readouterr().out
+    assert "NO (host RAM of the node)" in out
+    assert "usable: 67.1 GiB per device, 1.8 TiB of host RAM per node (8 ranks a node)" in out
 
 
 @pytest.mark.parametrize(

@@ -123,8 +123,12 @@ class SystemCost:
     memory: MemoryBreakdown
     bytes: CollectiveBytes
     time: StepTime
-    fits: bool  # peak <= (1 - reserve) x device memory (the device's peak under offload)
+    #: peak <= (1 - reserve) x device memory (the device's peak under offload), and under
+    #: offload ``host_fits`` too
+    fits: bool
     host_per_node: int = 0  # under offload: the host bytes of a node's ranks together
+    #: under offload: host_per_node <= (1 - reserve) x the node's host RAM (where known)
+    host_fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -198,17 +202,21 @@ def plan_capacity(
     units = unit_bytes(plans, messages)
     state = optimizer_state_bytes(plans, options.optimizer)
     usable = hw.memory_bytes * (1 - options.reserve)
+    host_usable = (hw.host_memory_bytes or 0) * (1 - options.reserve)
     systems = {}
     for system in SYSTEMS:
         memory = memory_breakdown(shape, units, step, state, world_size=world_size, system=system)
+        host_per_node = memory.host * min(world_size, hw.devices_per_node)
+        host_fits = hw.host_memory_bytes is None or host_per_node <= host_usable
         systems[system] = SystemCost(
             memory=memory,
             bytes=collective_bytes(units, step, world_size, system),
             time=step_time(
                 shape, units, step, hw, world_size, optimizer_bytes=state, system=system
             ),
-            fits=memory.peak <= usable,
-            host_per_node=memory.host * min(world_size, hw.devices_per_node),
+            fits=memory.peak <= usable and host_fits,
+            host_per_node=host_per_node,
+            host_fits=host_fits,
         )
     return WorldCapacity(world_size, time.perf_counter() - start, systems)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes
-from .capacity import SYSTEMS, CapacityReport, WorldCapacity
+from .capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
 from .quant_blocks import Compression
 
 if TYPE_CHECKING:
@@ -94,10 +94,7 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
     else:
         for label, key in _MEMORY_ROWS:
             table.add_row(label, *(format_bytes(m[key]) for m in memories))
-    table.add_row(
-        "fits",
-        *(("yes" if c.fits else "NO") + f" (peak: {c.memory.phase} backward)" for c in costs),
-    )
+    table.add_row("fits", *(_fits_text(c) for c in costs))
     # what the rank feeds in (RuntimeStats' convention): its shards; whole gradients
     table.add_row(
         "all-gather input per step", *(format_bytes(c.bytes.all_gather_bytes) for c in costs)
@@ -143,10 +140,18 @@ def _offload_table(report: CapacityReport, world: WorldCapacity) -> Table:
     """Under offload: one rank's bytes on the device and on the host, for both systems."""
     from rich.table import Table
 
+    hw = report.hardware
+    ranks = min(world.world_size, hw.devices_per_node)
+    host = (
+        f", {format_bytes(int(hw.host_memory_bytes * (1 - report.options.reserve)))} of host "
+        f"RAM per node"
+        if hw.host_memory_bytes is not None
+        else ""
+    )
     table = Table(
         title=f"where the bytes live, W={world.world_size:,}, CPU offload",
-        caption=f"device: usable {format_bytes(report.usable_bytes)}; host: per rank, and "
-        f"x{min(world.world_size, report.hardware.devices_per_node)} ranks per node below",
+        caption=f"usable: {format_bytes(report.usable_bytes)} per device{host} "
+        f"({ranks} rank{'s' if ranks > 1 else ''} a node)",
     )
     table.add_column("per rank")
     for system in SYSTEMS:
@@ -161,6 +166,14 @@ def _offload_table(report: CapacityReport, world: WorldCapacity) -> Table:
     nodes = [("-", format_bytes(world.systems[s].host_per_node)) for s in SYSTEMS]
     table.add_row("per node", *(cell for pair in nodes for cell in pair))
     return table
+
+
+def _fits_text(cost: SystemCost) -> str:
+    """``yes`` or ``NO``, with where the device's peak is, or that the node's host RAM is short
+    (under offload)."""
+    if not cost.host_fits:
+        return "NO (host RAM of the node)"
+    return ("yes" if cost.fits else "NO") + f" (peak: {cost.memory.phase} backward)"
 
 
 def _smallest_text(report: CapacityReport) -> str | None:
@@ -226,7 +239,11 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
             name: {
                 "memory": cost.memory.to_dict(),
                 "fits": cost.fits,
-                **({"host_per_node": cost.host_per_node} if o.offload else {}),
+                **(
+                    {"host_per_node": cost.host_per_node, "host_fits": cost.host_fits}
+                    if o.offload
+                    else {}
+                ),
                 "bytes": asdict(cost.bytes),
                 "time": cost.time.to_dict(),
             }

@@ -54,6 +54,9 @@ class Hardware:
         host_memory_bytes_per_s: the node's host memory bandwidth (all its sockets), shared by
             its ``devices_per_node`` ranks: what an offloaded optimizer step runs at. ``None``
             with ``pcie_bytes_per_s``.
+        host_memory_bytes: the node's host RAM, which CPU offload fills with its ranks' shards,
+            gradients and optimizer state (the same reserve kept free as on the device).
+            ``None`` with ``pcie_bytes_per_s``.
         link_cpu_s_per_byte: host CPU a rank spends per byte it sends (and receives back) over
             the inter-node link, beyond what the host's own speed (``intra_*``) already costs:
             the kernel's per-packet work at that link's rate (TCP, a shaper's timers, waking
@@ -79,6 +82,7 @@ class Hardware:
     link_cpu_s_per_byte: float = 0.0
     pcie_bytes_per_s: float | None = None
     host_memory_bytes_per_s: float | None = None
+    host_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -150,6 +154,7 @@ def _gpu(
     nic_gbit: float,
     pcie_gb_per_s: float,
     host_gb_per_s: float,
+    host_tb: float,
 ) -> Hardware:
     # Latencies: NCCL's per-step figures are a few microseconds over NVLink and InfiniBand; the
     # same value for every GPU generation (the link protocol, not the GPU, sets it).
@@ -166,6 +171,7 @@ def _gpu(
         inter_latency_s=6e-6,
         pcie_bytes_per_s=pcie_gb_per_s * _GB,
         host_memory_bytes_per_s=host_gb_per_s * _GB,
+        host_memory_bytes=int(host_tb * 1024**4),
     )
 
 
@@ -173,7 +179,8 @@ HARDWARE: dict[str, Hardware] = {
     # NVIDIA H100 SXM5 80GB: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, NVLink 4 900 GB/s
     # bidirectional, ConnectX-7 400 Gb/s per GPU (DGX H100). Host link: PCIe Gen5 x16, "128GB/s"
     # bidirectional in the datasheet, 64 GB/s each way. Host memory: DGX H100's two Xeon
-    # Platinum 8480C, 8 channels of DDR5-4800 each: 2 x 8 x 4.8 GT/s x 8 B = 614.4 GB/s.
+    # Platinum 8480C, 8 channels of DDR5-4800 each: 2 x 8 x 4.8 GT/s x 8 B = 614.4 GB/s; 2 TB
+    # of it ("System Memory 2TB", DGX H100 datasheet).
     "h100": _gpu(
         "h100",
         tflops=989,
@@ -183,9 +190,10 @@ HARDWARE: dict[str, Hardware] = {
         nic_gbit=400,
         pcie_gb_per_s=64,
         host_gb_per_s=614.4,
+        host_tb=2,
     ),
     # NVIDIA H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e; the same PCIe Gen5 x16
-    # ("128GB/s", H200 datasheet) and DGX H200's host, the same two Xeon Platinum 8480C.
+    # ("128GB/s", H200 datasheet) and DGX H200's host, the same two Xeon Platinum 8480C, 2 TB.
     "h200": _gpu(
         "h200",
         tflops=989,
@@ -195,11 +203,13 @@ HARDWARE: dict[str, Hardware] = {
         nic_gbit=400,
         pcie_gb_per_s=64,
         host_gb_per_s=614.4,
+        host_tb=2,
     ),
     # NVIDIA A100 SXM4 80GB: 312 TFLOP/s dense BF16, 2.04 TB/s, NVLink 3 600 GB/s bidirectional,
     # HDR 200 Gb/s per GPU (DGX A100). Host link: PCIe Gen4 x16, "64GB/s" bidirectional in the
     # datasheet, 32 GB/s each way. Host memory: DGX A100's two AMD EPYC 7742, 8 channels of
-    # DDR4-3200 each: 2 x 8 x 3.2 GT/s x 8 B = 409.6 GB/s.
+    # DDR4-3200 each: 2 x 8 x 3.2 GT/s x 8 B = 409.6 GB/s; 2 TB of it (DGX A100 640GB
+    # datasheet; the 320GB system has 1 TB).
     "a100": _gpu(
         "a100",
         tflops=312,
@@ -209,12 +219,14 @@ HARDWARE: dict[str, Hardware] = {
         nic_gbit=200,
         pcie_gb_per_s=32,
         host_gb_per_s=409.6,
+        host_tb=2,
     ),
     # NVIDIA B200 (DGX B200: 180 GB usable HBM3e per GPU, 8 TB/s): 2.25 PFLOP/s dense BF16,
     # NVLink 5 1.8 TB/s bidirectional, ConnectX-7 400 Gb/s per GPU. Host link: the GPU speaks
     # PCIe Gen6 x16, but DGX B200's hosts, two Xeon Platinum 8570 (DGX B200 datasheet), are PCIe
     # Gen5, so the link runs Gen5 x16: 64 GB/s each way. Host memory: the 8570's 8 channels of
-    # DDR5-5600 (Intel ARK), two sockets: 2 x 8 x 5.6 GT/s x 8 B = 716.8 GB/s.
+    # DDR5-5600 (Intel ARK), two sockets: 2 x 8 x 5.6 GT/s x 8 B = 716.8 GB/s; 2 TB of it
+    # ("2TB, configurable to 4TB", DGX B200 datasheet).
     "b200": _gpu(
         "b200",
         tflops=2250,
@@ -224,6 +236,7 @@ HARDWARE: dict[str, Hardware] = {
         nic_gbit=400,
         pcie_gb_per_s=64,
         host_gb_per_s=716.8,
+        host_tb=2,
     ),
     # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py,
     # three runs on the quiet machine, load average under 1.2, medians): a 1024^3 fp32 matmul at
