@@ -13,7 +13,8 @@
    right after each run's bench. The bed's bucket is ``--burst-kb`` (default
    32 KiB: a steady rate, as the model has) and shared by the ranks, so each gets ``RATE / W``.
    Two predictions per run: the preset with that per-rank rate as its link (``--link-gbit``),
-   and the link as a probe measures it on the bed at that rate.
+   and the link as a probe measures it on the bed at that rate (with the host's own speed, the
+   part of a collective that takes the cores, as a probe measures it on plain loopback).
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
     PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
@@ -196,7 +197,8 @@ def step_times(
     runs = []
     efficiency = None
     calibration = host_overheads(model, steps)
-    calibration["unthrottled_cpu_s_per_byte"] = base_cpu = probe_link(None)["cpu_s_per_byte"]
+    calibration["unthrottled_probe"] = base = probe_link(None)
+    calibration["unthrottled_cpu_s_per_byte"] = base_cpu = base["cpu_s_per_byte"]
     for rate in rates:
         systems = ("raggedfsdp", "fsdp2", "floor")
         link = {} if rate is None else {"link_gbit": rate, "link_burst_kb": burst_kb}
@@ -213,10 +215,12 @@ def step_times(
         # ranks gets when all send at once (the bed's bucket is shared: rate / W)
         per_rank = {} if rate is None else {"link_gbit": per_rank_gbit(rate, world)}
         preset = {**fitted, **per_rank}
-        # the link as probed on the bed: both directions at once, one collective's fixed cost
-        probed = {**fitted, "intra_bytes_per_s": probe["both_ways"],
-                  "inter_bytes_per_s": probe["both_ways"], "intra_latency_s":
-                  probe["collective_s"], "inter_latency_s": probe["collective_s"]}  # fmt: skip
+        # the link as probed on the bed (both directions at once, one collective's fixed cost),
+        # and the host's own speed as probed on plain loopback: on a host backend ``intra_*``
+        # is the part of a collective that takes the cores, not the slower link
+        probed = {**fitted, "inter_bytes_per_s": probe["both_ways"],
+                  "inter_latency_s": probe["collective_s"], "intra_bytes_per_s":
+                  base["both_ways"], "intra_latency_s": base["collective_s"]}  # fmt: skip
         for system in ("raggedfsdp", "fsdp2"):
             run[system] = {"measured_s": measured[system]}
             overhead = calibration["host_overhead_s"][system]
