@@ -154,6 +154,12 @@ class CapacityReport:
     def usable_bytes(self) -> int:
         return int(self.hardware.memory_bytes * (1 - self.options.reserve))
 
+    @property
+    def usable_host_bytes(self) -> int | None:
+        """A node's host RAM less the reserve (``None``: the preset has no figure)."""
+        ram = self.hardware.host_memory_bytes
+        return None if ram is None else int(ram * (1 - self.options.reserve))
+
 
 class UnshardableWorld(ValueError):
     """More ranks than some bucket has policy blocks."""

@@ -140,14 +140,9 @@ def _offload_table(report: CapacityReport, world: WorldCapacity) -> Table:
     """Under offload: one rank's bytes on the device and on the host, for both systems."""
     from rich.table import Table
 
-    hw = report.hardware
-    ranks = min(world.world_size, hw.devices_per_node)
-    host = (
-        f", {format_bytes(int(hw.host_memory_bytes * (1 - report.options.reserve)))} of host "
-        f"RAM per node"
-        if hw.host_memory_bytes is not None
-        else ""
-    )
+    ranks = min(world.world_size, report.hardware.devices_per_node)
+    ram = report.usable_host_bytes
+    host = f", {format_bytes(ram)} of host RAM per node" if ram is not None else ""
     table = Table(
         title=f"where the bytes live, W={world.world_size:,}, CPU offload",
         caption=f"usable: {format_bytes(report.usable_bytes)} per device{host} "
