@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel
-from raggedfsdp.runtime import RaggedTensor, is_ragged, local_flat, to_ragged_tensor
+from raggedfsdp.runtime import RaggedTensor, local_flat, to_ragged_tensor
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "raggedfsdp"
 WORLD = 3
@@ -56,7 +56,7 @@ def _piece() -> tuple[rf.ShardLayout, torch.Tensor, torch.Tensor]:
 def test_rectangles_are_views_of_the_piece() -> None:
     layout, full, piece = _piece()
     value = to_ragged_tensor(piece, layout, 1, None)
-    assert is_ragged(value) and not is_ragged(piece)
+    assert isinstance(value, RaggedTensor) and not isinstance(piece, RaggedTensor)
     assert (value.shape, value.dtype) == (full.shape, full.dtype)
     assert local_flat(value).data_ptr() == piece.data_ptr()
     chunks = value.__create_chunk_list__()
@@ -79,10 +79,11 @@ def test_state_dict_operations_keep_the_container_and_others_are_refused() -> No
     layout, _, piece = _piece()
     value = to_ragged_tensor(piece, layout, 1, None)
     detached = value.detach()
-    assert is_ragged(detached) and local_flat(detached).data_ptr() == piece.data_ptr()
+    assert isinstance(detached, RaggedTensor)
+    assert local_flat(detached).data_ptr() == piece.data_ptr()
     assert value.to("cpu") is value  # nothing to do: DSD's cpu_offload on a CPU value
     wider = value.to(torch.float64)
-    assert is_ragged(wider) and torch.equal(local_flat(wider), piece.double())
+    assert isinstance(wider, RaggedTensor) and torch.equal(local_flat(wider), piece.double())
     copy = value.clone()
     assert torch.equal(local_flat(copy), piece) and local_flat(copy).data_ptr() != piece.data_ptr()
     with pytest.raises(NotImplementedError, match="local_flat"):
@@ -96,7 +97,8 @@ def test_copies_and_pickles_as_its_piece_and_place() -> None:
     layout, _, piece = _piece()
     value = to_ragged_tensor(piece, layout, 1, None)
     for copy in (deepcopy(value), pickle.loads(pickle.dumps(value))):
-        assert is_ragged(copy) and copy.shard_layout == layout and copy.shard_rank == 1
+        assert isinstance(copy, RaggedTensor)
+        assert copy.shard_layout == layout and copy.shard_rank == 1
         assert torch.equal(local_flat(copy), piece)
         assert local_flat(copy).data_ptr() != piece.data_ptr()
         first = copy.rectangles[0][1]
@@ -153,11 +155,13 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_model_state_dict(other, options=options)
         offloaded = get_model_state_dict(other, options=StateDictOptions(cpu_offload=True))
-        sharded = all(is_ragged(v) for v in offloaded.values())
+        sharded = all(isinstance(v, RaggedTensor) for v in offloaded.values())
     with warnings.catch_warnings(record=True) as control:
         warnings.simplefilter("always")
         state = model.state_dict()
-        state = {k: _as_sharded_tensor(v) if is_ragged(v) else v for k, v in state.items()}
+        state = {
+            k: _as_sharded_tensor(v) if isinstance(v, RaggedTensor) else v for k, v in state.items()
+        }
         dcp.save(state, checkpoint_id=f"{path}/sharded_tensor")
         dcp.load(state, checkpoint_id=f"{path}/sharded_tensor")  # warns (as raggedfsdp did)
     torch.manual_seed(1)

@@ -5,7 +5,7 @@ Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sha
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
 :class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint layer,
 :func:`full_parameters`, :class:`RaggedTensor` (DCP's container of a ragged shard, with
-:func:`to_ragged_tensor`, :func:`local_flat`, :func:`gather_full` and :func:`is_ragged`), and
+:func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`), and
 :func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
 reduce-scatters, per rank).
 Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), collectives
@@ -16,7 +16,7 @@ in flight (``_reduce``), hooks (``_state``), state machines (``_states``), state
 """
 
 from ._metrics import RuntimeStats
-from ._ragged_tensor import RaggedTensor, gather_full, is_ragged, local_flat, to_ragged_tensor
+from ._ragged_tensor import RaggedTensor, gather_full, local_flat, to_ragged_tensor
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
     FSDPBackend,
@@ -41,7 +41,6 @@ __all__ = [
     "full_parameters",
     "fully_shard",
     "gather_full",
-    "is_ragged",
     "load_error_feedback_state",
     "local_flat",
     "register_fsdp_forward_method",

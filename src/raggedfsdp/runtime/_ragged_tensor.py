@@ -44,7 +44,7 @@ from ..layout import ShardLayout
 from ._collectives import all_gather
 from ._metrics import RuntimeStats
 
-__all__ = ["RaggedTensor", "gather_full", "is_ragged", "local_flat", "to_ragged_tensor"]
+__all__ = ["RaggedTensor", "gather_full", "local_flat", "to_ragged_tensor"]
 
 _aten = torch.ops.aten
 
@@ -210,11 +210,6 @@ def to_ragged_tensor(
             f"{layout.local_numel(rank)} elements, got {flat.numel()}"
         )
     return RaggedTensor(flat, layout, rank, group)
-
-
-def is_ragged(value: object) -> bool:
-    """Whether ``value`` is a :class:`RaggedTensor`."""
-    return isinstance(value, RaggedTensor)
 
 
 def local_flat(value: RaggedTensor) -> torch.Tensor:
