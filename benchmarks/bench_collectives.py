@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 from raggedfsdp.runtime import RuntimeStats
 from raggedfsdp.runtime._collectives import Pending, all_gather, reduce_scatter

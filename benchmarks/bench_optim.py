@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.bench import make_batches

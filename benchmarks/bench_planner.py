@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 from raggedfsdp import RaggedShard, StructAwarePlanner
 from raggedfsdp.layout import BlockSize, row_numel

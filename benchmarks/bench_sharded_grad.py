@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.models import GPT, GPT_CONFIGS

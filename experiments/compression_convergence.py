@@ -9,7 +9,7 @@ Pass: final validation loss within 1% (relative) of the baseline.
 
 Usage::
 
-    PYTHONPATH=src python3 benchmarks/compression_convergence.py \
+    PYTHONPATH=src python3 experiments/compression_convergence.py \
         --json docs/compression_convergence.json --png docs/compression_convergence.png \
         --write-docs docs/compression.md
 """
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 
 #: name -> (extra ``raggedfsdp train`` options, the baseline it is judged against)
@@ -131,10 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     table = summary(results)
     print(table)
     if args.write_docs:
-        command = "PYTHONPATH=src python3 benchmarks/compression_convergence.py " + " ".join(
+        command = "PYTHONPATH=src python3 experiments/compression_convergence.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        write_section(args.write_docs, "compression_convergence", f"`{command}`\n\n{table}")
+        write_section(
+            args.write_docs,
+            "compression_convergence",
+            f"`{command}`\n\n{table}",
+            folder="experiments",
+        )
     return 0
 
 
