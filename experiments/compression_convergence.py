@@ -10,8 +10,8 @@ Pass: final validation loss within 1% (relative) of the baseline.
 Usage::
 
     PYTHONPATH=src python3 experiments/compression_convergence.py \
-        --json docs/compression_convergence.json --png docs/compression_convergence.png \
-        --write-docs docs/compression.md
+        --json docs/results/compression_convergence.json \
+        --png docs/results/compression_convergence.png --write-docs docs/compression.md
 """
 
 from __future__ import annotations
@@ -115,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0, help="raggedfsdp train --seed")
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--json", type=Path, default=Path("docs/compression_convergence.json"))
-    parser.add_argument("--png", type=Path, default=Path("docs/compression_convergence.png"))
+    parser.add_argument(
+        "--json", type=Path, default=Path("docs/results/compression_convergence.json")
+    )
+    parser.add_argument(
+        "--png", type=Path, default=Path("docs/results/compression_convergence.png")
+    )
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.settings.split(",")]

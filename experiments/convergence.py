@@ -29,8 +29,8 @@ and the curves to a PNG (matplotlib, Agg).
 
 Usage::
 
-    PYTHONPATH=src python3 experiments/convergence.py --json docs/convergence.json \
-        --png docs/convergence.png --write-docs docs/optimizers.md
+    PYTHONPATH=src python3 experiments/convergence.py --json docs/results/convergence.json \
+        --png docs/results/convergence.png --write-docs docs/optimizers.md
 """
 
 from __future__ import annotations
@@ -298,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=Options.lr)
     parser.add_argument("--eval-every", type=int, default=Options.eval_every)
     parser.add_argument("--eval-batches", type=int, default=Options.eval_batches)
-    parser.add_argument("--json", type=Path, default=Path("docs/convergence.json"))
-    parser.add_argument("--png", type=Path, default=Path("docs/convergence.png"))
+    parser.add_argument("--json", type=Path, default=Path("docs/results/convergence.json"))
+    parser.add_argument("--png", type=Path, default=Path("docs/results/convergence.png"))
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)
     optimizers = tuple(s for s in args.optimizers.split(",") if s)
