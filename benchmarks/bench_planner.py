@@ -21,7 +21,7 @@ get a larger ``S`` (``--record-fixture PATH`` writes a new one from the current 
 
 Usage::
 
-    PYTHONPATH=src python3 benchmarks/bench_planner.py --write-docs docs/planner.md
+    PYTHONPATH=src python3 benchmarks/bench_planner.py --write-docs docs/results/planner.md
 
 prints markdown tables and, with ``--write-docs``, replaces the generated sections of that file
 (between the ``bench_planner`` and ``bench_planner_buckets`` markers; the prose is kept).
@@ -76,7 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATH",
         help="write the current S per case, then exit",
     )
-    parser.add_argument("--write-docs", type=Path, metavar="PATH", help="e.g. docs/planner.md")
+    parser.add_argument(
+        "--write-docs", type=Path, metavar="PATH", help="e.g. docs/results/planner.md"
+    )
     args = parser.parse_args(argv)
     buffers = _csv(args.buffers)
     parts = _csv(args.parts)
