@@ -13,7 +13,7 @@ interleaved and alternating which goes first:
 
 Medians over ``--repeats``, the max over ranks. Usage::
 
-    python benchmarks/bench_sharded_grad.py --world 2 --write-docs docs/migrating-from-fsdp2.md
+    python benchmarks/bench_sharded_grad.py --world 2 --write-docs docs/results/runtime.md
 """
 
 from __future__ import annotations
