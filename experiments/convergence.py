@@ -30,7 +30,7 @@ and the curves to a PNG (matplotlib, Agg).
 Usage::
 
     PYTHONPATH=src python3 experiments/convergence.py --json docs/results/convergence.json \
-        --png docs/results/convergence.png --write-docs docs/optimizers.md
+        --png docs/results/convergence.png --write-docs docs/results/optimizers.md
 """
 
 from __future__ import annotations
