@@ -11,7 +11,7 @@ compute thread spent blocked in collectives (``comm_wait_seconds``) as a share o
 Usage (root: the bed makes a network namespace per rate)::
 
     PYTHONPATH=src python3 benchmarks/bench_slow_link.py --rates 0.25,1,2.5,10,none \
-        --json docs/results/compression_speed.json --write-docs docs/compression.md
+        --json docs/results/compression_speed.json --write-docs docs/results/compression.md
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Usage::
 
     PYTHONPATH=src python3 experiments/compression_convergence.py \
         --json docs/results/compression_convergence.json \
-        --png docs/results/compression_convergence.png --write-docs docs/compression.md
+        --png docs/results/compression_convergence.png --write-docs docs/results/compression.md
 """
 
 from __future__ import annotations
