@@ -1,4 +1,4 @@
-"""The capacity planner's predictions against measurements on this machine (docs/capacity.md).
+"""The capacity planner's predictions against measurements here (docs/results/capacity.md).
 
 1. **memory**: ``raggedfsdp bench``'s memory phase (the profiler's allocation records; one fresh
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
