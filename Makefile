@@ -23,8 +23,8 @@ run: setup
 	$(BIN)/raggedfsdp train --out runs/$$(date +%Y%m%d-%H%M%S)
 
 lint: setup
-	$(BIN)/python -m ruff check src tests benchmarks
-	$(BIN)/python -m ruff format --check src tests benchmarks
+	$(BIN)/python -m ruff check src tests benchmarks experiments tools
+	$(BIN)/python -m ruff format --check src tests benchmarks experiments tools
 	$(BIN)/lint-imports
 
 test: lint

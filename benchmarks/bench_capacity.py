@@ -1,4 +1,4 @@
-"""The capacity planner's predictions against measurements on this machine (docs/capacity.md).
+"""The capacity planner's predictions against measurements here (docs/results/capacity.md).
 
 1. **memory**: ``raggedfsdp bench``'s memory phase (the profiler's allocation records; one fresh
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
@@ -18,7 +18,7 @@
 3. **scale**: every zoo model planned and costed at W = 16,384 (wall clock).
 
     PYTHONPATH=src python benchmarks/bench_capacity.py [--quick] [--step-time-only] [--steps 4]
-        [--rates none,0.25,1,2.5] [--burst-kb 32] [--out docs/capacity.json]
+        [--rates none,0.25,1,2.5] [--burst-kb 32] [--out docs/results/capacity.json]
 """
 
 from __future__ import annotations
@@ -274,7 +274,7 @@ def main() -> None:
         help="the bed's token bucket for the step-time validation, KiB (a steady rate: the "
         "model has no burst; raggedfsdp bench's default is 256)",
     )
-    parser.add_argument("--out", default="docs/capacity.json")
+    parser.add_argument("--out", default="docs/results/capacity.json")
     args = parser.parse_args()
     started = time.perf_counter()
     rates = tuple(_rate(r.strip()) for r in args.rates.split(","))

@@ -10,7 +10,7 @@ median over ``--repeats`` calls, the max over ranks.
 
 Usage::
 
-    python benchmarks/bench_collectives.py --world 2 --write-docs docs/runtime.md
+    python benchmarks/bench_collectives.py --world 2 --write-docs docs/results/runtime.md
 
 prints a markdown table and, with ``--write-docs``, replaces the generated section of that file
 (between the ``bench_collectives`` markers; the prose around it is kept).
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 from raggedfsdp.runtime import RuntimeStats
 from raggedfsdp.runtime._collectives import Pending, all_gather, reduce_scatter
@@ -145,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated per-rank shard sizes in MiB (default: %(default)s)",
     )
     parser.add_argument("--repeats", type=int, default=15, help="calls per row (default: 15)")
-    parser.add_argument("--write-docs", type=Path, metavar="PATH", help="e.g. docs/runtime.md")
+    parser.add_argument(
+        "--write-docs", type=Path, metavar="PATH", help="e.g. docs/results/runtime.md"
+    )
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.shard_mib.split(",")]
     per_rank = run_on_ranks(_measure, args.world, sizes, args.repeats, backend="gloo", timeout=1200)

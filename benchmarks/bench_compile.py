@@ -1,4 +1,4 @@
-"""Step time of the default run, eager vs ``--compile`` (docs/training.md, "Compiling blocks").
+"""Step time of the default run, eager vs ``--compile`` (docs/results/training.md).
 
 Runs ``raggedfsdp train`` as ``make run`` does (the default model and options, W=2 on the CPU)
 for ``--steps`` steps, alternately eager and with ``--compile``, ``--rounds`` times each; every

@@ -39,7 +39,7 @@ Muon-updated matrices (``b = 4`` bytes for fp32 on the wire).
 Usage::
 
     PYTHONPATH=src python3 benchmarks/bench_optim.py --json bench_optim.json \
-        --write-docs docs/optimizers.md
+        --write-docs docs/results/optimizers.md
 
 prints markdown tables and, with ``--write-docs``, replaces the generated section of that file
 (between the ``bench_optim`` markers; the prose around it is kept).
@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.bench import make_batches

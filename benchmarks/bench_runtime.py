@@ -2,12 +2,12 @@
 
 A thin wrapper over :mod:`raggedfsdp.bench` (the library behind ``raggedfsdp bench``): same
 arguments, plus where to write the results. See DESIGN.md, "Benchmark protocol", and
-docs/runtime.md for the figures measured on this machine class.
+docs/results/runtime.md for the figures measured on this machine class.
 
 Usage::
 
     python benchmarks/bench_runtime.py --model gpt-ref --world 2 \\
-        --out-json runtime.json --write-docs docs/runtime.md
+        --out-json runtime.json --write-docs docs/results/runtime.md
 
 prints the tables, writes the results as JSON (``--out-json``) and as markdown (``--out-md``), and
 with ``--write-docs`` replaces the generated section of that file (between the ``bench_runtime``
@@ -21,6 +21,7 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 from raggedfsdp import bench
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         "--write-docs",
         type=Path,
         metavar="PATH",
-        help="replace the generated section of this markdown file (e.g. docs/runtime.md)",
+        help="replace the generated section of this markdown file (e.g. docs/results/runtime.md)",
     )
     parser.add_argument(
         "--section",

@@ -13,7 +13,7 @@ interleaved and alternating which goes first:
 
 Medians over ``--repeats``, the max over ranks. Usage::
 
-    python benchmarks/bench_sharded_grad.py --world 2 --write-docs docs/migrating-from-fsdp2.md
+    python benchmarks/bench_sharded_grad.py --world 2 --write-docs docs/results/runtime.md
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.models import GPT, GPT_CONFIGS

@@ -11,7 +11,7 @@ compute thread spent blocked in collectives (``comm_wait_seconds``) as a share o
 Usage (root: the bed makes a network namespace per rate)::
 
     PYTHONPATH=src python3 benchmarks/bench_slow_link.py --rates 0.25,1,2.5,10,none \
-        --json docs/compression_speed.json --write-docs docs/compression.md
+        --json docs/results/compression_speed.json --write-docs docs/results/compression.md
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 from raggedfsdp.bench import BenchOptions, run_bench
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma-separated, 'floor' among them"
     )
-    parser.add_argument("--json", type=Path, default=Path("docs/compression_speed.json"))
+    parser.add_argument("--json", type=Path, default=Path("docs/results/compression_speed.json"))
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)
     measured = []

@@ -18,7 +18,7 @@ Usage (on the GPU machine, from the repository root; about 3-6 minutes on one H2
    on CPU) at world size 1 for gpt-medium and gpt-ref; medians and ratios.
 
 Everything it measured goes to ``OUT/gpu_check.json`` and ``OUT/gpu_check.md`` (copy the figures
-into docs/runtime.md with the command). The exit status is 1 when a correctness check fails.
+into docs/results/runtime.md with the command). The exit status is 1 when a correctness check fails.
 """
 
 from __future__ import annotations

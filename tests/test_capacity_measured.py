@@ -24,7 +24,7 @@ from raggedfsdp.planner.shapes import model_shape
 from raggedfsdp.train.build import optimizer_bytes
 
 #: (W, model, optimizer): each model at two world sizes, each optimizer with each model; the
-#: whole grid (12 runs) is benchmarks/bench_capacity.py's, in docs/capacity.md.
+#: whole grid (12 runs) is benchmarks/bench_capacity.py's, in docs/results/capacity.md.
 CASES = (
     (2, "gpt-small", "adamw8bit"),
     (3, "gpt-tiny", "adamw8bit"),

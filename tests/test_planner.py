@@ -325,7 +325,7 @@ FIXTURE_SUBSET = {
 
 def bucket_signature(planner: rf.StructAwarePlanner, bucket) -> str:
     """How the fixture names a bucket: its parameters' shapes and units in model order, and
-    its planning dtype (the same function as benchmarks/bench_planner.py's)."""
+    its planning dtype (the same function as benchmarks/planner_bench/scenarios.py's)."""
     parts = [
         (tuple(p.shape), planner.unit_numel(n, tuple(p.shape))) for n, p in bucket.params.items()
     ]

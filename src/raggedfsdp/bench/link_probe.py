@@ -9,7 +9,7 @@ Both ways, it also takes each rank's CPU time (its threads', the kernel's work d
 behalf included) per byte it sends: on a throttled link the kernel's per-packet work costs
 several times what the same bytes cost on plain loopback, and that CPU is taken from the
 compute a collective overlaps (:attr:`raggedfsdp.planner.hardware.Hardware.link_cpu_s_per_byte`).
-``benchmarks/calibrate_cpu_gloo.py`` takes the ``cpu-gloo`` preset's link figures from it.
+``tools/calibrate_cpu_gloo.py`` takes the ``cpu-gloo`` preset's link figures from it.
 """
 
 from __future__ import annotations

@@ -298,7 +298,7 @@ def _md_table(table: _Table) -> list[str]:
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """The results as markdown tables (for docs/runtime.md)."""
+    """The results as markdown tables (for docs/results/runtime.md)."""
     env, model, opts = results["environment"], results["model"], results["options"]
     lines = [
         f"`{results['command']}` — {model['name']} ({model['params']:,} parameters: "

@@ -90,6 +90,7 @@ def per_rank_gbit(rate_gbit: float, world_size: int) -> float:
     """The bandwidth each rank gets, each direction, when all ``world_size`` ranks send at once
     (as every all-gather and reduce-scatter exchange does): the bucket on the one loopback is
     shared by everything the ranks send, so ``rate_gbit / world_size`` (probed at W=2 within
-    2%: docs/capacity.md). A cluster's NIC gives each device its rate in each direction; this
-    is the figure of the bed that corresponds to it (``raggedfsdp plan --link-gbit``)."""
+    2%: docs/results/capacity.md). A cluster's NIC gives each device its rate in each
+    direction; this is the figure of the bed that corresponds to it (``raggedfsdp plan
+    --link-gbit``)."""
     return rate_gbit / world_size

@@ -68,7 +68,7 @@ _CAPACITY_FLAGS = (
     "offload",
     "pin_memory",
 )
-#: Default bucket cap of ``plan`` (see docs/planner.md for the measurements behind it).
+#: Default bucket cap of ``plan`` (see docs/results/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
 
 

@@ -3,7 +3,7 @@
 Published figures (sources in docs/capacity.md): dense BF16 tensor-core peak (no sparsity), HBM
 capacity and bandwidth, NVLink bandwidth per direction per GPU, and one NIC per GPU between nodes
 (DGX/HGX reference systems: eight GPUs per node). ``cpu-gloo`` is this repository's test machine,
-one thread per rank, measured by ``benchmarks/calibrate_cpu_gloo.py``: its "peak" is a measured
+one thread per rank, measured by ``tools/calibrate_cpu_gloo.py``: its "peak" is a measured
 fp32 matmul rate and its "HBM" the host's memory.
 
 Any figure can be overridden (:func:`hardware` keyword arguments, or ``raggedfsdp plan
@@ -238,7 +238,7 @@ HARDWARE: dict[str, Hardware] = {
         host_gb_per_s=716.8,
         host_tb=2,
     ),
-    # This repository's 2-core CPU machine, one thread per rank (benchmarks/calibrate_cpu_gloo.py,
+    # This repository's 2-core CPU machine, one thread per rank (tools/calibrate_cpu_gloo.py,
     # three runs on the quiet machine, load average under 1.2, medians): a 1024^3 fp32 matmul at
     # 158 GFLOP/s (157-161; the step-time model fits its efficiency to a measured floor run
     # anyway); Gloo loopback at 1.37 GB/s each way with both ranks sending (1.12-1.54), 0.70 ms

@@ -47,7 +47,7 @@ _TAG_ALL_TO_ALL = 4
 #: How error-feedback residuals are stored. 8-bit (int8 codes of the residual, in the gradient's
 #: own blocks) keeps the error of a sum over 256 steps of a fixed gradient where fp32 keeps it,
 #: and bf16 lets it drift ~20% further, at 1/4 and 1/2 of fp32's memory (``tests/test_quant.py``,
-#: docs/compression.md).
+#: docs/results/compression.md).
 ResidualStorage = Literal["fp32", "bf16", "int8"]
 
 

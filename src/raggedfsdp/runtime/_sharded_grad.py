@@ -19,7 +19,7 @@ are what the forward, the optimizer and ``state_dict`` see every step, and torch
 is called by name from user code and libraries, so patching it would miss ``from torch.nn.utils
 import clip_grad_norm_`` bound earlier. Gradients are touched only by the optimizer and the clip;
 the optimizer's ``_foreach_*`` calls pass through ``__torch_function__`` once per call (the cost
-is measured in docs/migrating-from-fsdp2.md).
+is measured in docs/results/runtime.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ One thread per rank, as ``raggedfsdp bench`` runs: the fp32 matmul rate of one c
 (the optimizer step is memory bound), and Gloo's loopback point-to-point bandwidth and latency
 between two ranks (what raggedfsdp's Gloo all-gather and reduce-scatter are made of).
 
-    PYTHONPATH=src python benchmarks/calibrate_cpu_gloo.py
+    PYTHONPATH=src python tools/calibrate_cpu_gloo.py
 
 Prints one JSON object; the preset in ``raggedfsdp/planner/hardware.py`` holds its figures.
 """

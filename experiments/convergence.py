@@ -29,8 +29,8 @@ and the curves to a PNG (matplotlib, Agg).
 
 Usage::
 
-    PYTHONPATH=src python3 benchmarks/convergence.py --json docs/convergence.json \
-        --png docs/convergence.png --write-docs docs/optimizers.md
+    PYTHONPATH=src python3 experiments/convergence.py --json docs/results/convergence.json \
+        --png docs/results/convergence.png --write-docs docs/results/optimizers.md
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.data import BatchSampler, eval_batches, load_corpus
@@ -297,8 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=Options.lr)
     parser.add_argument("--eval-every", type=int, default=Options.eval_every)
     parser.add_argument("--eval-batches", type=int, default=Options.eval_batches)
-    parser.add_argument("--json", type=Path, default=Path("docs/convergence.json"))
-    parser.add_argument("--png", type=Path, default=Path("docs/convergence.png"))
+    parser.add_argument("--json", type=Path, default=Path("docs/results/convergence.json"))
+    parser.add_argument("--png", type=Path, default=Path("docs/results/convergence.png"))
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)
     optimizers = tuple(s for s in args.optimizers.split(",") if s)
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.monotonic()
     results: dict[str, Any] = {
-        "command": "PYTHONPATH=src python3 benchmarks/convergence.py "
+        "command": "PYTHONPATH=src python3 experiments/convergence.py "
         + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores",
         "torch": torch.__version__,
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     text = summary(results)
     print(text)
     if args.write_docs:
-        write_section(args.write_docs, "convergence", text)
+        write_section(args.write_docs, "convergence", text, folder="experiments")
     return 0
 
 

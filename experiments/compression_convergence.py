@@ -9,9 +9,9 @@ Pass: final validation loss within 1% (relative) of the baseline.
 
 Usage::
 
-    PYTHONPATH=src python3 benchmarks/compression_convergence.py \
-        --json docs/compression_convergence.json --png docs/compression_convergence.png \
-        --write-docs docs/compression.md
+    PYTHONPATH=src python3 experiments/compression_convergence.py \
+        --json docs/results/compression_convergence.json \
+        --png docs/results/compression_convergence.png --write-docs docs/results/compression.md
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
 
 #: name -> (extra ``raggedfsdp train`` options, the baseline it is judged against)
@@ -114,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0, help="raggedfsdp train --seed")
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--json", type=Path, default=Path("docs/compression_convergence.json"))
-    parser.add_argument("--png", type=Path, default=Path("docs/compression_convergence.png"))
+    parser.add_argument(
+        "--json", type=Path, default=Path("docs/results/compression_convergence.json")
+    )
+    parser.add_argument(
+        "--png", type=Path, default=Path("docs/results/compression_convergence.png")
+    )
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.settings.split(",")]
@@ -131,10 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     table = summary(results)
     print(table)
     if args.write_docs:
-        command = "PYTHONPATH=src python3 benchmarks/compression_convergence.py " + " ".join(
+        command = "PYTHONPATH=src python3 experiments/compression_convergence.py " + " ".join(
             argv if argv is not None else sys.argv[1:]
         )
-        write_section(args.write_docs, "compression_convergence", f"`{command}`\n\n{table}")
+        write_section(
+            args.write_docs,
+            "compression_convergence",
+            f"`{command}`\n\n{table}",
+            folder="experiments",
+        )
     return 0
 
 

@@ -1,0 +1,1 @@
+"""The parts of the planner benchmark, ``benchmarks/bench_planner.py``."""
