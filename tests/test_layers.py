@@ -33,7 +33,6 @@ LAUNCHER_PREFIXES = (
     "raggedfsdp.bench",
     "raggedfsdp.cli",
     "raggedfsdp.planner.report",
-    "raggedfsdp.planner.command",
     "raggedfsdp.train.launch",
 )
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes
-from .capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
-from .quant_blocks import Compression
+from ..planner.capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
+from ..planner.quant_blocks import Compression
 
 if TYPE_CHECKING:
     from rich.table import Table
