@@ -49,10 +49,10 @@ from torch import nn
 
 from generated_docs import write_section
 from raggedfsdp import RaggedShard, StructAwarePlanner
+from raggedfsdp.capacity.report import WorldReport, plan_report
 from raggedfsdp.layout import BlockSize, row_numel
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import Bucket, ShardPlan, model_buckets
-from raggedfsdp.planner.report import WorldReport, plan_report
 
 MODELS = (
     "llama3-8b",

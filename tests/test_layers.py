@@ -32,7 +32,7 @@ WORKER_MODULES = (
 LAUNCHER_PREFIXES = (
     "raggedfsdp.bench",
     "raggedfsdp.cli",
-    "raggedfsdp.planner.report",
+    "raggedfsdp.capacity.report",
     "raggedfsdp.train.launch",
 )
 
@@ -64,7 +64,7 @@ def test_worker_loads_no_launcher_bench_or_plan_report_code() -> None:
 def test_the_command_does_load_them() -> None:
     """Negative control: the same check sees launcher code when it is there."""
     loaded = _loaded_after_importing(("raggedfsdp.cli",))
-    assert {"raggedfsdp.bench", "raggedfsdp.planner.report", "raggedfsdp.train.launch"} <= set(
+    assert {"raggedfsdp.bench", "raggedfsdp.capacity.report", "raggedfsdp.train.launch"} <= set(
         _launcher_modules(loaded)
     )
 

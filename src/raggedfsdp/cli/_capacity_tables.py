@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes
-from ..planner.capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
+from ..capacity.capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
 from ..planner.quant_blocks import Compression
 
 if TYPE_CHECKING:

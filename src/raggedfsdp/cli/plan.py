@@ -5,8 +5,8 @@ them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
 ``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
 (``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
 ``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) it answers "will it fit,
-and how fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
-FSDP2.
+and how fast" (:mod:`raggedfsdp.capacity`): memory per rank, bytes and time per step,
+raggedfsdp beside FSDP2.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from .._console import arg_type, format_bytes
+from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
+from ..capacity.hardware import HARDWARE, Hardware, hardware
+from ..capacity.report import PlanReport, WorldReport, plan_report
+from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, MODEL_NAMES
 from ..planner import OPTIMIZER_TYPES, parse_buffer_size
-from ..planner.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
-from ..planner.hardware import HARDWARE, Hardware, hardware
-from ..planner.report import PlanReport, WorldReport, plan_report
-from ..planner.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 from ._capacity_tables import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
 
 if TYPE_CHECKING:

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..capacity.wire import CODE_DTYPES
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
-from ..planner.wire import CODE_DTYPES
 from ..runtime import CommCompression
 
 if sys.version_info >= (3, 11):

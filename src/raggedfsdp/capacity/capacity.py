@@ -19,8 +19,8 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from ._plan import ShardPlan
-from ._planner import StructAwarePlanner
+from ..planner import ShardPlan, StructAwarePlanner
+from ..planner.quant_blocks import Compression
 from .cost import (
     OPTIMIZERS,
     MemoryBreakdown,
@@ -30,7 +30,6 @@ from .cost import (
     unit_bytes,
 )
 from .hardware import Hardware
-from .quant_blocks import Compression
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
 from .wire import message_bytes

@@ -41,8 +41,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ._plan import ShardPlan
-from .quant_blocks import Compression
+from ..planner import ShardPlan
+from ..planner.quant_blocks import Compression
 from .shapes import ModelShape
 
 __all__ = [
@@ -131,8 +131,8 @@ def unit_bytes(
     plans: Sequence[ShardPlan], messages: Sequence[int] | None = None
 ) -> list[UnitBytes]:
     """Group the plans by unit (plan order: nested units first, the root last); a bucket is
-    trainable unless its name says ``/frozen/`` (:mod:`.bucketing`). ``messages``: each plan's
-    message bytes under compression (:func:`.wire.message_bytes`)."""
+    trainable unless its name says ``/frozen/`` (:mod:`raggedfsdp.planner.bucketing`).
+    ``messages``: each plan's message bytes under compression (:func:`.wire.message_bytes`)."""
     units: dict[str, tuple[list[int], list[bool], list[int], list[int]]] = {}
     sizes = messages if messages is not None else [0] * len(plans)
     for plan, message in zip(plans, sizes, strict=True):
