@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from .. import bench
 from .._console import USAGE_ERROR, one_line
 from ..train.launch import configure_export_parser, configure_train_parser, run_export, run_train
 from ..train.rendezvous import configure_rendezvous_parser, run_rendezvous
-from . import plan
+from . import bench, plan
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -62,7 +61,7 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "bench": Subcommand(
         "time raggedfsdp against FSDP2, DDP and the compute floor, interleaved",
-        bench.configure_parser,
+        bench.configure,
         bench.run,
     ),
     "export": Subcommand(
