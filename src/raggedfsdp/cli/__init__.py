@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from .._console import USAGE_ERROR, one_line
-from ..train.launch import configure_export_parser, configure_train_parser, run_export, run_train
-from ..train.rendezvous import configure_rendezvous_parser, run_rendezvous
-from . import bench, plan
+from . import bench, export, plan, rendezvous, train
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -56,8 +54,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "train": Subcommand(
         "train a GPT with raggedfsdp (workers started by torchrun)",
-        configure_train_parser,
-        run_train,
+        train.configure,
+        train.run,
     ),
     "bench": Subcommand(
         "time raggedfsdp against FSDP2, DDP and the compute floor, interleaved",
@@ -66,13 +64,13 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     ),
     "export": Subcommand(
         "write a training checkpoint's model as a plain state dict",
-        configure_export_parser,
-        run_export,
+        export.configure,
+        export.run,
     ),
     "rendezvous": Subcommand(
         "host a multi-node job's rendezvous store, so that any training node may be lost",
-        configure_rendezvous_parser,
-        run_rendezvous,
+        rendezvous.configure,
+        rendezvous.run,
     ),
 }
 """Every subcommand, by name. Add one by adding an entry."""
