@@ -27,13 +27,14 @@ WORKER_MODULES = (
     "raggedfsdp.train.step",
     "raggedfsdp.train.preemption",
 )
-#: Launcher-side code a worker must never pay for (the bench, the plan report, the command),
-#: as packages or modules.
+#: Launcher-side code a worker must never pay for (the bench, the plan report, the commands
+#: and their tables, the launch and the rendezvous store), as packages or modules.
 LAUNCHER_PREFIXES = (
     "raggedfsdp.bench",
     "raggedfsdp.cli",
     "raggedfsdp.capacity.report",
     "raggedfsdp.train.launch",
+    "raggedfsdp.train.rendezvous",
 )
 
 
