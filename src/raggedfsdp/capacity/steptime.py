@@ -42,19 +42,34 @@
   critical path. Where the backend has no reduce-scatter of its own
   (:attr:`Hardware.native_reduce_scatter` off: Gloo), FSDP2's is an all-reduce of the whole
   gradient: twice the ring's steps and bytes, and the clone of its input.
+
+Each of these differences is a field of the :class:`~.systems.System` costed; the step is
+assembled from each unit's collective costs (:func:`collective_costs`), the forward and backward
+pipelines over them, the optimizer step, the host copies and the quantizing.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from ..planner.quant_blocks import Compression
 from .cost import StepShape, UnitBytes
 from .hardware import Hardware
 from .shapes import ModelShape
+from .systems import RAGGEDFSDP, HostCopies, System, as_system
 from .wire import codec_traffic_bytes
 
-__all__ = ["CollectiveBytes", "StepTime", "collective_bytes", "host_copy_bytes", "step_time"]
+__all__ = [
+    "CollectiveBytes",
+    "CollectiveCosts",
+    "StepTime",
+    "collective_bytes",
+    "collective_costs",
+    "host_copy_bytes",
+    "step_time",
+]
 
 
 @dataclass(frozen=True)
@@ -70,49 +85,30 @@ class CollectiveBytes:
     wire_bytes: int
 
 
-def _gathers(units: Sequence[UnitBytes], system: str) -> list[UnitBytes]:
-    """Units all-gathered in one step: every unit in forward, then in backward every block
-    but the last (raggedfsdp keeps it unsharded; FSDP2 gathers it again)."""
-    blocks = list(units[:-1])
-    again = blocks if system == "fsdp2" else blocks[:-1]
-    return [*units, *again]
-
-
-def _shard(unit: UnitBytes, system: str) -> int:
-    return unit.fsdp2_shard_numel if system == "fsdp2" else unit.shard_numel
-
-
-def _gather_bytes(unit: UnitBytes, step: StepShape, system: str) -> int:
-    """One all-gather of ``unit``: the rank's shards, or its messages under compression."""
-    comm = step.param_dtype.itemsize
-    if system == "fsdp2":
-        return unit.fsdp2_shard_numel * comm
-    return unit.gather_bytes(comm, step.compression)
-
-
-def _scatter_share(unit: UnitBytes, step: StepShape, system: str) -> int:
-    """What the rank sends each peer in ``unit``'s reduce-scatter."""
-    comm = step.param_dtype.itemsize
-    if system == "fsdp2":
-        return unit.fsdp2_shard_numel * comm
-    return unit.scatter_share(comm, step.compression)
+def _gathers(units: Sequence[UnitBytes], system: System) -> list[UnitBytes]:
+    """Units all-gathered in one step: every unit in forward, then in backward the blocks
+    ``system`` gathers again (:meth:`System.regathered`)."""
+    return [*units, *(units[i] for i in system.regathered(len(units) - 1))]
 
 
 def collective_bytes(
-    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: str = "raggedfsdp"
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    world_size: int,
+    system: System | str = RAGGEDFSDP,
 ) -> CollectiveBytes:
     """Bytes per step per rank of each collective kind (no HSDP: no all-reduce); under
     compression (raggedfsdp) the messages of codes and scales (:mod:`.wire`)."""
+    system = as_system(system)
     w = world_size
     gathered = _gathers(units, system)
     reduced = [u for u in units if u.trainable_shard_numel]
-    ag = sum(_gather_bytes(u, step, system) for u in gathered)
-    rs = sum(_scatter_share(u, step, system) for u in reduced)
-    calls = 1 if system == "fsdp2" else None  # FSDP2: one all-gather per unit
+    ag = sum(u.gather_bytes(system, step) for u in gathered)
+    rs = sum(u.scatter_share(system, step) for u in reduced)
     return CollectiveBytes(
-        all_gather_calls=sum(calls or u.buckets for u in gathered),
+        all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
         all_gather_bytes=ag,
-        reduce_scatter_calls=sum(calls or u.buckets for u in reduced),
+        reduce_scatter_calls=sum(system.collective_calls(u.buckets) for u in reduced),
         reduce_scatter_bytes=w * rs,
         wire_bytes=(w - 1) * (ag + rs) if w > 1 else 0,
     )
@@ -157,6 +153,13 @@ class StepTime:
         }
 
 
+# ---------------------------------------------------------------------------------------------
+# Each unit's collectives.
+
+#: One collective's seconds from its unit and the bytes the rank feeds it.
+_Seconds = Callable[[UnitBytes, int], float]
+
+
 def _ring_s(hw: Hardware, world_size: int, shard_bytes: float, calls: int) -> float:
     """One unit's all-gather (or reduce-scatter): ``calls`` ring collectives whose shards add
     up to ``shard_bytes``."""
@@ -168,6 +171,148 @@ def _ring_s(hw: Hardware, world_size: int, shard_bytes: float, calls: int) -> fl
     )
 
 
+def _collective_s(
+    unit: UnitBytes, nbytes: int, *, link: Hardware, hw: Hardware, world_size: int, system: System
+) -> float:
+    """One collective of ``unit`` over ``link``: the ring, and a copying system's copy-out of
+    the all-gather / copy-in of the reduce-scatter (read and write, at ``hw``'s memory
+    bandwidth)."""
+    w = world_size
+    ring = _ring_s(link, w, nbytes, system.collective_calls(unit.buckets))
+    return ring if system.zero_copy else ring + 2 * w * nbytes / hw.memory_bytes_per_s
+
+
+def _link_cpu_s(unit: UnitBytes, nbytes: int, *, hw: Hardware, world_size: int) -> float:
+    """The CPU a collective's bytes cost on the slower link (host backends only)."""
+    slow = world_size > hw.devices_per_node and not hw.overlaps
+    return (world_size - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
+
+
+def _per_unit(
+    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, system: System, seconds: _Seconds
+) -> tuple[list[float], list[float]]:
+    """Each unit's all-gather and reduce-scatter by ``seconds`` (a reduce-scatter that is an
+    all-reduce counts twice: :meth:`System.reduce_scatter_passes`)."""
+    gathers = [seconds(u, u.gather_bytes(system, step)) for u in units]
+    passes = system.reduce_scatter_passes(hw)
+    scatters = [
+        passes * seconds(u, u.scatter_share(system, step)) if u.trainable_shard_numel else 0.0
+        for u in units
+    ]
+    return gathers, scatters
+
+
+@dataclass(frozen=True)
+class CollectiveCosts:
+    """One collective kind's seconds per unit (the root last).
+
+    Attributes:
+        total: each collective's own time: the ring, a copying system's copies around it, and
+            offload copies issued on its stream.
+        host: what of ``total`` the host's cores spend moving the bytes when the backend does
+            not overlap (the collective at the host's own speed), in series with the compute;
+            zeros where it overlaps.
+        cpu: the CPU the slower link itself costs while it carries the bytes, on the compute's
+            core.
+    """
+
+    total: tuple[float, ...]
+    host: tuple[float, ...]
+    cpu: tuple[float, ...]
+
+    @property
+    def waiting(self) -> tuple[float, ...]:
+        """What of each collective is waiting for a slower link (overlapped by the prefetch)."""
+        return tuple(max(0.0, t - h) for t, h in zip(self.total, self.host, strict=True))
+
+    def block(self, i: int) -> tuple[float, float]:
+        """``(cpu, waiting)`` of block ``i``'s collective; zeros for an index that is not a
+        block (before the first, or the root)."""
+        if 0 <= i < len(self.total) - 1:
+            return self.cpu[i], self.waiting[i]
+        return 0.0, 0.0
+
+    def root(self) -> tuple[float, float]:
+        """``(cpu, waiting)`` of the root's collective."""
+        return self.cpu[-1], self.waiting[-1]
+
+
+def collective_costs(
+    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, system: System
+) -> tuple[CollectiveCosts, CollectiveCosts]:
+    """Each unit's all-gather and reduce-scatter, as :class:`CollectiveCosts`."""
+    w = world_size
+    on = functools.partial(_collective_s, hw=hw, world_size=w, system=system)
+    ag_total, rs_total = _per_unit(units, step, hw, system, functools.partial(on, link=hw))
+    if step.offload and system.host_copies is HostCopies.COLLECTIVE_STREAMS:
+        # the copies run on the collectives' streams, in series with them
+        pcie = hw.offload_rates(w)[0]
+        h2d, d2h = host_copy_bytes(units, step, system)
+        ag_total = [t + b / pcie for t, b in zip(ag_total, h2d, strict=True)]
+        rs_total = [t + b / pcie for t, b in zip(rs_total, d2h, strict=True)]
+    if hw.overlaps:
+        ag_host, rs_host = [0.0] * len(units), [0.0] * len(units)
+    else:  # the host's cores move the bytes at its own speed: the link unthrottled
+        unthrottled = functools.partial(on, link=hw.unthrottled())
+        ag_host, rs_host = _per_unit(units, step, hw, system, unthrottled)
+    link_cpu = functools.partial(_link_cpu_s, hw=hw, world_size=w)
+    ag_cpu, rs_cpu = _per_unit(units, step, hw, system, link_cpu)
+    return (
+        CollectiveCosts(tuple(ag_total), tuple(ag_host), tuple(ag_cpu)),
+        CollectiveCosts(tuple(rs_total), tuple(rs_host), tuple(rs_cpu)),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The step.
+
+
+def _beside(compute: float, *collectives: tuple[float, float]) -> float:
+    """Compute beside ``(cpu, waiting)`` collectives: the core does the compute and their CPU,
+    the link waits for them."""
+    cpu = sum(c for c, _ in collectives)
+    waiting = sum(w for _, w in collectives)
+    return max(compute + cpu, waiting)
+
+
+def _compute_s(shape: ModelShape, step: StepShape, hw: Hardware) -> tuple[list[float], list[float]]:
+    """Each unit's forward and backward compute: its FLOPs at ``peak x efficiency``; backward
+    is twice the forward, and checkpointing recomputes every unit's forward but the root's."""
+    rate = hw.peak_flops * hw.efficiency
+    fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
+    recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
+    return fwd, [2 * f + r for f, r in zip(fwd, recompute, strict=True)]
+
+
+def _forward_s(fwd: Sequence[float], gathers: CollectiveCosts) -> float:
+    """Forward with prefetch depth 1: the root's and the first block's all-gathers exposed,
+    then each block computes beside the next one's all-gather, then the root's compute; the
+    host's share of every all-gather in series."""
+    exposed = _beside(0.0, gathers.root()) + _beside(0.0, gathers.block(0))
+    forward = exposed + fwd[-1]
+    forward += sum(_beside(fwd[i], gathers.block(i + 1)) for i in range(len(fwd) - 1))
+    return forward + sum(gathers.host)
+
+
+def _backward_s(
+    bwd: Sequence[float], gathers: CollectiveCosts, scatters: CollectiveCosts, system: System
+) -> float:
+    """Backward: the root's (beside the last block's all-gather again, where ``system``
+    resharded it), each block's beside the previous block's all-gather and the next one's
+    reduce-scatter, then the first block's and the root's reduce-scatters exposed; the host's
+    share of the backward's collectives in series."""
+    blocks = len(bwd) - 1
+    last = blocks - 1
+    regather = (0.0, 0.0) if system.keeps_last_block_unsharded else gathers.block(last)
+    backward = _beside(bwd[-1], regather)
+    backward += sum(
+        _beside(bwd[i], gathers.block(i - 1), scatters.block(i + 1)) for i in range(blocks)
+    )
+    backward += _beside(0.0, scatters.block(0)) + _beside(0.0, scatters.root())
+    again = sum(gathers.host[i] for i in system.regathered(blocks)) + sum(scatters.host)
+    return backward + again
+
+
 def step_time(
     shape: ModelShape,
     units: Sequence[UnitBytes],
@@ -176,94 +321,26 @@ def step_time(
     world_size: int,
     *,
     optimizer_bytes: int,
-    system: str = "raggedfsdp",
+    system: System | str = RAGGEDFSDP,
     host_overhead_s: float = 0.0,
 ) -> StepTime:
-    """The step time of ``system`` at ``world_size`` (module docstring: the model);
-    ``host_overhead_s``: the system's measured CPU work per step beyond the model, added.
-
-    Long by nature: the forward and backward pipelines, written out.
-    """
+    """The step time of ``system`` (a :class:`~.systems.System` or its name) at
+    ``world_size`` (module docstring: the model); ``host_overhead_s``: the system's measured CPU
+    work per step beyond the model, added."""
     if host_overhead_s < 0:
         raise ValueError(f"host_overhead_s must be >= 0, got {host_overhead_s}")
+    system = as_system(system)
     w = world_size
-    rate = hw.peak_flops * hw.efficiency
-    fsdp2 = system == "fsdp2"
-    Cost = Callable[[UnitBytes, int], float]  # one collective's seconds from its bytes
-
-    def over(link: Hardware) -> Cost:
-        """A collective's seconds over ``link``."""
-
-        def seconds(unit: UnitBytes, nbytes: int) -> float:
-            ring = _ring_s(link, w, nbytes, 1 if fsdp2 else unit.buckets)
-            # FSDP2's copy-out of the all-gather / copy-in of the reduce-scatter, read and write
-            return ring + 2 * w * nbytes / hw.memory_bytes_per_s if fsdp2 else ring
-
-        return seconds
-
-    def link_cpu(unit: UnitBytes, nbytes: int) -> float:
-        """The CPU a collective's bytes cost on the slower link (host backends only)."""
-        slow = w > hw.devices_per_node and not hw.overlaps
-        return (w - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
-
-    def collectives(cost: Cost) -> tuple[list[float], list[float]]:
-        """Each unit's all-gather and reduce-scatter by ``cost``."""
-        gathers = [cost(u, _gather_bytes(u, step, system)) for u in units]
-        # where the backend has no reduce-scatter, FSDP2's is an all-reduce of a clone: twice
-        twice = 2 if fsdp2 and not hw.native_reduce_scatter else 1
-        scatters = [
-            twice * cost(u, _scatter_share(u, step, system)) if u.trainable_shard_numel else 0.0
-            for u in units
-        ]
-        return gathers, scatters
-
-    pcie = hw.offload_rates(w)[0] if step.offload else 1.0
-    h2d, d2h = host_copy_bytes(units, step, system)
-    fwd = [shape.forward_flops_per_token(s, step.seq_len) * step.tokens / rate for s in shape.units]
-    ag_total, rs_total = collectives(over(hw))
-    if fsdp2:  # its copies run on its collectives' streams, in series with them
-        ag_total = [t + b / pcie for t, b in zip(ag_total, h2d, strict=True)]
-        rs_total = [t + b / pcie for t, b in zip(rs_total, d2h, strict=True)]
-    # What the host's cores do (no overlap: the collectives at the host's own speed); the rest
-    # of each collective is waiting for a slower link, which the prefetch overlaps with compute.
-    ag_host, rs_host = (
-        collectives(over(hw.unthrottled())) if not hw.overlaps else ([0.0] * len(units),) * 2
-    )
-    ag = [max(0.0, t - h) for t, h in zip(ag_total, ag_host, strict=True)]
-    rs = [max(0.0, t - h) for t, h in zip(rs_total, rs_host, strict=True)]
-    ag_cpu, rs_cpu = collectives(link_cpu)  # the slower link's own CPU, on the compute's core
-    blocks = range(len(units) - 1)
-    # checkpointing recomputes every unit's forward but the root's
-    recompute = [f if step.checkpointing else 0.0 for f in fwd[:-1]] + [0.0]
-    bwd = [2 * f + r for f, r in zip(fwd, recompute, strict=True)]
-
-    def at(values: list[float], i: int) -> float:
-        return values[i] if 0 <= i < len(blocks) else 0.0
-
-    def beside(compute: float, cpu: float, waiting: float) -> float:
-        """Compute beside a collective: the core does both, the link waits."""
-        return max(compute + cpu, waiting)
-
-    forward = beside(0.0, ag_cpu[-1], ag[-1]) + beside(0.0, at(ag_cpu, 0), at(ag, 0)) + fwd[-1]
-    forward += sum(beside(fwd[i], at(ag_cpu, i + 1), at(ag, i + 1)) for i in blocks)
-    last = len(blocks) - 1
-    # FSDP2 gathers the last block again under the head's backward
-    regather = (at(ag_cpu, last), at(ag, last)) if fsdp2 else (0.0, 0.0)
-    backward = beside(bwd[-1], *regather)
-    backward += sum(
-        beside(bwd[i], at(ag_cpu, i - 1) + at(rs_cpu, i + 1), at(ag, i - 1) + at(rs, i + 1))
-        for i in blocks
-    )
-    backward += beside(0.0, at(rs_cpu, 0), at(rs, 0)) + beside(0.0, rs_cpu[-1], rs[-1])
+    gathers, scatters = collective_costs(units, step, hw, w, system)
+    fwd, bwd = _compute_s(shape, step, hw)
+    forward = _forward_s(fwd, gathers)
+    backward = _backward_s(bwd, gathers, scatters, system)
     optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
-    regathered = blocks if fsdp2 else range(last)
-    # raggedfsdp's copies hold up the compute stream: every gather's and every reduce's
-    copies = 0.0 if fsdp2 else (sum(h2d) + sum(h2d[i] for i in regathered) + sum(d2h)) / pcie
-    codec = 0.0 if fsdp2 else _codec_s(units, step, hw, w, set(regathered))
-    forward += sum(ag_host)  # the host's share, one collective after another
-    backward += sum(ag_host[i] for i in regathered) + sum(rs_host)
+    regathered = system.regathered(len(units) - 1)
+    copies = _host_copy_s(units, step, hw, w, system)
+    codec = _codec_s(units, step, hw, w, system.compression(step.compression), set(regathered))
     total = forward + backward + optimizer + codec + host_overhead_s + copies
-    comm_s = sum(ag_total) + sum(ag_total[i] for i in regathered) + sum(rs_total)
+    comm_s = sum(gathers.total) + sum(gathers.total[i] for i in regathered) + sum(scatters.total)
     return StepTime(
         forward_s=forward,
         backward_s=backward,
@@ -279,7 +356,7 @@ def step_time(
 
 
 def host_copy_bytes(
-    units: Sequence[UnitBytes], step: StepShape, system: str = "raggedfsdp"
+    units: Sequence[UnitBytes], step: StepShape, system: System | str = RAGGEDFSDP
 ) -> tuple[list[int], list[int]]:
     """CPU offload: per unit, the bytes one all-gather copies host to device (the rank's
     shards in the master dtype: the cast happens on the device) and the bytes its
@@ -287,13 +364,23 @@ def host_copy_bytes(
     padded shards (rank 0's: the largest). Zeros without offload."""
     if not step.offload:
         return [0] * len(units), [0] * len(units)
+    system = as_system(system)
     master = step.master_dtype.itemsize
-    h2d = [_shard(u, system) * master for u in units]
-    if system == "fsdp2":
-        d2h = [u.fsdp2_shard_numel * master if u.trainable_shard_numel else 0 for u in units]
-    else:
-        d2h = [u.trainable_shard_numel * master for u in units]
+    h2d = [u.shard(system) * master for u in units]
+    d2h = [u.trainable_shard(system) * master for u in units]
     return h2d, d2h
+
+
+def _host_copy_s(
+    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, system: System
+) -> float:
+    """Offload copies on the compute stream (:attr:`HostCopies.COMPUTE_STREAM`) hold it up:
+    every all-gather's copy (the regathered blocks' twice) and every reduce-scatter's."""
+    if not step.offload or system.host_copies is not HostCopies.COMPUTE_STREAM:
+        return 0.0
+    h2d, d2h = host_copy_bytes(units, step, system)
+    again = sum(h2d[i] for i in system.regathered(len(units) - 1))
+    return (sum(h2d) + again + sum(d2h)) / hw.offload_rates(world_size)[0]
 
 
 def _optimizer_s(
@@ -302,12 +389,12 @@ def _optimizer_s(
     hw: Hardware,
     world_size: int,
     optimizer_bytes: int,
-    system: str,
+    system: System,
 ) -> float:
     """The optimizer step, bound by memory bandwidth: it reads and writes the shards and the
     state and reads the gradients; on the host under offload, where the node's ranks share its
     memory bandwidth."""
-    local = sum(_shard(u, system) for u in units) * step.master_dtype.itemsize
+    local = sum(u.shard(system) for u in units) * step.master_dtype.itemsize
     traffic = 2 * local + local + 2 * optimizer_bytes
     if step.offload:
         return traffic / hw.offload_rates(world_size)[1]
@@ -315,12 +402,17 @@ def _optimizer_s(
 
 
 def _codec_s(
-    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, again: set[int]
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    hw: Hardware,
+    world_size: int,
+    compression: Compression | None,
+    again: set[int],
 ) -> float:
     """Seconds of quantizing and dequantizing on the compute thread in one step: their memory
     traffic (:func:`.wire.codec_traffic_bytes`) at memory bandwidth; units in ``again`` are
     all-gathered twice."""
-    if step.compression is None or world_size == 1:
+    if compression is None or world_size == 1:
         return 0.0
     traffic = sum(
         codec_traffic_bytes(
@@ -329,7 +421,7 @@ def _codec_s(
             2 if i in again else 1,
             u.trainable,
             world_size,
-            step.compression,
+            compression,
             param_itemsize=step.param_dtype.itemsize,
             master_itemsize=step.master_dtype.itemsize,
         )
