@@ -2,7 +2,7 @@
 
 1. **memory**: ``raggedfsdp bench``'s memory phase (the profiler's allocation records; one fresh
    launch per run) at W = 2, 3, 4 for gpt-tiny and gpt-small with AdamW and AdamW8bit, against
-   :func:`raggedfsdp.planner.cost.memory_breakdown`: persistent bytes and the tensor peak.
+   :func:`raggedfsdp.capacity.cost.memory_breakdown`: persistent bytes and the tensor peak.
 2. **step time**: ``raggedfsdp bench`` (raggedfsdp, FSDP2 and the compute floor, interleaved)
    at W=2, unthrottled and on the slow-link bed at 0.25, 1 and 2.5 Gbit/s (``--rates``). Two
    things are calibrated before, neither on the validated step times: the compute efficiency of
@@ -37,19 +37,19 @@ from raggedfsdp.bench.memory import memory_phase
 from raggedfsdp.bench.options import BenchOptions
 from raggedfsdp.bench.slow_link import per_rank_gbit
 from raggedfsdp.bench.systems import build, raggedfsdp_with
-from raggedfsdp.models import GPT, GPT_CONFIGS, MODEL_NAMES
-from raggedfsdp.planner import ShardPlan, StructAwarePlanner
-from raggedfsdp.planner.capacity import CapacityOptions, capacity_report
-from raggedfsdp.planner.cost import (
+from raggedfsdp.capacity.capacity import CapacityOptions, capacity_report
+from raggedfsdp.capacity.cost import (
     StepShape,
     UnitBytes,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
-from raggedfsdp.planner.hardware import HARDWARE, hardware
-from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.planner.steptime import collective_bytes, step_time
+from raggedfsdp.capacity.hardware import HARDWARE, hardware
+from raggedfsdp.capacity.shapes import model_shape
+from raggedfsdp.capacity.steptime import collective_bytes, step_time
+from raggedfsdp.models import GPT, GPT_CONFIGS, MODEL_NAMES
+from raggedfsdp.planner import ShardPlan, StructAwarePlanner
 from raggedfsdp.spawn import run_on_ranks
 
 BATCH = 2

@@ -23,12 +23,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
 from generated_docs import write_section
-from raggedfsdp import bench
+from raggedfsdp.bench import run_bench
+from raggedfsdp.cli import bench as bench_command
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    bench.configure_parser(parser)
+    bench_command.configure(parser)
     parser.add_argument("--out-json", type=Path, metavar="PATH", help="write the results as JSON")
     parser.add_argument("--out-md", type=Path, metavar="PATH", help="write markdown tables")
     parser.add_argument(
@@ -43,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         help="name of the generated section --write-docs replaces (default: %(default)s)",
     )
     args = parser.parse_args(argv)
-    results = bench.run_bench(bench.options_from_args(args), log=None if args.json else _log)
+    results = run_bench(bench_command.options_from_args(args), log=None if args.json else _log)
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        bench.render(results, sys.stdout)
-    markdown = bench.render_markdown(results)
+        bench_command.render(results, sys.stdout)
+    markdown = bench_command.render_markdown(results)
     if args.out_json:
         args.out_json.write_text(json.dumps(results, indent=2) + "\n")
     if args.out_md:

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from raggedfsdp import bench
+from raggedfsdp.bench import run_bench
+from raggedfsdp.cli import bench as bench_command
 
 FSDP2_COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
 
@@ -16,10 +17,10 @@ FSDP2_COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fs
 @pytest.mark.slow
 def test_bench_gpt_tiny_reports_fewer_copies_than_fsdp2():
     parser = argparse.ArgumentParser()
-    bench.configure_parser(parser)
+    bench_command.configure(parser)
     argv = ["--model", "gpt-tiny", "--world", "2", "--warmup", "1", "--steps", "2"]
     args = parser.parse_args([*argv, "--systems", "fsdp2,raggedfsdp"])
-    results = bench.run_bench(bench.options_from_args(args))
+    results = run_bench(bench_command.options_from_args(args))
     json.dumps(results)  # JSON-ready
 
     systems = results["systems"]
@@ -55,6 +56,6 @@ def test_bench_gpt_tiny_reports_fewer_copies_than_fsdp2():
     assert set(results["targets"]) == {"step_ratio", "peak_memory"}
 
     out = io.StringIO()
-    bench.render(results, out)
+    bench_command.render(results, out)
     assert "raggedfsdp" in out.getvalue() and "FSDP2" in out.getvalue()
-    assert "| raggedfsdp |" in bench.render_markdown(results)
+    assert "| raggedfsdp |" in bench_command.render_markdown(results)

@@ -12,11 +12,8 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from raggedfsdp.cli import main
-from raggedfsdp.models import GPT, GPT_CONFIGS, build_model
-from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.planner.capacity import CapacityOptions, capacity_report, plan_capacity
-from raggedfsdp.planner.cost import (
+from raggedfsdp.capacity.capacity import CapacityOptions, capacity_report, plan_capacity
+from raggedfsdp.capacity.cost import (
     OPTIMIZERS,
     StepShape,
     activation_bytes,
@@ -24,9 +21,12 @@ from raggedfsdp.planner.cost import (
     optimizer_state_bytes,
     unit_bytes,
 )
-from raggedfsdp.planner.hardware import HARDWARE, hardware
-from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.planner.steptime import collective_bytes, step_time
+from raggedfsdp.capacity.hardware import HARDWARE, hardware
+from raggedfsdp.capacity.shapes import model_shape
+from raggedfsdp.capacity.steptime import collective_bytes, step_time
+from raggedfsdp.cli import main
+from raggedfsdp.models import GPT, GPT_CONFIGS, build_model
+from raggedfsdp.planner import StructAwarePlanner
 from raggedfsdp.train.build import build_optimizer, optimizer_bytes
 from raggedfsdp.train.config import TrainConfig
 

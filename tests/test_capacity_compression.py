@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import raggedfsdp as rf
+from raggedfsdp.capacity.capacity import CapacityOptions, capacity_report
+from raggedfsdp.capacity.hardware import hardware
+from raggedfsdp.capacity.wire import CODE_DTYPES, CompressionSpec, message_bytes
 from raggedfsdp.cli import main
 from raggedfsdp.layout import RaggedShard
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.planner.capacity import CapacityOptions, capacity_report
-from raggedfsdp.planner.hardware import hardware
-from raggedfsdp.planner.wire import CODE_DTYPES, CompressionSpec, message_bytes
 from raggedfsdp.runtime._codec import BucketCodec
 from raggedfsdp.runtime._compressed import BucketCompression
 from raggedfsdp.train import config as train_config

@@ -12,15 +12,15 @@ from harness import run_distributed
 from raggedfsdp.bench.memory import memory_phase
 from raggedfsdp.bench.options import BenchOptions
 from raggedfsdp.bench.systems import Runner, build, raggedfsdp_with
-from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.planner.cost import (
+from raggedfsdp.capacity.cost import (
     StepShape,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
-from raggedfsdp.planner.shapes import model_shape
+from raggedfsdp.capacity.shapes import model_shape
+from raggedfsdp.models import GPT, GPT_CONFIGS
+from raggedfsdp.planner import StructAwarePlanner
 from raggedfsdp.train.build import optimizer_bytes
 
 #: (W, model, optimizer): each model at two world sizes, each optimizer with each model; the

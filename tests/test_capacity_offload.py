@@ -10,20 +10,20 @@ import json
 import pytest
 import torch
 
-from raggedfsdp.cli import main
-from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.planner.capacity import CapacityOptions, plan_capacity
-from raggedfsdp.planner.cost import (
+from raggedfsdp.capacity.capacity import CapacityOptions, plan_capacity
+from raggedfsdp.capacity.cost import (
     StepShape,
     UnitBytes,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
-from raggedfsdp.planner.hardware import HARDWARE, hardware
-from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.planner.steptime import host_copy_bytes, step_time
+from raggedfsdp.capacity.hardware import HARDWARE, hardware
+from raggedfsdp.capacity.shapes import model_shape
+from raggedfsdp.capacity.steptime import host_copy_bytes, step_time
+from raggedfsdp.cli import main
+from raggedfsdp.models import GPT, GPT_CONFIGS
+from raggedfsdp.planner import StructAwarePlanner
 
 #: gpt-tiny's three units (two blocks, the root with a frozen bucket), with round numbers:
 #: (path, each bucket's S, trainable, FSDP2's padded shard, parameter elements)

@@ -18,17 +18,17 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 import raggedfsdp as rf
 from harness import run_distributed
-from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.planner.cost import (
+from raggedfsdp.capacity.cost import (
     MemoryBreakdown,
     StepShape,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
-from raggedfsdp.planner.shapes import model_shape
-from raggedfsdp.planner.wire import CompressionSpec, message_bytes
+from raggedfsdp.capacity.shapes import model_shape
+from raggedfsdp.capacity.wire import CompressionSpec, message_bytes
+from raggedfsdp.models import GPT, GPT_CONFIGS
+from raggedfsdp.planner import StructAwarePlanner
 from raggedfsdp.runtime._offload import forcing_host_copies
 from raggedfsdp.train.build import optimizer_bytes
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from raggedfsdp.capacity.report import fsdp1_unit_split, fsdp2_param_split, plan_report
 from raggedfsdp.cli import main
+from raggedfsdp.cli.plan import parse_world_sizes
 from raggedfsdp.layout import parse_block_size
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import parse_buffer_size
-from raggedfsdp.planner.command import parse_world_sizes
-from raggedfsdp.planner.report import fsdp1_unit_split, fsdp2_param_split, plan_report
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

@@ -39,10 +39,12 @@ from launches import (
     stdlib_corpus,
 )
 from raggedfsdp import cli
+from raggedfsdp.cli.train import configure as configure_train_parser
+from raggedfsdp.cli.train import launch_options
 from raggedfsdp.train import health
 from raggedfsdp.train.checkpoints import export_checkpoint
 from raggedfsdp.train.config import TrainConfig
-from raggedfsdp.train.launch import configure_train_parser, torchrun_argv
+from raggedfsdp.train.launch import torchrun_argv
 from raggedfsdp.train.run_dir import latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -430,7 +432,7 @@ def test_torchrun_gets_the_range_and_the_join_timeout():
     parser = argparse.ArgumentParser()
     configure_train_parser(parser)
     args = parser.parse_args(["--nnodes=1:3", "--rdzv-endpoint=h:1", "--rdzv-conf=a=b"])
-    argv = torchrun_argv(args, [], cfg=TrainConfig(startup_timeout_s=42.5))
+    argv = torchrun_argv(launch_options(args), [], cfg=TrainConfig(startup_timeout_s=42.5))
     assert "--nnodes=1:3" in argv and "--rdzv-conf=a=b,join_timeout=43" in argv
 
 
@@ -438,8 +440,8 @@ def test_launcher_names_the_first_failure_and_its_cause(tmp_path, monkeypatch, c
     """torchrun's own failure records (ProcessFailure reads the error file a worker wrote)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    from raggedfsdp.cli.train import _child_failed
     from raggedfsdp.train.job import _report_failure
-    from raggedfsdp.train.launch import _child_failed
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

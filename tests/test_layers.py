@@ -27,14 +27,14 @@ WORKER_MODULES = (
     "raggedfsdp.train.step",
     "raggedfsdp.train.preemption",
 )
-#: Launcher-side code a worker must never pay for (the bench, the plan report, the command),
-#: as packages or modules.
+#: Launcher-side code a worker must never pay for (the bench, the plan report, the commands
+#: and their tables, the launch and the rendezvous store), as packages or modules.
 LAUNCHER_PREFIXES = (
     "raggedfsdp.bench",
     "raggedfsdp.cli",
-    "raggedfsdp.planner.report",
-    "raggedfsdp.planner.command",
+    "raggedfsdp.capacity.report",
     "raggedfsdp.train.launch",
+    "raggedfsdp.train.rendezvous",
 )
 
 
@@ -65,7 +65,7 @@ def test_worker_loads_no_launcher_bench_or_plan_report_code() -> None:
 def test_the_command_does_load_them() -> None:
     """Negative control: the same check sees launcher code when it is there."""
     loaded = _loaded_after_importing(("raggedfsdp.cli",))
-    assert {"raggedfsdp.bench", "raggedfsdp.planner.report", "raggedfsdp.train.launch"} <= set(
+    assert {"raggedfsdp.bench", "raggedfsdp.capacity.report", "raggedfsdp.train.launch"} <= set(
         _launcher_modules(loaded)
     )
 

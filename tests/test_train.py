@@ -187,7 +187,7 @@ def test_killed_worker_is_restarted_and_resumes_exactly(reference, tmp_path, cor
             f"--data={corpus}",
             f"--out={out}",
             "--checkpoint-every=2",
-            "--fail-at-step=5",
+            "--inject-fault=kill-at-step=5",
             "--max-restarts=1",
         )
     )
@@ -199,7 +199,7 @@ def test_killed_worker_is_restarted_and_resumes_exactly(reference, tmp_path, cor
 def test_crash_during_save_keeps_previous_checkpoint(reference, tmp_path, corpus):
     out = tmp_path / "crash"
     args = ["train", *COMMON, f"--data={corpus}", f"--out={out}", "--checkpoint-every=2"]
-    proc = run_cli(*args, "--fail-during-save=4")
+    proc = run_cli(*args, "--inject-fault=kill-during-save=4")
     assert proc.returncode != 0
     assert "raggedfsdp: error: training failed" in proc.stderr
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
@@ -553,7 +553,7 @@ def test_config_file_then_command_line(tmp_path):
 def test_help_and_dry_run(command):
     status, out, _ = command("train", "--help")
     assert status == 0 and "--batch-size" in out and "--max-restarts" in out
-    assert "--fail-at-step" not in out  # test-only options stay out of the help
+    assert "--inject-fault" in out  # rehearsing recovery is a documented option
     status, out, err = command(
         "train", "--dry-run", "--model=gpt-small", "--nproc=4", "--block-size=32"
     )

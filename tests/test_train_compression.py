@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from launches import assert_same_tensors, ok, run_cli, stdlib_corpus
-from raggedfsdp.planner.capacity import CapacityOptions, capacity_report
-from raggedfsdp.planner.hardware import hardware
-from raggedfsdp.planner.wire import CompressionSpec
+from raggedfsdp.capacity.capacity import CapacityOptions, capacity_report
+from raggedfsdp.capacity.hardware import hardware
+from raggedfsdp.capacity.wire import CompressionSpec
 from raggedfsdp.train.checkpoints import export_checkpoint
 
 pytestmark = pytest.mark.slow

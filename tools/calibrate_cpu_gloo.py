@@ -7,7 +7,7 @@ between two ranks (what raggedfsdp's Gloo all-gather and reduce-scatter are made
 
     PYTHONPATH=src python tools/calibrate_cpu_gloo.py
 
-Prints one JSON object; the preset in ``raggedfsdp/planner/hardware.py`` holds its figures.
+Prints one JSON object; the preset in ``raggedfsdp/capacity/hardware.py`` holds its figures.
 """
 
 from __future__ import annotations

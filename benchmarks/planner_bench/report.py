@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from raggedfsdp.planner.report import WorldReport
+from raggedfsdp.capacity.report import WorldReport
 
 from .runner import BucketTime, FixtureCheck, Row
 from .scenarios import (

@@ -21,7 +21,7 @@ from raggedfsdp import StructAwarePlanner
 from raggedfsdp.layout import BlockSize
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import Bucket, ShardPlan, model_buckets
-from raggedfsdp.planner.report import WorldReport, plan_report
+from raggedfsdp.capacity.report import WorldReport, plan_report
 
 from .scenarios import (
     BUFFERS,

@@ -4,9 +4,12 @@ The layers, each a room of its own (imports flow down this list only):
 
 - ``layout``      RaggedShard policies, ShardLayout, the ShardInfo a sharded parameter carries
 - ``planner``     StructAwarePlanner, ShardPlan, the one bucketing (pure Python, no group)
-- ``runtime``     fully_shard / FSDPBackend, DBuffer, collectives, hooks
+- ``runtime``     fully_shard / FSDPBackend, DBuffer, collectives, hooks; beside it, never
+  importing it nor imported by it, ``capacity``: the cost model (memory, bytes and time per
+  step of a plan, raggedfsdp beside FSDP2; pure Python, no group)
 - ``checkpoint``  full state dicts, optimizer state for DCP; ``optim``, ``clip``, ``materialize``
-- ``train``, ``bench``, ``cli``   the job, the benchmark, the command
+- ``train``, ``bench``  the job (the torchrun worker and its launch), the benchmark
+- ``cli``         the ``raggedfsdp`` commands, each ``configure(parser)`` and ``run(args)``
 """
 
 from . import optim

@@ -1,5 +1,5 @@
 """What a link gives two ranks, measured: the slow-link bed's figures as the step-time model
-takes them (:mod:`raggedfsdp.planner.hardware`: a bandwidth per rank per direction, and a fixed
+takes them (:mod:`raggedfsdp.capacity.hardware`: a bandwidth per rank per direction, and a fixed
 cost per collective).
 
 Two ranks exchange messages (4 MiB by default) one way (rank 0 to rank 1) and both ways at
@@ -8,7 +8,7 @@ every collective pays whatever its size) and ping-pong one element (a bare messa
 Both ways, it also takes each rank's CPU time (its threads', the kernel's work done on their
 behalf included) per byte it sends: on a throttled link the kernel's per-packet work costs
 several times what the same bytes cost on plain loopback, and that CPU is taken from the
-compute a collective overlaps (:attr:`raggedfsdp.planner.hardware.Hardware.link_cpu_s_per_byte`).
+compute a collective overlaps (:attr:`raggedfsdp.capacity.hardware.Hardware.link_cpu_s_per_byte`).
 ``tools/calibrate_cpu_gloo.py`` takes the ``cpu-gloo`` preset's link figures from it.
 """
 

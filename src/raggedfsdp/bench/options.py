@@ -1,21 +1,14 @@
-"""What one ``raggedfsdp bench`` invocation runs: the systems, the options and their flags."""
+"""What one ``raggedfsdp bench`` invocation runs: the systems and the options (their flags are
+:mod:`raggedfsdp.cli.bench`)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from ..models import GPT_CONFIGS
-from .slow_link import DEFAULT_BURST_KB, JUMBO_BELOW_KB, MIN_BURST_KB, check_burst_kb
+from .slow_link import DEFAULT_BURST_KB, check_burst_kb
 
-__all__ = [
-    "BENCH_MODELS",
-    "DEFAULT_SYSTEMS",
-    "SYSTEMS",
-    "BenchOptions",
-    "configure_parser",
-    "options_from_args",
-]
+__all__ = ["BENCH_MODELS", "DEFAULT_SYSTEMS", "SYSTEMS", "BenchOptions"]
 
 SYSTEMS: dict[str, str] = {
     "raggedfsdp": "raggedfsdp (zero copy)",
@@ -101,127 +94,3 @@ class BenchOptions:
                 f"unknown or empty --systems {','.join(unknown) or '(none)'}: expected a "
                 f"comma-separated subset of {','.join(SYSTEMS)}"
             )
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line.
-
-
-def _parse_systems(text: str) -> tuple[str, ...]:
-    """``--systems``: comma-separated names of :data:`SYSTEMS`, returned in report order."""
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SYSTEMS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown systems {','.join(unknown) or '(none)'}: expected a comma-separated subset "
-            f"of {','.join(SYSTEMS)}"
-        )
-    return tuple(s for s in SYSTEMS if s in names)  # report order, no duplicates
-
-
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench`` arguments to ``parser``.
-
-    One add_argument per flag; long by nature.
-    """
-    parser.add_argument(
-        "--model",
-        default="gpt-ref",
-        choices=BENCH_MODELS,
-        help="GPT shape (default: gpt-ref, the DESIGN.md reference model)",
-    )
-    parser.add_argument(
-        "--world", type=int, default=2, metavar="W", help="ranks to launch (default: 2)"
-    )
-    parser.add_argument(
-        "--steps", type=int, default=4, help="measured steps per system (default: 4)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=2, help="warm-up steps per system (default: 2)"
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        default=4,
-        metavar="B",
-        help="sequences per rank per step (default: 4)",
-    )
-    parser.add_argument(
-        "--systems",
-        type=_parse_systems,
-        default=DEFAULT_SYSTEMS,
-        metavar="S[,S...]",
-        help=f"systems to run, of {','.join(SYSTEMS)} (default: {','.join(DEFAULT_SYSTEMS)})",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
-    parser.add_argument(
-        "--no-profile",
-        dest="profile",
-        action="store_false",
-        help="skip the profiled step (copy counts, collective bytes, time split)",
-    )
-    parser.add_argument(
-        "--profile-rounds",
-        type=int,
-        default=2,
-        metavar="N",
-        help="profiled steps per system; the fastest one's time split is reported (default: 2)",
-    )
-    parser.add_argument(
-        "--no-memory",
-        dest="memory",
-        action="store_false",
-        help="skip the per-system memory phase (fresh processes)",
-    )
-    parser.add_argument(
-        "--top-ops",
-        type=int,
-        default=12,
-        metavar="N",
-        help="operators listed per system by self CPU time (default: 12)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=1200.0,
-        metavar="SECONDS",
-        help="limit per phase before the rank processes are killed (default: 1200)",
-    )
-    parser.add_argument(
-        "--link-gbit",
-        type=float,
-        default=None,
-        metavar="RATE",
-        help="throttle the ranks' traffic to RATE Gbit/s: run them in a network namespace whose "
-        "loopback is rate-limited by tc (needs root and iproute2; always removed)",
-    )
-    parser.add_argument(
-        "--link-burst-kb",
-        type=int,
-        default=DEFAULT_BURST_KB,
-        metavar="KIB",
-        help=f"with --link-gbit: the token bucket in KiB, what passes at once after an idle gap "
-        f"(default: {DEFAULT_BURST_KB}; from {MIN_BURST_KB}; below {JUMBO_BELOW_KB} the "
-        f"loopback's MTU is set to 9000 so that packets fit the bucket)",
-    )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-
-
-def options_from_args(args: argparse.Namespace) -> BenchOptions:
-    """The :class:`BenchOptions` of arguments parsed by a :func:`configure_parser` parser."""
-    return BenchOptions(
-        model=args.model,
-        world=args.world,
-        steps=args.steps,
-        warmup=args.warmup,
-        batch_size=args.batch_size,
-        systems=tuple(args.systems),
-        seed=args.seed,
-        profile=args.profile,
-        profile_rounds=args.profile_rounds,
-        memory=args.memory,
-        top_ops=args.top_ops,
-        timeout=args.timeout,
-        link_gbit=args.link_gbit,
-        link_burst_kb=args.link_burst_kb,
-    )

@@ -42,19 +42,16 @@ Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts on
 all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
 
 The options are in :mod:`.options`, the systems are built and stepped in :mod:`.systems`, the
-profiled step is analysed in :mod:`.profile`, the memory phase runs in :mod:`.memory` and
-:mod:`.report` renders the results; this module drives the phases and merges what the ranks
-report.
+profiled step is analysed in :mod:`.profile` and the memory phase runs in :mod:`.memory`; this
+module drives the phases and merges what the ranks report into a JSON-ready dict, which
+:mod:`raggedfsdp.cli.bench` prints.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -67,31 +64,12 @@ from .._host import default_device
 from ..models import GPT, GPT_CONFIGS
 from ..spawn import run_on_ranks
 from .memory import memory_phase
-from .options import DEFAULT_SYSTEMS, SYSTEMS, BenchOptions, options_from_args
+from .options import DEFAULT_SYSTEMS, SYSTEMS, BenchOptions
 from .profile import profile_step
-from .report import render
 from .slow_link import DEFAULT_BURST_KB, throttled_loopback
 from .systems import STEP_KEYS, build, make_batches
 
-__all__ = ["run", "run_bench"]
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``raggedfsdp bench``; returns the exit status."""
-    options = options_from_args(args)
-    results = run_bench(options, log=None if args.json else _stderr_log)
-    if args.json:
-        json.dump(results, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render(results, sys.stdout)
-    return 0
-
-
-def _stderr_log(message: str) -> None:
-    """The progress log of the command: one ``[bench]`` line on stderr."""
-    sys.stderr.write(f"[bench] {message}\n")
-    sys.stderr.flush()
+__all__ = ["run_bench"]
 
 
 # ---------------------------------------------------------------------------------------------

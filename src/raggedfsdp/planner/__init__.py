@@ -5,8 +5,8 @@ the frozen :class:`ShardPlan` it returns, the provable lower bound
 (:func:`shard_size_lower_bound`), and the one bucketing that the planner, the ``plan`` command,
 ``train --dry-run`` and the runtime share (:mod:`raggedfsdp.planner.bucketing`), and each
 parameter's quantization block under compressed communication
-(:mod:`raggedfsdp.planner.quant_blocks`).
-:mod:`raggedfsdp.planner.report` (the ``plan`` command's figures) is imported on demand.
+(:mod:`raggedfsdp.planner.quant_blocks`). What a plan costs (memory, bytes and time per step,
+the padding beside FSDP2 and FSDP1) is the cost model's room, :mod:`raggedfsdp.capacity`.
 """
 
 from ._placement import shard_size_lower_bound

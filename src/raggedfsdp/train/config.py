@@ -20,13 +20,14 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
+from ..capacity.wire import CODE_DTYPES
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
-from ..planner.wire import CODE_DTYPES
 from ..runtime import CommCompression
 
 if sys.version_info >= (3, 11):
@@ -35,15 +36,14 @@ else:  # Python 3.10 has no tomllib; pyproject.toml pulls in tomli there
     import tomli as tomllib
 
 __all__ = [
+    "Fault",
+    "FaultKind",
     "TrainConfig",
     "add_config_arguments",
     "config_from_args",
     "load_toml",
     "train_argv",
 ]
-
-# Test-only fields: accepted on the command line but left out of --help.
-_HIDDEN = {"hidden": True}
 
 _DEFAULT_MODEL = "gpt-small"
 _BOTH_MODELS = "model: --model and --hf-config choose the model two ways; give only one"
@@ -198,13 +198,12 @@ class TrainConfig:
     max_skipped_steps: int = 100
     """With --on-nan skip: give up (exit status 1) after this many skipped steps in one launch."""
 
-    fail_at_step: int | None = field(default=None, metadata=_HIDDEN)
-    """Test only: rank 1 (rank 0 when alone) kills itself with SIGKILL at the start of this step,
-    once (a marker file in --out stops the restarted worker from dying again)."""
-
-    fail_during_save: int | None = field(default=None, metadata=_HIDDEN)
-    """Test only: the last rank kills itself with SIGKILL while the checkpoint of this step is
-    written (after its files, before the checkpoint is complete), once."""
+    inject_fault: str | None = field(default=None, metadata={"metavar": "KIND=STEP"})
+    """Rehearse recovery from a lost worker (docs/operations.md): kill-at-step=N kills rank 1
+    (rank 0 when alone) with SIGKILL at the start of step N; kill-during-save=N kills the last
+    rank while the checkpoint of step N is written (after its files, before it is complete).
+    Once per run: a marker in OUT/.faults keeps the worker that --max-restarts or --resume
+    starts in its place alive."""
 
     def __post_init__(self) -> None:
         if self.model not in GPT_CONFIGS:
@@ -265,6 +264,8 @@ class TrainConfig:
             self.comm_compression()
         except ValueError as err:
             raise ValueError(f"error_feedback: {err}") from None
+        if self.inject_fault is not None:
+            Fault.parse(self.inject_fault)
 
     @property
     def model_name(self) -> str:
@@ -288,6 +289,11 @@ class TrainConfig:
         """``block_size`` as a :data:`raggedfsdp.layout.BlockSize`."""
         return parse_block_size(self.block_size)
 
+    @property
+    def fault(self) -> Fault | None:
+        """``inject_fault`` as a :class:`Fault` (``None``: none)."""
+        return None if self.inject_fault is None else Fault.parse(self.inject_fault)
+
     def comm_compression(self) -> CommCompression | None:
         """The compression options as a :class:`raggedfsdp.CommCompression` (``None``: off)."""
         compression = CommCompression(
@@ -308,12 +314,40 @@ class TrainConfig:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain values (JSON and TOML friendly), hidden test-only fields left out."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if not f.metadata.get("hidden")
-        }
+        """Plain values (JSON and TOML friendly), one per field."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class FaultKind(Enum):
+    """What ``--inject-fault`` kills."""
+
+    KILL_AT_STEP = "kill-at-step"
+    """A worker, at the start of a step: a crash the agent's restart must recover from."""
+
+    KILL_DURING_SAVE = "kill-during-save"
+    """The last rank, after it wrote its files of a checkpoint and before the checkpoint is
+    complete: what resuming must survive."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A failure staged once to rehearse recovery (``--inject-fault KIND=STEP``)."""
+
+    kind: FaultKind
+    step: int
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``kill-at-step=5`` -> ``Fault(FaultKind.KILL_AT_STEP, 5)``; ``ValueError`` naming
+        the option otherwise."""
+        kind, _, step = text.partition("=")
+        kinds = [k.value for k in FaultKind]
+        if kind not in kinds or not step.isdigit() or int(step) < 1:
+            raise ValueError(
+                f"inject_fault: expected KIND=STEP with KIND one of {', '.join(kinds)} and "
+                f"STEP >= 1, got {text!r}"
+            )
+        return cls(FaultKind(kind), int(step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,7 +432,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name not in _FIELDS or _FIELDS[name].metadata.get("hidden"):
+        if name not in _FIELDS:
             raise ValueError(f"config file {str(file)!r}: unknown key {key!r}")
         try:
             values[name] = _coerce(name, value)
@@ -426,8 +460,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         base, _ = _base_type(_HINTS[name])
         default = getattr(defaults, name)
         help_text = _DOCS.get(name, "") + ("" if default is None else f" (default: {default})")
-        if f.metadata.get("hidden"):
-            help_text = argparse.SUPPRESS
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if base is bool:
             parser.add_argument(_flag(name), action=argparse.BooleanOptionalAction, **kwargs)

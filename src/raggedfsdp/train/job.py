@@ -57,7 +57,7 @@ from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, optimizer_bytes
 from .checkpoints import describe_failure, load_checkpoint, save_checkpoint
-from .config import TrainConfig, add_config_arguments, config_from_args
+from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
@@ -177,8 +177,8 @@ class _Run:
 
     @property
     def crash_rank(self) -> int:
-        """The rank ``--fail-at-step`` kills: not rank 0 when there is another, so the crash
-        is a worker's, not the one that writes the reports."""
+        """The rank ``--inject-fault kill-at-step=N`` kills: not rank 0 when there is another,
+        so the crash is a worker's, not the one that writes the reports."""
         return 1 if self.world.size > 1 else 0
 
     def evaluate(self) -> float:
@@ -195,9 +195,11 @@ class _Run:
         return meta
 
     def _before_commit(self, step: int) -> None:
-        """``--fail-during-save``: kill the last rank once, after the shards are written and
-        before the checkpoint is marked complete (what resuming must survive)."""
-        if self.cfg.fail_during_save == step and self.world.rank == self.world.size - 1:
+        """``--inject-fault kill-during-save=N``: kill the last rank once, after the shards
+        are written and before the checkpoint is marked complete (what resuming must
+        survive)."""
+        during_save = Fault(FaultKind.KILL_DURING_SAVE, step)
+        if self.cfg.fault == during_save and self.world.rank == self.world.size - 1:
             health.crash_once(self.faults / f"save_{step}")
 
     def save(self, step: int) -> None:
@@ -351,7 +353,7 @@ def _run_step(run: _Run, step: int) -> None:
     under the watchdog, its metrics, then the evaluation and checkpoint that fall due."""
     cfg = run.cfg
     done = step + 1  # steps completed after this one
-    if cfg.fail_at_step == done and run.world.rank == run.crash_rank:
+    if cfg.fault == Fault(FaultKind.KILL_AT_STEP, done) and run.world.rank == run.crash_rank:
         health.crash_once(run.faults / f"step_{done}")
     with run.watchdog.step(done):
         result = train_step(

@@ -1,10 +1,7 @@
-"""``raggedfsdp train`` and ``raggedfsdp export``.
-
-``train`` checks what it can in this process (options, data path, output folder, checkpoint), so
-that a mistake is one line before any worker starts, then starts the workers through torchrun's
-own code path (``torch.distributed.run``: the elastic agent, c10d rendezvous, restarts) running
-the module :mod:`raggedfsdp.train` with the same options. ``--dry-run`` plans here and starts
-nothing.
+"""Starting the workers of ``raggedfsdp train`` through torchrun's own code path
+(``torch.distributed.run``: the elastic agent, c10d rendezvous, restarts), each running the
+module :mod:`raggedfsdp.train` with the same options; the command around it (its flags, what it
+prints, its exit statuses) is :mod:`raggedfsdp.cli.train`.
 
 One machine (default: 2 worker processes on CPU, one per GPU with CUDA)::
 
@@ -23,32 +20,27 @@ goes on with fewer nodes and takes in more as they come (docs/operations.md, "Me
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import math
 import os
-import signal
 import socket
-import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from .config import TrainConfig, add_config_arguments, config_from_args, train_argv
-from .preemption import PREEMPTED_EXIT_CODE
-from .run_dir import latest_checkpoint
-
-if TYPE_CHECKING:  # torchrun's modules load when a launch needs them
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from .config import TrainConfig
 
 __all__ = [
-    "configure_export_parser",
-    "configure_train_parser",
-    "run_export",
-    "run_train",
+    "CPU_PROCESSES",
+    "LaunchOptions",
+    "agent_log",
+    "check_launch",
+    "default_nproc",
+    "launch",
+    "rdzv_conf",
     "torchrun_argv",
 ]
 
@@ -58,116 +50,113 @@ CPU_PROCESSES = 2
 TRAIN_MODULE = "raggedfsdp.train"
 
 
-def _positive(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return int(text)
-
-
-def _non_negative(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return int(text)
-
-
-def _nodes(text: str) -> tuple[int, int]:
-    """``N`` (a fixed-size job) or ``MIN:MAX`` (elastic) -> (min, max)."""
-    low, _, high = text.partition(":")
-    high = high or low
-    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
-        raise argparse.ArgumentTypeError(
-            f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
-        )
-    return int(low), int(high)
-
-
-def _endpoint(text: str) -> str:
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return text
-
-
 def default_nproc() -> int:
     """One process per GPU with CUDA, else :data:`CPU_PROCESSES`."""
     return torch.cuda.device_count() if torch.cuda.is_available() else CPU_PROCESSES
 
 
-def configure_train_parser(parser: argparse.ArgumentParser) -> None:
-    """The launcher's options, then every training option (``--help`` shows both)."""
-    launcher = parser.add_argument_group("launcher (torchrun)")
-    launcher.add_argument(
-        "--nproc",
-        type=_positive,
-        default=None,
-        metavar="N",
-        help=f"worker processes on this node (default: one per GPU, or {CPU_PROCESSES} on CPU)",
-    )
-    launcher.add_argument(
-        "--nnodes",
-        type=_nodes,
-        default=(1, 1),
-        metavar="N|MIN:MAX",
-        help="nodes in the job (default: 1); MIN:MAX runs elastically: losing a node the job "
-        "continues on the others from the newest checkpoint, and a node that joins is taken in "
-        "at once (the workers restart from a checkpoint of the step in flight); needs "
-        "--max-restarts",
-    )
-    launcher.add_argument(
-        "--node-rank",
-        type=_non_negative,
-        default=0,
-        metavar="R",
-        help="this node's rank; node 0 checks the output folder, so a replacement node takes "
-        "the lost node's rank (ranks inside the job are assigned by the rendezvous)",
-    )
-    launcher.add_argument(
-        "--rdzv-endpoint",
-        type=_endpoint,
-        default=None,
-        metavar="HOST:PORT",
-        help="c10d rendezvous endpoint shared by all nodes (default with one node: a free local "
-        "port); the first launcher there hosts it, or 'raggedfsdp rendezvous' does, so that "
-        "any node may be lost",
-    )
-    launcher.add_argument(
-        "--rdzv-id", default="raggedfsdp", metavar="ID", help="job id shared by all nodes"
-    )
-    launcher.add_argument(
-        "--max-restarts",
-        type=_non_negative,
-        default=0,
-        metavar="K",
-        help="restart all workers up to K times after a failure or a change of membership, "
-        "resuming from the newest checkpoint (default: 0)",
-    )
-    launcher.add_argument(
-        "--rdzv-conf",
-        default="",
-        metavar="KEY=VALUE,...",
-        help="torchrun's rendezvous settings (e.g. last_call_timeout=5: how long an elastic "
-        "job waits for more nodes once MIN are there; default 30 s). join_timeout defaults to "
-        "--startup-timeout-s",
-    )
-    add_config_arguments(parser.add_argument_group("training"))  # type: ignore[arg-type]
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """How torchrun starts this node's workers (the launcher's flags of ``raggedfsdp train``).
+
+    Attributes:
+        nproc: worker processes on this node.
+        min_nodes: nodes the job needs to run.
+        max_nodes: nodes it takes at most (above ``min_nodes``: an elastic job).
+        node_rank: this node's rank; node 0 checks the output folder.
+        rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous (``None``: one node, standalone).
+        rdzv_id: the job id shared by all nodes.
+        max_restarts: how often the agent restarts all workers after a failure or a change of
+            membership.
+        rdzv_conf: torchrun's rendezvous settings, ``KEY=VALUE,...``.
+    """
+
+    nproc: int
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "raggedfsdp"
+    max_restarts: int = 0
+    rdzv_conf: str = ""
+
+    def check(self) -> None:
+        """``ValueError`` unless this machine and torchrun can run these options, whatever the
+        job: no more workers than GPUs here; an elastic range restarts the workers at every
+        change of membership, so it needs restarts."""
+        if torch.cuda.is_available() and self.nproc > torch.cuda.device_count():
+            raise ValueError(
+                f"--nproc {self.nproc} exceeds the {torch.cuda.device_count()} GPUs here"
+            )
+        if self.elastic and self.max_restarts < 1:
+            raise ValueError(
+                f"--nnodes {self.min_nodes}:{self.max_nodes} needs --max-restarts >= 1: every "
+                f"change of membership restarts the workers"
+            )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job runs at any number of nodes between ``min_nodes`` and ``max_nodes``."""
+        return self.min_nodes < self.max_nodes
+
+    @property
+    def max_world_size(self) -> int:
+        """Ranks of the job at its largest."""
+        return self.max_nodes * self.nproc
 
 
-def torchrun_argv(
-    args: argparse.Namespace, worker_argv: list[str], *, cfg: TrainConfig
-) -> list[str]:
-    """torchrun's command line for ``args``' launcher options and the workers' options."""
-    nproc = args.nproc or default_nproc()
-    low, high = args.nnodes
+def check_launch(cfg: TrainConfig, options: LaunchOptions) -> None:
+    """What can be checked of this job before any worker starts (``ValueError`` otherwise; the
+    options alone are :meth:`LaunchOptions.check`'s): the preflight
+    (options, data, output folder, checkpoint, memory) at the largest world size; only the
+    first node checks the output folder, since others may see it filling already. An elastic
+    job may run at any number of nodes in its range: each must split the batch, and the plan
+    must fit at both ends."""
+    from .preflight import check_plan, preflight  # the cost model loads only for a launch
+
+    preflight(
+        cfg,
+        options.max_world_size,
+        check_out=options.node_rank == 0,
+        ranks_per_node=options.nproc,
+    )
+    for nodes in range(options.min_nodes, options.max_nodes):
+        cfg.check_world(nodes * options.nproc)
+    if options.elastic:
+        check_plan(cfg, options.min_nodes * options.nproc)
+
+
+def launch(cfg: TrainConfig, options: LaunchOptions, worker_argv: Sequence[str]) -> None:
+    """Run torchrun's agent for this node's workers (each ``python -m raggedfsdp.train
+    WORKER_ARGV``) until they finish. torchrun's own errors pass through: ``SignalException``
+    (the launcher itself was told to stop), ``RendezvousError`` (the nodes did not meet),
+    ``ChildFailedError`` (a worker failed after all restarts)."""
+    from torch.distributed.run import get_args_parser, run
+
+    argv = torchrun_argv(options, list(worker_argv), cfg=cfg)
+    # torchrun would set 1 thread per worker (with a banner saying so); share the cores instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc)))
+    # A store per rendezvous round, hosted by that round's rank 0 (health.attempt_store): with
+    # the agents' shared store, two agents deadlock in the rendezvous and restarted workers
+    # cannot agree on their attempt.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with agent_log(cfg.out):
+        run(get_args_parser().parse_args(argv))
+
+
+def torchrun_argv(options: LaunchOptions, worker_argv: list[str], *, cfg: TrainConfig) -> list[str]:
+    """torchrun's command line for the launcher's ``options`` and the workers' options."""
+    low, high = options.min_nodes, options.max_nodes
     argv = [
-        f"--nproc-per-node={nproc}",
+        f"--nproc-per-node={options.nproc}",
         f"--nnodes={low}:{high}" if low < high else f"--nnodes={low}",
-        f"--max-restarts={args.max_restarts}",
+        f"--max-restarts={options.max_restarts}",
     ]
     if _torchrun_has("--shutdown-timeout"):  # torch >= 2.9; older agents wait 30 s
         # On SIGTERM the agent passes it on and waits this long before SIGKILL: the workers'
         # grace period, and a little for their exit.
         argv.append(f"--shutdown-timeout={math.ceil(cfg.preempt_grace_s) + 5}")
-    if args.rdzv_endpoint is None:
+    if options.rdzv_endpoint is None:
         if high > 1:
             raise ValueError(
                 "--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
@@ -176,10 +165,10 @@ def torchrun_argv(
     else:
         argv += [
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={args.rdzv_endpoint}",
-            f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-endpoint={options.rdzv_endpoint}",
+            f"--rdzv-id={options.rdzv_id}",
         ]  # c10d assigns node ranks itself (torchrun ignores --node-rank there, with a warning)
-    conf = rdzv_conf(args.rdzv_conf, startup_timeout_s=cfg.startup_timeout_s)
+    conf = rdzv_conf(options.rdzv_conf, startup_timeout_s=cfg.startup_timeout_s)
     if conf:
         argv.append(f"--rdzv-conf={conf}")
     return [*argv, "--module", TRAIN_MODULE, *worker_argv]
@@ -198,102 +187,10 @@ def rdzv_conf(text: str, *, startup_timeout_s: float) -> str:
     return ",".join(f"{key}={value}" for key, value in pairs.items())
 
 
-def run_train(args: argparse.Namespace) -> int:
-    """Check, then launch the workers; 0 when they all succeed. A user error is a
-    ``ValueError``; a failed worker or rendezvous is reported in one line (a worker's own
-    message came before)."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.run import get_args_parser, run
-
-    from .preflight import check_plan, dry_run_report, preflight
-
-    cfg = config_from_args(args)
-    nproc = args.nproc or default_nproc()
-    if torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise ValueError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} GPUs here")
-    low, high = args.nnodes
-    if low < high and args.max_restarts < 1:
-        raise ValueError(
-            f"--nnodes {low}:{high} needs --max-restarts >= 1: every change of membership "
-            f"restarts the workers"
-        )
-    if cfg.dry_run:
-        print(dry_run_report(cfg, high * nproc))
-        return 0
-    # Only the first node checks the output folder: others may see it filling already. An
-    # elastic job may run at any number of nodes in its range: each must split the batch, and
-    # the plan must fit at both ends.
-    preflight(cfg, high * nproc, check_out=args.node_rank == 0, ranks_per_node=nproc)
-    for nodes in range(low, high):
-        cfg.check_world(nodes * nproc)
-    if low < high:
-        check_plan(cfg, low * nproc)
-    worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
-    # torchrun would set 1 thread per worker (with a banner saying so); share the cores instead.
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # A store per rendezvous round, hosted by that round's rank 0 (health.attempt_store): with
-    # the agents' shared store, two agents deadlock in the rendezvous and restarted workers
-    # cannot agree on their attempt.
-    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    argv = torchrun_argv(args, worker_argv, cfg=cfg)
-    try:
-        with agent_log(cfg.out):
-            run(get_args_parser().parse_args(argv))
-    except SignalException as err:  # the launcher itself was told to stop (SIGTERM, ...)
-        return _preempted(cfg, signal.Signals(err.sigval).name)
-    except RendezvousError as err:
-        sys.stderr.write(
-            f"raggedfsdp: error: the nodes did not meet at {args.rdzv_endpoint or 'localhost'}: "
-            f"{type(err).__name__}: {' '.join(str(err).split())}\n"
-        )
-        return 1
-    except ChildFailedError as err:
-        return _child_failed(err, cfg, restarts=args.max_restarts)
-    return 0
-
-
-def _child_failed(err: ChildFailedError, cfg: TrainConfig, *, restarts: int) -> int:
-    """One line: the rank that failed first on this node and why; the exit status."""
-    # The first by time, as torchrun's get_first_failure; its clock counts whole seconds, and
-    # within one a death by signal (the OOM killer, a kill) comes before the lost-peer errors
-    # it causes in the others.
-    failures = err.failures.items()
-    rank, failure = min(failures, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
-    if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
-        return _preempted(cfg, "SIGTERM")
-    how = (
-        f"was killed by {failure.signal_name()}"
-        if failure.exitcode < 0
-        else f"exited with status {failure.exitcode}"
-    )
-    # The worker's own "Type: message", when it recorded one in torchrun's error file.
-    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
-    cause = f": {message.splitlines()[0]}" if message else ""
-    sys.stderr.write(
-        f"raggedfsdp: error: training failed: worker rank {rank} {how}"
-        f"{' after all restarts' if restarts else ''}{cause}\n"
-    )
-    # A user error in the workers keeps its status (2); anything else is 1.
-    return 2 if failure.exitcode == 2 else 1
-
-
-def _preempted(cfg: TrainConfig, signal_name: str) -> int:
-    """One line saying the job stopped for a signal, and where it can resume from."""
-    latest = latest_checkpoint(cfg.out)
-    where = f"newest checkpoint {latest}" if latest is not None else "no checkpoint was saved"
-    sys.stderr.write(
-        f"raggedfsdp: stopped by {signal_name} ({where}); rerun the same command with "
-        f"--resume to continue\n"
-    )
-    return PREEMPTED_EXIT_CODE
-
-
 @contextlib.contextmanager
 def agent_log(out: str) -> Iterator[None]:
     """Keep torchrun's own log lines off the terminal while the block runs: its warnings and
-    errors repeat, in a dozen lines, what the workers and :func:`run_train` say in one. They go
+    errors repeat, in a dozen lines, what the workers and the ``train`` command say in one. They go
     to ``OUT/logs/agent_HOST_PID.log`` at the end (once the workers have made ``OUT``; before,
     a file there would make a corrected rerun's folder "not empty")."""
     logger = logging.getLogger("torch.distributed")
@@ -330,28 +227,3 @@ def _torchrun_has(flag: str) -> bool:
     from torch.distributed.run import get_args_parser
 
     return any(flag in action.option_strings for action in get_args_parser()._actions)
-
-
-def configure_export_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="a checkpoint folder (checkpoints/step_NNNNNN) or a run's --out (its newest one)",
-    )
-    parser.add_argument(
-        "--out",
-        required=True,
-        metavar="FILE",
-        help="where to write the state dict (torch.save; also FILE.safetensors when the "
-        "safetensors package is installed)",
-    )
-
-
-def run_export(args: argparse.Namespace) -> int:
-    """Write the checkpoint's model as a plain state dict of the unwrapped model."""
-    from .checkpoints import export_checkpoint
-
-    for path in export_checkpoint(args.checkpoint, args.out):
-        print(f"wrote {path}")
-    return 0

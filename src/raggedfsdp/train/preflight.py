@@ -8,17 +8,17 @@ import torch
 
 from .._console import format_bytes
 from .._host import available_ram_bytes
-from ..data import load_corpus
-from ..models import hf
-from ..planner.capacity import DEFAULT_RESERVE
-from ..planner.cost import (
+from ..capacity.capacity import DEFAULT_RESERVE
+from ..capacity.cost import (
     MemoryBreakdown,
     StepShape,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
-from ..planner.shapes import model_shape
+from ..capacity.shapes import model_shape
+from ..data import load_corpus
+from ..models import hf
 from .build import build_planner, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
@@ -153,7 +153,7 @@ PROCESS_BYTES = 256 * 2**20
 
 
 def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
-    """What one rank of this run holds at its peak (:mod:`raggedfsdp.planner.cost`): the run's
+    """What one rank of this run holds at its peak (:mod:`raggedfsdp.capacity.cost`): the run's
     own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
     policy = mp_policy(cfg)
     param_dtype = policy.param_dtype if policy is not None else torch.float32

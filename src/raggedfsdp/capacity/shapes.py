@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .bucketing import WrapPolicy, model_buckets
+from ..planner import WrapPolicy, model_buckets
 
 __all__ = ["EXPERTS_PER_TOKEN", "ModelShape", "UnitShape", "model_shape"]
 

@@ -5,7 +5,8 @@ A bucket's *message* is what one rank sends per peer under compression, laid out
 runtime's codec lays it out (``runtime/_codec.py``): its shard's ``S`` one-byte codes padded to
 4 bytes, then one fp32 scale per quantization block of its pieces, padded to the largest count
 of any rank (all messages of a bucket have one size). The planner keeps every block whole
-(:mod:`.quant_blocks`), so a rank's pieces are whole blocks and the counts follow from the plan.
+(:mod:`raggedfsdp.planner.quant_blocks`), so a rank's pieces are whole blocks and the counts
+follow from the plan.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import RaggedShard
-from ._plan import ShardPlan
-from .quant_blocks import Compression, quant_block
+from ..planner import ShardPlan, quant_block
+from ..planner.quant_blocks import Compression
 
 __all__ = [
     "ALL_GATHER_CODES",

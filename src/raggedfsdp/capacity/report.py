@@ -20,7 +20,7 @@ with the optimizer's need, see :meth:`StructAwarePlanner.unit_numel`), so FSDP2/
 by the same rule our plans obey; our plans cut none (every :class:`ShardPlan` is validated).
 
 Everything here is pure Python over shapes (models on the meta device); results are dataclasses,
-and rendering is the caller's business (:mod:`raggedfsdp.planner.command`).
+and rendering is the caller's business (:mod:`raggedfsdp.cli.plan`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from . import ShardPlan, StructAwarePlanner, model_buckets
+from ..planner import ShardPlan, StructAwarePlanner, model_buckets
 
 __all__ = [
     "PlanOptions",

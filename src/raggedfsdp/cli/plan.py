@@ -5,8 +5,8 @@ them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
 ``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
 (``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
 ``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) it answers "will it fit,
-and how fast" (:mod:`.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
-FSDP2.
+and how fast" (:mod:`raggedfsdp.capacity`): memory per rank, bytes and time per step,
+raggedfsdp beside FSDP2.
 """
 
 from __future__ import annotations
@@ -20,20 +20,19 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from .._console import arg_type, format_bytes
+from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
+from ..capacity.hardware import HARDWARE, Hardware, hardware
+from ..capacity.report import PlanReport, WorldReport, plan_report
+from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, MODEL_NAMES
-from ._planner import OPTIMIZER_TYPES
-from .bucketing import parse_buffer_size
-from .capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
-from .capacity_view import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
-from .hardware import HARDWARE, Hardware, hardware
-from .report import PlanReport, WorldReport, plan_report
-from .wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
+from ..planner import OPTIMIZER_TYPES, parse_buffer_size
+from ._capacity_tables import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-__all__ = ["configure_parser", "parse_world_sizes", "render_plan_report", "run"]
+__all__ = ["configure", "parse_world_sizes", "render_plan_report", "run"]
 
 
 def parse_world_sizes(text: str) -> tuple[int, ...]:
@@ -72,7 +71,9 @@ _CAPACITY_FLAGS = (
 DEFAULT_BUFFER_SIZE = "none"
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` arguments to ``parser``: the model, world sizes and policy, then the
+    capacity flags."""
     parser.add_argument(
         "--model", required=True, metavar="NAME", help=f"one of: {', '.join(MODEL_NAMES)}"
     )
@@ -225,6 +226,8 @@ def _configure_compression(group: argparse._ArgumentGroup) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``raggedfsdp plan``: the plan report, or the capacity report with capacity flags;
+    the exit status."""
     if any(getattr(args, flag, None) is not None for flag in _CAPACITY_FLAGS):
         return _run_capacity(args)
     report = plan_report(

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes
-from .capacity import SYSTEMS, CapacityReport, SystemCost, WorldCapacity
-from .quant_blocks import Compression
+from ..capacity.capacity import CapacityReport, SystemCost, WorldCapacity
+from ..capacity.systems import SYSTEMS
+from ..planner.quant_blocks import Compression
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -72,7 +73,7 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
     from rich.table import Table
 
     hw = report.hardware
-    costs = [world.systems[s] for s in SYSTEMS]
+    costs = [world.systems[s.name] for s in SYSTEMS]
     table = Table(
         title=f"{report.model}  W={world.world_size:,}  {hw.name}  ({_options_text(report)})",
         caption=(
@@ -85,7 +86,7 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
     )
     table.add_column("per rank")
     for system in SYSTEMS:
-        table.add_column(system, justify="right")
+        table.add_column(system.name, justify="right")
     memories = [c.memory.to_dict() for c in costs]
     if report.options.offload:  # the split is in its own table (_offload_table)
         table.add_row("device peak", *(format_bytes(c.memory.peak) for c in costs))
@@ -150,15 +151,15 @@ def _offload_table(report: CapacityReport, world: WorldCapacity) -> Table:
     )
     table.add_column("per rank")
     for system in SYSTEMS:
-        table.add_column(f"{system} device", justify="right")
-        table.add_column(f"{system} host", justify="right")
-    memories = [world.systems[s].memory.to_dict() for s in SYSTEMS]
+        table.add_column(f"{system.name} device", justify="right")
+        table.add_column(f"{system.name} host", justify="right")
+    memories = [world.systems[s.name].memory.to_dict() for s in SYSTEMS]
     for label, device, host in _OFFLOAD_ROWS:
         cells = []
         for memory in memories:
             cells += [format_bytes(memory[k]) if k else "-" for k in (device, host)]
         table.add_row(label, *cells)
-    nodes = [("-", format_bytes(world.systems[s].host_per_node)) for s in SYSTEMS]
+    nodes = [("-", format_bytes(world.systems[s.name].host_per_node)) for s in SYSTEMS]
     table.add_row("per node", *(cell for pair in nodes for cell in pair))
     return table
 
@@ -263,10 +264,10 @@ def plot_capacity(report: CapacityReport, path: str | Path) -> bool:
     worlds = [w.world_size for w in report.worlds]
     fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, style in zip(SYSTEMS, ("-o", "--s"), strict=True):
-        peaks = [w.systems[system].memory.peak / 2**30 for w in report.worlds]
-        steps = [w.systems[system].time.total_s for w in report.worlds]
-        mem_ax.plot(worlds, peaks, style, label=system, markersize=4)
-        time_ax.plot(worlds, steps, style, label=system, markersize=4)
+        peaks = [w.systems[system.name].memory.peak / 2**30 for w in report.worlds]
+        steps = [w.systems[system.name].time.total_s for w in report.worlds]
+        mem_ax.plot(worlds, peaks, style, label=system.name, markersize=4)
+        time_ax.plot(worlds, steps, style, label=system.name, markersize=4)
     mem_ax.axhline(report.usable_bytes / 2**30, color="grey", linestyle=":", label="usable")
     mem_ax.set(ylabel="peak memory per rank (GiB)", yscale="log")
     time_ax.set(ylabel="step time (s)", yscale="log")

@@ -41,9 +41,10 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ._plan import ShardPlan
-from .quant_blocks import Compression
+from ..planner import ShardPlan
+from ..planner.quant_blocks import Compression
 from .shapes import ModelShape
+from .systems import RAGGEDFSDP, HostCopies, System, as_system
 
 __all__ = [
     "OPTIMIZERS",
@@ -80,7 +81,8 @@ class UnitBytes:
     path: str  # "" for the root
     shards: tuple[int, ...]  # each bucket's S
     trainable: tuple[bool, ...]  # whether each bucket requires grad
-    fsdp2_shard_numel: int  # FSDP2: sum over parameters of the padded shard
+    #: FSDP2's ``Shard(0)``: the sum over parameters of ``ceil(dim0 / W)`` rows
+    dim0_shard_numel: int
     param_numel: int  # elements of the unit's parameters
     #: each bucket's message bytes under compression (:func:`.wire.message_bytes`); () without
     messages: tuple[int, ...] = ()
@@ -97,19 +99,39 @@ class UnitBytes:
     def trainable_shard_numel(self) -> int:
         return sum(s for s, t in zip(self.shards, self.trainable, strict=True) if t)
 
-    def gather_bytes(self, itemsize: int, compression: Compression | None) -> int:
-        """What the rank feeds one all-gather of the unit: its shards (``itemsize`` bytes an
-        element), or its messages when the all-gather is compressed."""
+    @property
+    def trainable_messages(self) -> int:
+        """Message bytes of the trainable buckets (under compression)."""
+        return sum(m for m, t in zip(self.messages, self.trainable, strict=True) if t)
+
+    def shard(self, system: System) -> int:
+        """Elements the rank holds of the unit under ``system``: the plan's ``S`` of each
+        bucket, or each parameter's padded dim-0 rows."""
+        return self.shard_numel if system.ragged else self.dim0_shard_numel
+
+    def trainable_shard(self, system: System) -> int:
+        """Elements of the rank's shard that train (gradients, reduce-scatter): the trainable
+        buckets' ``S``, or the whole padded shard of a unit that trains at all (a padded
+        layout has no buckets to tell apart)."""
+        if system.ragged:
+            return self.trainable_shard_numel
+        return self.dim0_shard_numel if self.trainable_shard_numel else 0
+
+    def gather_bytes(self, system: System, step: StepShape) -> int:
+        """What the rank feeds one all-gather of the unit: its shard in the communication
+        dtype, or its messages when ``system`` compresses the all-gather."""
+        compression = system.compression(step.compression)
         if compression is not None and compression.all_gather is not None:
             return sum(self.messages)
-        return self.shard_numel * itemsize
+        return self.shard(system) * step.param_dtype.itemsize
 
-    def scatter_share(self, itemsize: int, compression: Compression | None) -> int:
-        """What the rank sends each peer in the unit's reduce-scatter: the trainable shards'
-        worth, or their messages when the reduce-scatter is compressed."""
+    def scatter_share(self, system: System, step: StepShape) -> int:
+        """What the rank sends each peer in the unit's reduce-scatter: the trainable shard's
+        worth, or its messages when ``system`` compresses the reduce-scatter."""
+        compression = system.compression(step.compression)
         if compression is not None and compression.reduce_scatter is not None:
-            return sum(m for m, t in zip(self.messages, self.trainable, strict=True) if t)
-        return self.trainable_shard_numel * itemsize
+            return self.trainable_messages
+        return self.trainable_shard(system) * step.param_dtype.itemsize
 
     def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
         """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
@@ -131,8 +153,8 @@ def unit_bytes(
     plans: Sequence[ShardPlan], messages: Sequence[int] | None = None
 ) -> list[UnitBytes]:
     """Group the plans by unit (plan order: nested units first, the root last); a bucket is
-    trainable unless its name says ``/frozen/`` (:mod:`.bucketing`). ``messages``: each plan's
-    message bytes under compression (:func:`.wire.message_bytes`)."""
+    trainable unless its name says ``/frozen/`` (:mod:`raggedfsdp.planner.bucketing`).
+    ``messages``: each plan's message bytes under compression (:func:`.wire.message_bytes`)."""
     units: dict[str, tuple[list[int], list[bool], list[int], list[int]]] = {}
     sizes = messages if messages is not None else [0] * len(plans)
     for plan, message in zip(plans, sizes, strict=True):
@@ -360,10 +382,11 @@ def memory_breakdown(
     optimizer_bytes: int,
     *,
     world_size: int,
-    system: str = "raggedfsdp",
+    system: System | str = RAGGEDFSDP,
 ) -> MemoryBreakdown:
-    """One rank's memory for ``system`` (``"raggedfsdp"`` or ``"fsdp2"``) from its units
-    (:func:`unit_bytes`, the root last) and optimizer state (:func:`optimizer_state_bytes`).
+    """One rank's memory for ``system`` (a :class:`~.systems.System` or its name) from its
+    units (:func:`unit_bytes`, the root last) and optimizer state
+    (:func:`optimizer_state_bytes`).
 
     Unsharded at the loss's backward: the root's and the last block's parameters (the root
     prefetches nothing: the last block was never resharded). At the last block's backward: both
@@ -373,8 +396,9 @@ def memory_breakdown(
     (:attr:`MemoryBreakdown.host`) and the device keeps the rest: raggedfsdp's shard slot is
     part of the unsharded buffer (the host shard is copied into it), so offload adds only the
     pooled staging of a cast (:func:`offload_staging_bytes`); FSDP2's host-to-device copies of
-    the prefetched unit's padded shards (``_fsdp_param.py``: ``all_gather_inputs``) live
-    until its copy-in, at the last block's backward."""
+    the prefetched unit's padded shards live until its copy-in, at the last block's backward
+    (:class:`~.systems.HostCopies`)."""
+    system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
     local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
     n = len(units) - 1  # blocks before the root
@@ -387,10 +411,11 @@ def memory_breakdown(
         + last
         + (grads[n - 1] if n else 0)
         + (gathered[n - 2] if n >= 2 else 0)
-        + (_fsdp2_copies(units[n - 2], step) if system == "fsdp2" and n >= 2 else 0),
+        + (_copies_until_copy_in(units[n - 2], step, system) if n >= 2 else 0),
         block_act,
     )
-    staging = offload_staging_bytes(units, step) if system == "raggedfsdp" else 0
+    staged = system.host_copies is HostCopies.COMPUTE_STREAM
+    staging = offload_staging_bytes(units, step) if staged else 0
     unsharded, activations = max(loss, block, key=sum)
     return MemoryBreakdown(
         params=local * master,
@@ -400,40 +425,33 @@ def memory_breakdown(
         activations=activations,
         phase="loss" if sum(loss) >= sum(block) else "block",
         unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system),
-        constants=comm if step.gloo and system == "raggedfsdp" else 0,
-        compression=compression_state_bytes(units, step.compression, w)
-        if system == "raggedfsdp"
-        else 0,
+        constants=comm if system.reduces_point_to_point(step.gloo) else 0,
+        compression=compression_state_bytes(units, system.compression(step.compression), w),
         offload=step.offload,
         staging=staging,
     )
 
 
 def _buffers(
-    units: Sequence[UnitBytes], comm: int, w: int, system: str
+    units: Sequence[UnitBytes], comm: int, w: int, system: System
 ) -> tuple[int, int, list[int], list[int], list[int]]:
     """``system``'s sharded elements and their gradients' per rank, and per unit the bytes of
     its unsharded parameters, of its unsharded gradients and of its all-gather output."""
-    if system == "raggedfsdp":
+    local = sum(u.shard(system) for u in units)
+    local_grads = sum(u.trainable_shard(system) for u in units)
+    if system.zero_copy:  # parameters, gradients and the all-gather: views of one storage
         params = [u.storage_bytes(w, comm) for u in units]
-        return (
-            sum(u.shard_numel for u in units),
-            sum(u.trainable_shard_numel for u in units),
-            params,
-            [u.storage_bytes(w, comm, trainable=True) for u in units],
-            params,
-        )
-    if system == "fsdp2":
-        # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
-        # all-gather in flight holds is its padded output
-        return (
-            sum(u.fsdp2_shard_numel for u in units),
-            sum(u.fsdp2_shard_numel for u in units if u.trainable_shard_numel),
-            [u.param_numel * comm for u in units],
-            [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units],
-            [w * u.fsdp2_shard_numel * comm for u in units],
-        )
-    raise ValueError(f"unknown system {system!r}: expected 'raggedfsdp' or 'fsdp2'")
+        grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
+        return local, local_grads, params, grads, params
+    # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
+    # all-gather in flight holds is its padded output
+    return (
+        local,
+        local_grads,
+        [u.param_numel * comm for u in units],
+        [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units],
+        [w * u.shard(system) * comm for u in units],
+    )
 
 
 def offload_staging_bytes(units: Sequence[UnitBytes], step: StepShape) -> int:
@@ -447,13 +465,14 @@ def offload_staging_bytes(units: Sequence[UnitBytes], step: StepShape) -> int:
     return sum(sizes) * step.master_dtype.itemsize
 
 
-def _fsdp2_copies(unit: UnitBytes, step: StepShape) -> int:
-    """FSDP2 under offload: one unit's padded shards copied to the device for its all-gather
-    (master dtype, and their cast under mixed precision) until its copy-in."""
-    if not step.offload:
+def _copies_until_copy_in(unit: UnitBytes, step: StepShape, system: System) -> int:
+    """Under offload, a system that copies on its collective streams (FSDP2) holds one unit's
+    shards copied to the device for its all-gather (master dtype, and their cast under mixed
+    precision) until its copy-in."""
+    if not step.offload or system.host_copies is not HostCopies.COLLECTIVE_STREAMS:
         return 0
     cast = step.param_dtype.itemsize if step.param_dtype != step.master_dtype else 0
-    return unit.fsdp2_shard_numel * (step.master_dtype.itemsize + cast)
+    return unit.shard(system) * (step.master_dtype.itemsize + cast)
 
 
 def compression_state_bytes(
@@ -466,8 +485,8 @@ def compression_state_bytes(
     for unit in units:
         if compression.all_gather is not None:
             total += sum(unit.messages)
-        if compression.error_feedback:
-            total += world_size * unit.scatter_share(1, compression)
+        if compression.error_feedback:  # needs a compressed reduce-scatter: messages
+            total += world_size * unit.trainable_messages
     return total
 
 
@@ -477,7 +496,7 @@ def _unsharded_high_water(
     units: Sequence[UnitBytes],
     step: StepShape,
     world_size: int,
-    system: str,
+    system: System,
 ) -> int:
     """The most unsharded bytes held at once: block ``i``'s backward with its parameters and
     gradients, block ``i-1`` prefetched, block ``i+1``'s gradients (and Gloo receive buffer)
@@ -490,9 +509,9 @@ def _unsharded_high_water(
         held = params[i] + grads[i] + (params[i - 1] if i else 0)
         if i + 1 < n:
             held += grads[i + 1]
-            if step.gloo and system == "raggedfsdp":
-                held += (world_size - 1) * units[i + 1].shard_numel * comm
-        if system == "fsdp2":  # the reduce-scatter input it copies block i's gradients into
-            held += world_size * units[i].fsdp2_shard_numel * comm
+            if system.reduces_point_to_point(step.gloo):
+                held += (world_size - 1) * units[i + 1].shard(system) * comm
+        if not system.zero_copy:  # the reduce-scatter input it copies block i's gradients into
+            held += world_size * units[i].shard(system) * comm
         best = max(best, root + held)
     return best

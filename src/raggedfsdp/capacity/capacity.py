@@ -19,8 +19,8 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from ._plan import ShardPlan
-from ._planner import StructAwarePlanner
+from ..planner import ShardPlan, StructAwarePlanner
+from ..planner.quant_blocks import Compression
 from .cost import (
     OPTIMIZERS,
     MemoryBreakdown,
@@ -30,14 +30,13 @@ from .cost import (
     unit_bytes,
 )
 from .hardware import Hardware
-from .quant_blocks import Compression
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
+from .systems import RAGGEDFSDP, SYSTEMS
 from .wire import message_bytes
 
 __all__ = [
     "DEFAULT_RESERVE",
-    "SYSTEMS",
     "CapacityOptions",
     "CapacityReport",
     "SystemCost",
@@ -50,8 +49,6 @@ __all__ = [
 #: Device memory kept free for what the model does not see: the allocator's fragmentation,
 #: the communication library's buffers, the CUDA context (the seed's "10% in reserve").
 DEFAULT_RESERVE = 0.1
-
-SYSTEMS = ("raggedfsdp", "fsdp2")
 
 #: World sizes tried when looking for the smallest one that fits: powers of two.
 _SEARCH_LIMIT = 16384
@@ -135,7 +132,7 @@ class SystemCost:
 class WorldCapacity:
     world_size: int
     plan_seconds: float  # planning and costing, wall clock
-    systems: dict[str, SystemCost]
+    systems: dict[str, SystemCost]  # by the name of each of :data:`~.systems.SYSTEMS`
 
 
 @dataclass(frozen=True)
@@ -214,7 +211,7 @@ def plan_capacity(
         memory = memory_breakdown(shape, units, step, state, world_size=world_size, system=system)
         host_per_node = memory.host * min(world_size, hw.devices_per_node)
         host_fits = hw.host_memory_bytes is None or host_per_node <= host_usable
-        systems[system] = SystemCost(
+        systems[system.name] = SystemCost(
             memory=memory,
             bytes=collective_bytes(units, step, world_size, system),
             time=step_time(
@@ -235,7 +232,7 @@ def _smallest_world(
     w = 1
     while w <= _SEARCH_LIMIT:
         try:
-            if plan_capacity(module, shape, w, hw, options).systems["raggedfsdp"].fits:
+            if plan_capacity(module, shape, w, hw, options).systems[RAGGEDFSDP.name].fits:
                 return w
         except UnshardableWorld:
             return None  # more ranks than some bucket has blocks: larger W cannot help

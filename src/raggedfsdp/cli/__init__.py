@@ -2,8 +2,11 @@
 
 Each subcommand is one entry of :data:`SUBCOMMANDS`: a help line, a function that adds its
 arguments to an ``argparse`` parser, and a function that runs it and returns the exit status.
-Each lives in the room it belongs to (``planner.command``, ``train.launch``, ``bench``); to add
-a subcommand, write those two functions there and add one entry here.
+Each is a module of this package (``plan``, ``train``, ``bench``, ``export``, ``rendezvous``)
+exporting ``configure(parser)`` and ``run(args) -> int``: it parses, prints and chooses the exit
+status; the work it calls stays in its room (the planner and the cost model, the launcher in
+``train``, the benchmark in ``bench``). To add a subcommand, write such a module and add one
+entry here. ``python -m raggedfsdp.cli`` runs :func:`main` (``__main__.py``).
 
 Errors the user caused (a bad argument, an unknown model, a policy the shapes cannot meet) are
 ``ValueError``; they print one line ``raggedfsdp: error: ...`` to stderr and exit 2, with the
@@ -18,11 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
-from . import bench
-from ._console import USAGE_ERROR, one_line
-from .planner import command as plan_command
-from .train.launch import configure_export_parser, configure_train_parser, run_export, run_train
-from .train.rendezvous import configure_rendezvous_parser, run_rendezvous
+from .._console import USAGE_ERROR, one_line
+from . import bench, export, plan, rendezvous, train
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
 
@@ -49,28 +49,28 @@ class _Parser(argparse.ArgumentParser):
 SUBCOMMANDS: dict[str, Subcommand] = {
     "plan": Subcommand(
         "plan a model's shards and compare padding and cut blocks with FSDP2/FSDP1",
-        plan_command.configure_parser,
-        plan_command.run,
+        plan.configure,
+        plan.run,
     ),
     "train": Subcommand(
         "train a GPT with raggedfsdp (workers started by torchrun)",
-        configure_train_parser,
-        run_train,
+        train.configure,
+        train.run,
     ),
     "bench": Subcommand(
         "time raggedfsdp against FSDP2, DDP and the compute floor, interleaved",
-        bench.configure_parser,
+        bench.configure,
         bench.run,
     ),
     "export": Subcommand(
         "write a training checkpoint's model as a plain state dict",
-        configure_export_parser,
-        run_export,
+        export.configure,
+        export.run,
     ),
     "rendezvous": Subcommand(
         "host a multi-node job's rendezvous store, so that any training node may be lost",
-        configure_rendezvous_parser,
-        run_rendezvous,
+        rendezvous.configure,
+        rendezvous.run,
     ),
 }
 """Every subcommand, by name. Add one by adding an entry."""
@@ -122,7 +122,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"{PROG}: error: {one_line(err)}\n")
         return USAGE_ERROR
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

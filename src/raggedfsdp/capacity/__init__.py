@@ -1,0 +1,60 @@
+"""The cost model: what a plan costs each rank in memory, bytes and time per step, for
+raggedfsdp and for FSDP2 on the same shapes, against a device preset. Pure Python over shapes
+(models on the meta device), no process group.
+
+The modules, bottom up: ``shapes`` (what a model computes and keeps per token), ``hardware``
+(device presets), ``wire`` (what compressed communication moves), ``systems`` (what each
+system costed does differently: :class:`System`, :data:`RAGGEDFSDP`, :data:`FSDP2`), ``cost``
+(bytes per rank), ``steptime`` (time per step), ``capacity`` (both at each world size: will it
+fit, and how fast). ``report`` (the ``plan`` command's padding figures beside FSDP2 and
+FSDP1) is imported on demand, so the training worker, which costs its own plan before it
+starts, never loads it.
+"""
+
+from .capacity import (
+    DEFAULT_RESERVE,
+    CapacityOptions,
+    CapacityReport,
+    SystemCost,
+    UnshardableWorld,
+    WorldCapacity,
+    capacity_report,
+    plan_capacity,
+)
+from .cost import MemoryBreakdown, StepShape, UnitBytes, memory_breakdown, unit_bytes
+from .hardware import HARDWARE, Hardware, hardware
+from .shapes import ModelShape, model_shape
+from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
+from .systems import FSDP2, RAGGEDFSDP, SYSTEMS, System
+from .wire import CODE_DTYPES, CompressionSpec
+
+__all__ = [
+    "CODE_DTYPES",
+    "DEFAULT_RESERVE",
+    "FSDP2",
+    "HARDWARE",
+    "RAGGEDFSDP",
+    "SYSTEMS",
+    "CapacityOptions",
+    "CapacityReport",
+    "CollectiveBytes",
+    "CompressionSpec",
+    "Hardware",
+    "MemoryBreakdown",
+    "ModelShape",
+    "StepShape",
+    "StepTime",
+    "System",
+    "SystemCost",
+    "UnitBytes",
+    "UnshardableWorld",
+    "WorldCapacity",
+    "capacity_report",
+    "collective_bytes",
+    "hardware",
+    "memory_breakdown",
+    "model_shape",
+    "plan_capacity",
+    "step_time",
+    "unit_bytes",
+]

@@ -1,0 +1,7 @@
+"""``python -m raggedfsdp.cli``: the ``raggedfsdp`` command (what the tests and benchmarks run
+without the console script)."""
+
+from . import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

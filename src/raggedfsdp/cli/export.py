@@ -1,0 +1,34 @@
+"""``raggedfsdp export``: a training checkpoint's model as a plain state dict of the unwrapped
+model (:func:`raggedfsdp.train.checkpoints.export_checkpoint` does the work)."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["configure", "run"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """Add the ``export`` arguments to ``parser``: the checkpoint and where to write it."""
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint folder (checkpoints/step_NNNNNN) or a run's --out (its newest one)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        metavar="FILE",
+        help="where to write the state dict (torch.save; also FILE.safetensors when the "
+        "safetensors package is installed)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the checkpoint's model as a plain state dict, and say where it went."""
+    from ..train.checkpoints import export_checkpoint  # DCP loads only for an export
+
+    for path in export_checkpoint(args.checkpoint, args.out):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,198 @@
+"""``raggedfsdp train``: the launcher's flags and every training option, the checks made here
+so that a mistake is one line before any worker starts, and what the launch ends with.
+
+The launch itself (torchrun's agent, c10d rendezvous, restarts) is
+:func:`raggedfsdp.train.launch.launch`; ``--dry-run`` plans here and starts nothing. A failed
+worker, a rendezvous that never met and a preemption each end in one line and an exit status
+(docs/operations.md, "Exit statuses").
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import TYPE_CHECKING
+
+from ..train.config import TrainConfig, add_config_arguments, config_from_args, train_argv
+from ..train.launch import CPU_PROCESSES, LaunchOptions, check_launch, default_nproc, launch
+from ..train.preemption import PREEMPTED_EXIT_CODE
+from ..train.run_dir import latest_checkpoint
+
+if TYPE_CHECKING:  # torchrun's modules load when a launch needs them
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+__all__ = ["configure", "launch_options", "run"]
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _nodes(text: str) -> tuple[int, int]:
+    """``N`` (a fixed-size job) or ``MIN:MAX`` (elastic) -> (min, max)."""
+    low, _, high = text.partition(":")
+    high = high or low
+    if not (low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high)):
+        raise argparse.ArgumentTypeError(
+            f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}"
+        )
+    return int(low), int(high)
+
+
+def _endpoint(text: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    """The launcher's options, then every training option (``--help`` shows both)."""
+    launcher = parser.add_argument_group("launcher (torchrun)")
+    launcher.add_argument(
+        "--nproc",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help=f"worker processes on this node (default: one per GPU, or {CPU_PROCESSES} on CPU)",
+    )
+    launcher.add_argument(
+        "--nnodes",
+        type=_nodes,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="nodes in the job (default: 1); MIN:MAX runs elastically: losing a node the job "
+        "continues on the others from the newest checkpoint, and a node that joins is taken in "
+        "at once (the workers restart from a checkpoint of the step in flight); needs "
+        "--max-restarts",
+    )
+    launcher.add_argument(
+        "--node-rank",
+        type=_non_negative,
+        default=0,
+        metavar="R",
+        help="this node's rank; node 0 checks the output folder, so a replacement node takes "
+        "the lost node's rank (ranks inside the job are assigned by the rendezvous)",
+    )
+    launcher.add_argument(
+        "--rdzv-endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="HOST:PORT",
+        help="c10d rendezvous endpoint shared by all nodes (default with one node: a free local "
+        "port); the first launcher there hosts it, or 'raggedfsdp rendezvous' does, so that "
+        "any node may be lost",
+    )
+    launcher.add_argument(
+        "--rdzv-id", default="raggedfsdp", metavar="ID", help="job id shared by all nodes"
+    )
+    launcher.add_argument(
+        "--max-restarts",
+        type=_non_negative,
+        default=0,
+        metavar="K",
+        help="restart all workers up to K times after a failure or a change of membership, "
+        "resuming from the newest checkpoint (default: 0)",
+    )
+    launcher.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="torchrun's rendezvous settings (e.g. last_call_timeout=5: how long an elastic "
+        "job waits for more nodes once MIN are there; default 30 s). join_timeout defaults to "
+        "--startup-timeout-s",
+    )
+    add_config_arguments(parser.add_argument_group("training"))  # type: ignore[arg-type]
+
+
+def launch_options(args: argparse.Namespace) -> LaunchOptions:
+    """The :class:`LaunchOptions` of arguments parsed by a :func:`configure` parser."""
+    low, high = args.nnodes
+    return LaunchOptions(
+        nproc=args.nproc or default_nproc(),
+        min_nodes=low,
+        max_nodes=high,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        rdzv_conf=args.rdzv_conf,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check, then launch the workers; 0 when they all succeed. A user error is a
+    ``ValueError``; a failed worker or rendezvous is reported in one line (a worker's own
+    message came before)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    from ..train.preflight import dry_run_report
+
+    cfg = config_from_args(args)
+    options = launch_options(args)
+    options.check()
+    if cfg.dry_run:
+        print(dry_run_report(cfg, options.max_world_size))
+        return 0
+    check_launch(cfg, options)
+    worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
+    try:
+        launch(cfg, options, worker_argv)
+    except SignalException as err:  # the launcher itself was told to stop (SIGTERM, ...)
+        return _preempted(cfg, signal.Signals(err.sigval).name)
+    except RendezvousError as err:
+        sys.stderr.write(
+            f"raggedfsdp: error: the nodes did not meet at {options.rdzv_endpoint or 'localhost'}: "
+            f"{type(err).__name__}: {' '.join(str(err).split())}\n"
+        )
+        return 1
+    except ChildFailedError as err:
+        return _child_failed(err, cfg, restarts=options.max_restarts)
+    return 0
+
+
+def _child_failed(err: ChildFailedError, cfg: TrainConfig, *, restarts: int) -> int:
+    """One line: the rank that failed first on this node and why; the exit status."""
+    # The first by time, as torchrun's get_first_failure; its clock counts whole seconds, and
+    # within one a death by signal (the OOM killer, a kill) comes before the lost-peer errors
+    # it causes in the others.
+    failures = err.failures.items()
+    rank, failure = min(failures, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
+    if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
+        return _preempted(cfg, "SIGTERM")
+    how = (
+        f"was killed by {failure.signal_name()}"
+        if failure.exitcode < 0
+        else f"exited with status {failure.exitcode}"
+    )
+    # The worker's own "Type: message", when it recorded one in torchrun's error file.
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+    cause = f": {message.splitlines()[0]}" if message else ""
+    sys.stderr.write(
+        f"raggedfsdp: error: training failed: worker rank {rank} {how}"
+        f"{' after all restarts' if restarts else ''}{cause}\n"
+    )
+    # A user error in the workers keeps its status (2); anything else is 1.
+    return 2 if failure.exitcode == 2 else 1
+
+
+def _preempted(cfg: TrainConfig, signal_name: str) -> int:
+    """One line saying the job stopped for a signal, and where it can resume from."""
+    latest = latest_checkpoint(cfg.out)
+    where = f"newest checkpoint {latest}" if latest is not None else "no checkpoint was saved"
+    sys.stderr.write(
+        f"raggedfsdp: stopped by {signal_name} ({where}); rerun the same command with "
+        f"--resume to continue\n"
+    )
+    return PREEMPTED_EXIT_CODE
