@@ -42,7 +42,7 @@ def _unsharded_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _compressions(model: nn.Module) -> list:
-    from raggedfsdp.runtime._state import states_under
+    from raggedfsdp.runtime._hooks import states_under
 
     return [s.group._compressed[id(b)] for s in states_under(model) for b in s.group.buckets]
 
@@ -50,7 +50,7 @@ def _compressions(model: nn.Module) -> list:
 def _messages(model: nn.Module) -> dict[str, tuple[bytes, list[float]]]:
     """This rank's codes and scales of each of its pieces, from the quantized shards the
     all-gathers sent (for the comparison across world sizes)."""
-    from raggedfsdp.runtime._state import states_under
+    from raggedfsdp.runtime._hooks import states_under
 
     out = {}
     for state in states_under(model):

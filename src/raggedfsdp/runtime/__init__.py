@@ -11,7 +11,7 @@ reduce-scatters, per rank).
 Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), collectives
 (``_collectives``), block quantization (``_quant``), one bucket's quantized messages
 (``_codec``), one parameter's record (``_param``), a unit's group (``_param_group``), reductions
-in flight (``_reduce``), hooks (``_state``), state machines (``_states``), state dicts
+in flight (``_reduce``), hooks (``_hooks``), state machines (``_state_machine``), state dicts
 (``_state_dict``; their container, ``_ragged_tensor``) and sharded gradients (``_sharded_grad``).
 """
 

@@ -1,6 +1,6 @@
 """One FSDP unit's parameters: its buckets, and unshard / reshard / reduce over them.
 
-Layering runs one way: hooks (``_state.py``) -> this group -> collectives -> DBuffers.
+Layering runs one way: hooks (``_hooks.py``) -> this group -> collectives -> DBuffers.
 The group owns the state of its parameters and of their reductions in flight; the hooks only
 decide *when* to call it.
 """
@@ -25,7 +25,7 @@ from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._pool import BufferPool
 from ._reduce import BucketReduce, ReduceQueue
-from ._states import ShardedState, TrainingState, check_state
+from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = ["FSDPParamGroup", "SharedResources"]
@@ -202,7 +202,7 @@ class FSDPParamGroup:
         self._shared = shared
 
     @property
-    def _ctx(self) -> SharedResources:
+    def shared(self) -> SharedResources:
         if self._shared is None:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} was used before its root's first forward "
@@ -212,11 +212,11 @@ class FSDPParamGroup:
 
     @property
     def stats(self) -> RuntimeStats:
-        return self._ctx.stats
+        return self.shared.stats
 
     @property
     def _pool(self) -> BufferPool:
-        return self._ctx.pool if self.config.group_level else self._ctx.unpooled
+        return self.shared.pool if self.config.group_level else self.shared.unpooled
 
     def _allocate(self, storages: list[FlatStorage]) -> None:
         """Allocate the storages not yet allocated."""
@@ -397,9 +397,9 @@ class FSDPParamGroup:
             if self.knobs.requires_gradient_sync and self._trainable:
                 # Every rank joins the reduce-scatter, whether or not gradients reached it.
                 self._take_grad_block()
-                self._ctx.reduce_queue.make_room()
+                self.shared.reduce_queue.make_room()
                 self._reduce_scatter()
-                self._ctx.reduce_queue.push(self)
+                self.shared.reduce_queue.push(self)
             if self.knobs.reshard_after_backward:
                 self.reshard()
 

@@ -1,7 +1,7 @@
 """``fully_shard`` / ``FSDPBackend``: shard a module in place, and the methods it then has.
 
 ``fully_shard`` builds one :class:`~._param_group.FSDPParamGroup` (the unit's buckets and
-buffers) and one :class:`~._state.FSDPState` (its hooks) per module, and extends the module's
+buffers) and one :class:`~._hooks.FSDPState` (its hooks) per module, and extends the module's
 class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unchanged.
 """
 
@@ -24,12 +24,12 @@ from torch.distributed.tensor.placement_types import Placement
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
+from ._hooks import FSDPState, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info
 from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState, state_of, states_under
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -174,7 +174,7 @@ class FSDPModule:
         them on the host under CPU offload) and padding."""
         state = self._fsdp_state
         states = self._all_states()
-        stats = state.ctx.resources.stats if state.ctx else RuntimeStats()
+        stats = state.ctx.shared.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
         out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
         # under CPU offload the shards and their gradients are on the host (residuals are not)
@@ -193,7 +193,7 @@ class FSDPModule:
         held stays counted."""
         state = self._fsdp_state
         if state.ctx is not None:
-            state.ctx.resources.stats.reset()
+            state.ctx.shared.stats.reset()
 
     def shard_plans(self) -> list[ShardPlan]:
         """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in the order

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ._state import states_under
+from ._hooks import states_under
 
 __all__ = ["error_feedback_state", "load_error_feedback_state"]
 

@@ -37,7 +37,7 @@ from ._collectives import all_gather
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup, SharedResources
 from ._state_dict import load_state_dict_pre_hook, state_dict_post_hook
-from ._states import RootPhase, TrainingState, check_state
+from ._state_machine import RootPhase, TrainingState, check_state
 
 __all__ = ["FSDPState", "RootContext", "state_of", "states_under"]
 
@@ -63,7 +63,7 @@ class RootContext:
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root
         self.states = states
-        self.resources = SharedResources.new()
+        self.shared = SharedResources.new()
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration (prefetch order)
         self.forward_order: list[FSDPState] = []
@@ -91,10 +91,10 @@ class RootContext:
         """End-of-backward callback (queued on the autograd engine)."""
         for state in reversed(self.forward_order or self.states):
             state.group.post_backward()
-        self.resources.reduce_queue.drain()
+        self.shared.reduce_queue.drain()
         for state in self.states:
             state.group.finish_iteration()
-        self.resources.pool.clear()  # nothing pooled through forward, where the memory peak is
+        self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.phase = RootPhase.READY
 
 
@@ -161,7 +161,7 @@ class FSDPState:
         ctx = RootContext(self, states)
         for state in states:
             state.ctx = ctx
-            state.group.bind(ctx.resources)
+            state.group.bind(ctx.shared)
         _check_plans_agree(states)
         return ctx
 
