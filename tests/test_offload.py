@@ -21,13 +21,13 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel, make_batches
-from raggedfsdp.runtime._collectives import _is_gloo
 from raggedfsdp.runtime._offload import (
     HostOffload,
     check_host_backend,
     forcing_host_copies,
     offload_for,
 )
+from raggedfsdp.runtime._transport import is_gloo
 from raggedfsdp.spawn import run_on_ranks
 
 WORLD = 2
@@ -350,7 +350,7 @@ def _per_device_backends(rank: int, world: int) -> dict[str, Any]:
     gloo = DeviceMesh.from_group(torch.distributed.new_group(backend="gloo"), "cpu")
     out: dict[str, Any] = {
         "backend": str(torch.distributed.get_backend()),
-        "gloo_carries_cpu": _is_gloo(None, torch.device("cpu")),
+        "gloo_carries_cpu": is_gloo(None, torch.device("cpu")),
     }
     for name, mesh in (("per_device", None), ("gloo", gloo)):
         model = _model(True, compression=int8, mesh=mesh)

@@ -32,17 +32,13 @@ from torch.autograd.profiler import record_function
 from ..layout import RaggedShard
 from ..planner import ShardPlan
 from ._codec import BucketCodec
-from ._collectives import Pending, _all_gather_tensor, _exchange, _is_gloo, _peers, _world_tensor
+from ._collectives import Pending
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
+from ._transport import Tag, all_gather_tensor, exchange, is_gloo, peers, world_tensor
 from .api import CommCompression
 
 __all__ = ["BucketCompression", "Residual"]
-
-# Point-to-point tags (see _collectives.py): distinct from the uncompressed collectives', which
-# may be in flight at the same time for other buckets.
-_TAG_ALL_GATHER = 3
-_TAG_ALL_TO_ALL = 4
 
 #: How error-feedback residuals are stored. 8-bit (int8 codes of the residual, in the gradient's
 #: own blocks) keeps the error of a sum over 256 steps of a fixed gradient where fp32 keeps it,
@@ -186,15 +182,17 @@ class BucketCompression:
         assert dtype is not None
         size, nbytes, world = codec.shard_numel, codec.message_bytes, codec.world_size
         with record_function("raggedfsdp::quantized_all_gather"):
-            rank, peers = _peers(group)
+            rank, others = peers(group)
             mine = self._quantized_shard(local, rank)
             received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
             messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if _is_gloo(group, local.device):
-                works = _exchange([(p, mine, messages[p]) for p in peers], group, _TAG_ALL_GATHER)
+            if is_gloo(group, local.device):
+                works = exchange(
+                    [(p, mine, messages[p]) for p in others], group, Tag.QUANTIZED_ALL_GATHER
+                )
                 messages[rank] = mine
             else:
-                works = [_all_gather_tensor(received, mine, group=group, async_op=True)]
+                works = [all_gather_tensor(received, mine, group=group, async_op=True)]
             stats.note_all_gather(nbytes, uncompressed_bytes=size * full.element_size())
 
         def dequantize() -> None:
@@ -225,15 +223,15 @@ class BucketCompression:
         assert dtype is not None
         nbytes, world = codec.message_bytes, codec.world_size
         with record_function("raggedfsdp::quantized_reduce_scatter"):
-            rank, peers = _peers(group)
+            rank, others = peers(group)
             outgoing = pool.take(world * nbytes, torch.uint8, full_grad.device)
             self._quantize_gradient(full_grad, outgoing)
             incoming = pool.take(world * nbytes, torch.uint8, full_grad.device)
             sent = [outgoing[k * nbytes : (k + 1) * nbytes] for k in range(world)]
             received = [incoming[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if _is_gloo(group, full_grad.device):
-                transfers = [(p, sent[p], received[p]) for p in peers]
-                works = _exchange(transfers, group, _TAG_ALL_TO_ALL)
+            if is_gloo(group, full_grad.device):
+                transfers = [(p, sent[p], received[p]) for p in others]
+                works = exchange(transfers, group, Tag.QUANTIZED_ALL_TO_ALL)
                 received[rank] = sent[rank]
             else:
                 works = [dist.all_to_all_single(incoming, outgoing, group=group, async_op=True)]
@@ -247,7 +245,7 @@ class BucketCompression:
                     output.zero_()
                     for message in received:  # in rank order, summed in fp32
                         codec.decode(message, rank, output, dtype, accumulate=True)
-                    output.div_(_world_tensor(world, output.dtype, output.device))
+                    output.div_(world_tensor(world, output.dtype, output.device))
                 else:
                     output.fill_(float("nan"))  # what the replicas' all-reduce carries (HSDP)
             pool.give(outgoing)
