@@ -8,11 +8,12 @@ get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
 :func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`), and
 :func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
 reduce-scatters, per rank).
-Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), collectives
-(``_collectives``), block quantization (``_quant``), one bucket's quantized messages
-(``_codec``), one parameter's record (``_param``), a unit's group (``_param_group``), reductions
-in flight (``_reduce``), hooks (``_hooks``), state machines (``_state_machine``), state dicts
-(``_state_dict``; their container, ``_ragged_tensor``) and sharded gradients (``_sharded_grad``).
+Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), each bucket's
+all-gather and reduce-scatter strategies (``_comm``; the quantized pair in ``compression/``),
+collectives (``_collectives``) and how their bytes travel (``_transport``), one parameter's
+record (``_param``), a unit's group (``_param_group``), reductions in flight (``_reduce``), hooks
+(``_hooks``), state machines (``_state_machine``), state dicts (``_state_dict``; their container,
+``_ragged_tensor``) and sharded gradients (``_sharded_grad``).
 """
 
 from ._metrics import RuntimeStats

@@ -39,7 +39,7 @@ from ._param_group import FSDPParamGroup, SharedResources
 from ._state_dict import load_state_dict_pre_hook, state_dict_post_hook
 from ._state_machine import RootPhase, TrainingState, check_state
 
-__all__ = ["FSDPState", "RootContext", "state_of", "states_under"]
+__all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
 
 # The attribute of a sharded module that holds its FSDPState; read only through state_of().
 _STATE_ATTR = "_raggedfsdp_state"
@@ -50,11 +50,16 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return getattr(module, _STATE_ATTR, None)
 
 
-def states_under(module: nn.Module) -> list[FSDPState]:
-    """The states of ``module`` and of every sharded module below it, inner units first and
-    the root last: the order of ``plan_model``'s buckets."""
+def named_states_under(module: nn.Module) -> list[tuple[str, FSDPState]]:
+    """``(path below module, state)`` of ``module`` and of every sharded module below it,
+    inner units first and the root last: the order of ``plan_model``'s buckets."""
     units = post_order(module, lambda m: state_of(m) is not None)
-    return [state for _, m in units if (state := state_of(m)) is not None]
+    return [(path, state) for path, m in units if (state := state_of(m)) is not None]
+
+
+def states_under(module: nn.Module) -> list[FSDPState]:
+    """The states of :func:`named_states_under`, in its order."""
+    return [state for _, state in named_states_under(module)]
 
 
 class RootContext:
@@ -147,22 +152,24 @@ class FSDPState:
 
     def lazy_init(self) -> RootContext:
         """The first unit to run forward (or to be unsharded by hand) is the root: it takes
-        every unit below it, shares its resources with them and checks, before the first
-        all-gather, that every rank planned the same buckets. Idempotent."""
+        every unit below it, names each by its path (once, as FSDP2's ``_init_fqns``), shares
+        its resources with them and checks, before the first all-gather, that every rank
+        planned the same buckets. Idempotent."""
         if self.ctx is not None:
             return self.ctx
-        states = states_under(self.module)
-        for state in states:
+        named = named_states_under(self.module)
+        for _, state in named:
             if state.ctx is not None:
                 raise RuntimeError(
                     f"raggedfsdp: {state.group.label} already ran under another root; run "
                     f"forward through the outermost fully_shard-ed module"
                 )
-        ctx = RootContext(self, states)
-        for state in states:
+        ctx = RootContext(self, [state for _, state in named])
+        for path, state in named:
             state.ctx = ctx
-            state.group.bind(ctx.shared)
-        _check_plans_agree(states)
+            state.group.bind(ctx.shared, path)
+        plans = [plan for path, state in named for plan in state.group.named_plans(path)]
+        _check_plans_agree(plans, named[0][1].group)
         return ctx
 
     # -- forward -------------------------------------------------------------------------------
@@ -289,16 +296,15 @@ def _unshard(
             state.group.unshard()
 
 
-def _check_plans_agree(states: list[FSDPState]) -> None:
-    """Before the first all-gather, check every rank planned the same buckets; a rank that
-    disagrees would otherwise hang or corrupt the collectives. One all-gather of a digest; only
-    when they differ are the plans themselves gathered, to name the first difference."""
-    plans = [bucket.plan for state in states for bucket in state.group.buckets]
+def _check_plans_agree(plans: list[ShardPlan], group: FSDPParamGroup) -> None:
+    """Before the first all-gather, check every rank planned the same buckets (``plans``, as
+    the root names them); a rank that disagrees would otherwise hang or corrupt the
+    collectives. One all-gather of a digest over ``group``'s shard group (the first unit's);
+    only when they differ are the plans themselves gathered, to name the first difference."""
     h = hashlib.sha256()
     for plan in plans:
         h.update(plan.digest().encode())
     local = int.from_bytes(h.digest()[:7], "little")
-    group = states[0].group
     mesh = group.mesh_info
     gathered = torch.zeros(mesh.shard_size, dtype=torch.int64, device=group.device)
     mine = torch.tensor([local], dtype=torch.int64, device=group.device)

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
-from ._hooks import FSDPState, state_of, states_under
+from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info
 from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
@@ -180,7 +180,7 @@ class FSDPModule:
         # under CPU offload the shards and their gradients are on the host (residuals are not)
         offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
         out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)
-        plans = self.shard_plans()
+        plans = [b.plan for s in states for b in s.group.buckets]  # the numbers, not the names
         out["padding_numel"] = sum(p.padding_numel for p in plans)
         out["param_numel"] = sum(p.param_numel for p in plans)
         out["process_peak_rss_bytes"] = peak_rss_bytes()
@@ -197,8 +197,9 @@ class FSDPModule:
 
     def shard_plans(self) -> list[ShardPlan]:
         """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in the order
-        and with the names of ``StructAwarePlanner.plan_model``."""
-        return [b.plan for s in self._all_states() for b in s.group.buckets]
+        and with the names of ``StructAwarePlanner.plan_model`` applied to this module."""
+        named = named_states_under(cast(nn.Module, self))
+        return [plan for path, state in named for plan in state.group.named_plans(path)]
 
 
 class UnshardHandle:
@@ -451,15 +452,6 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def _name_units(module: nn.Module) -> None:
-    """Units take their names from the outermost module sharded so far, as plan_model names
-    them."""
-    for path, sub in module.named_modules():
-        state = state_of(sub)
-        if state is not None:
-            state.group.set_path(path)
-
-
 def _mark_sharded(registrations: list[Registration], module: nn.Module) -> None:
     for registration in registrations:
         unit = f"{type(module).__name__} (as {registration.fqn!r})"
@@ -548,13 +540,12 @@ def fully_shard(
         config=dbuffer_config or DBufferConfig(),
         mp_policy=MixedPrecisionPolicy.of(mp_policy),
         device=device,
-        label=type(module).__name__,
+        module_name=type(module).__name__,
         compression=planner.compression,
         offload=offload,
     )
     FSDPState(module, group, reshard_after_forward)
     _mark_sharded(registrations, module)
-    _name_units(module)
     if not isinstance(module, FSDPModule):
         module.__class__ = _fsdp_class(type(module))
     return cast(FSDPModule, module)
