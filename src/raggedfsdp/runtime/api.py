@@ -31,11 +31,17 @@ class DBufferConfig:
         buffer_size: a unit's parameters are split into buckets of at most this many bytes (in
             the communication dtype); a single larger parameter gets its own bucket; ``None`` makes
             each unit one bucket per dtype.
+        host_copies_on_cpu: with ``offload_policy=CPUOffloadPolicy()`` on a CPU device, keep
+            the shards in separate host buffers and copy them to and from the unsharded buffers
+            as on an accelerator, instead of meeting the policy as is (on CPU everything is on
+            the host already). It runs the accelerator's offload path on CPU, for tests and
+            measurements; no effect without that policy or on an accelerator.
     """
 
     zero_copy: bool = True
     group_level: bool = True
     buffer_size: int | None = None
+    host_copies_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         if self.buffer_size is not None and (

@@ -365,13 +365,14 @@ def _check_fsdp2_arguments(
 def _offload(
     offload_policy: OffloadPolicy | None,
     device: torch.device,
+    config: DBufferConfig,
     compression: CommCompression | None,
     info: MeshInfo,
 ) -> HostOffload | None:
-    """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU);
-    refused with a compressed all-gather, which quantizes the shard where it lies, and over
-    groups that cannot reduce host tensors."""
-    offload = offload_for(offload_policy, device)
+    """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU
+    unless ``config.host_copies_on_cpu``); refused with a compressed all-gather, which quantizes
+    the shard where it lies, and over groups that cannot reduce host tensors."""
+    offload = offload_for(offload_policy, device, host_copies_on_cpu=config.host_copies_on_cpu)
     if offload is None:
         return None
     check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
@@ -532,12 +533,13 @@ def fully_shard(
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
-    offload = _offload(offload_policy, device, planner.compression, info)
+    config = dbuffer_config or DBufferConfig()
+    offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
         planner=planner,
-        config=dbuffer_config or DBufferConfig(),
+        config=config,
         mp_policy=MixedPrecisionPolicy.of(mp_policy),
         device=device,
         module_name=type(module).__name__,
