@@ -6,10 +6,16 @@ The layers, each a room of its own (imports flow down this list only):
 - ``planner``     StructAwarePlanner, ShardPlan, the one bucketing (pure Python, no group)
 - ``runtime``     fully_shard / FSDPBackend, DBuffer, collectives, hooks
 - ``checkpoint``  full state dicts, optimizer state for DCP; ``optim``, ``clip``, ``materialize``
+- ``integration`` what raggedfsdp changes in torch, installed by its ``install()``
 - ``train``, ``bench``, ``cli``   the job, the benchmark, the command
+
+Importing the package calls :func:`raggedfsdp.integration.install` once (idempotent): torch's
+``register_fsdp_forward_method``, ``clip_grad_norm_`` and
+``torch.distributed.checkpoint.state_dict`` then handle raggedfsdp's sharded modules. It is the
+only change to torch made at import.
 """
 
-from . import optim
+from . import integration, optim
 from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_
 from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
@@ -52,3 +58,5 @@ __all__ = [
     "shard_info",
     "shard_size_lower_bound",
 ]
+
+integration.install()

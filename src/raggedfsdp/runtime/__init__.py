@@ -3,7 +3,8 @@ buffer per bucket, so the all-gather and the reduce-scatter run in place.
 
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
-:class:`CommCompression`); the counters (:class:`RuntimeStats`); and, for the checkpoint layer,
+:class:`CommCompression`); the counters (:class:`RuntimeStats`); :class:`ShardedGrad`, the class
+of sharded parameters' gradients (norms of it are global); and, for the checkpoint layer,
 :func:`full_parameters`, :class:`RaggedTensor` (DCP's container of a ragged shard, with
 :func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`), and
 :func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
@@ -18,6 +19,7 @@ record (``_param``), a unit's group (``_param_group``), reductions in flight (``
 
 from ._metrics import RuntimeStats
 from ._ragged_tensor import RaggedTensor, gather_full, local_flat, to_ragged_tensor
+from ._sharded_grad import ShardedGrad
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
     FSDPBackend,
@@ -37,6 +39,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "RaggedTensor",
     "RuntimeStats",
+    "ShardedGrad",
     "UnshardHandle",
     "error_feedback_state",
     "full_parameters",

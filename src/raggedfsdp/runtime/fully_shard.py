@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -272,7 +271,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     them after, as forward does (FSDP2's function; a no-op on a module not sharded by
     ``rf.fully_shard``, as FSDP2's is). torch's own ``register_fsdp_forward_method`` routes
     raggedfsdp modules here when it is looked up after ``import raggedfsdp``
-    (:func:`_route_torch_register`); a reference bound before that does nothing to them."""
+    (:func:`raggedfsdp.integration.install`); a reference bound before that does nothing to
+    them."""
     state = state_of(module)
     if state is None:
         return
@@ -288,28 +288,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
-
-
-def _route_torch_register() -> None:
-    """torch's ``register_fsdp_forward_method`` returns silently for modules that are not
-    FSDP2's; make it hand raggedfsdp's modules to :func:`register_fsdp_forward_method` (and the
-    rest to torch's, unchanged), where torch exports it. Idempotent."""
-    torch_register = torch_fsdp.register_fsdp_forward_method
-    if getattr(torch_register, "_raggedfsdp", False):
-        return
-
-    @functools.wraps(torch_register)
-    def route(module: nn.Module, method_name: str) -> None:
-        if state_of(module) is not None:
-            return register_fsdp_forward_method(module, method_name)
-        return torch_register(module, method_name)
-
-    route._raggedfsdp = True  # type: ignore[attr-defined]
-    for exporter in (torch_fsdp, torch_fsdp._fully_shard):
-        exporter.register_fsdp_forward_method = route
-
-
-_route_torch_register()
 
 
 def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
