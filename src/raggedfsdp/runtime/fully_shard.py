@@ -494,12 +494,13 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
     ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
     units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    devices; on an accelerator the shards, gradients and optimizer state live on the host and
-    only the unsharded parameters on the device (not with a compressed all-gather).
-    ``ignored_params`` stay unsharded and unmanaged (their gradients are not reduced), as in
-    FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by blocks
-    (:class:`CommCompression`; a ``planner`` given too must carry the same one, and
-    ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
+    devices (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator the shards,
+    gradients and optimizer state live on the host and only the unsharded parameters on the
+    device (not with a compressed all-gather). ``ignored_params`` stay unsharded and unmanaged
+    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather
+    and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must
+    carry the same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed
+    reduce-scatter)."""
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
