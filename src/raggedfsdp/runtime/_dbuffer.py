@@ -135,33 +135,37 @@ class DBuffer:
         # ragged shards]); None for a one-rank layout, whose gradients stay plain tensors.
         self.grad_group = None if self.world_size == 1 else (group or dist.group.WORLD)
         by_name = {r.fqn: r for r in registrations}
-        self.params: list[FSDPParam] = []  # in buffer order
-        shard_start = rank * self.shard_numel
-        for fqn, entry in plan.entries.items():
-            registration = by_name[fqn]
-            original = registration.param
-            start, end = plan.local_range(fqn, rank)
-            layout = plan.layout(fqn)
-            lo = entry.offset + start - shard_start
-            view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
-            if original.device.type != "meta":
-                view.copy_(layout.to_local(original.detach().to(view.device), rank))
-            sharded = nn.Parameter(view, requires_grad=original.requires_grad)
-            mark_sharded(sharded, ShardInfo(layout, rank, group))
-            unsharded = nn.Parameter(  # its data (a view) is bound in bind_full
-                torch.empty(0, dtype=comm_dtype, device=device),
-                requires_grad=original.requires_grad,
-            )
-            self.params.append(
-                FSDPParam(
-                    registration,
-                    offset=entry.offset,
-                    local_start=lo,
-                    local_end=lo + end - start,
-                    sharded=sharded,
-                    unsharded=unsharded,
-                )
-            )
+        #: in buffer order
+        self.params = [self._shard(by_name[fqn], group) for fqn in plan.entries]
+
+    def _shard(
+        self, registration: Registration, group: torch.distributed.ProcessGroup | None
+    ) -> FSDPParam:
+        """The record of one parameter: its sharded form, a view of ``local`` filled with this
+        rank's piece of the original (unless on the meta device), and its unsharded form,
+        whose data :meth:`bind_full` binds."""
+        plan, rank, original = self.plan, self.rank, registration.param
+        entry = plan.entries[registration.fqn]
+        start, end = plan.local_range(entry.name, rank)
+        layout = plan.layout(entry.name)
+        lo = entry.offset + start - rank * self.shard_numel
+        view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
+        if original.device.type != "meta":
+            view.copy_(layout.to_local(original.detach().to(view.device), rank))
+        sharded = nn.Parameter(view, requires_grad=original.requires_grad)
+        mark_sharded(sharded, ShardInfo(layout, rank, group))
+        unsharded = nn.Parameter(
+            torch.empty(0, dtype=self.comm_dtype, device=self.device),
+            requires_grad=original.requires_grad,
+        )
+        return FSDPParam(
+            registration,
+            offset=entry.offset,
+            local_start=lo,
+            local_end=lo + end - start,
+            sharded=sharded,
+            unsharded=unsharded,
+        )
 
     @property
     def full_numel(self) -> int:

@@ -1,8 +1,9 @@
 """One FSDP unit's parameters: its buckets, and unshard / reshard / reduce over them.
 
-Layering runs one way: hooks (``_hooks.py``) -> this group -> collectives -> DBuffers.
-The group owns the state of its parameters and of their reductions in flight; the hooks only
-decide *when* to call it.
+Layering runs one way: hooks (``_hooks.py``) -> this group -> each bucket's strategies
+(``_comm.py``, ``compression/``) -> collectives -> DBuffers. The group chooses each bucket's
+strategies once, when it builds the bucket, and owns the state of its parameters and of their
+reductions in flight; the hooks only decide *when* to call it.
 """
 
 from __future__ import annotations
