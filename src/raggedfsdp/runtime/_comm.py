@@ -84,9 +84,9 @@ class AllGather(ABC):
         return
 
 
-class _TorchAllGather(AllGather):
-    """The all-gather of ``_collectives.all_gather`` (NCCL's in place, Gloo's point to point)
-    of a shard that each subclass puts somewhere (:meth:`_shard`)."""
+class _PlainAllGather(AllGather):
+    """The plain all-gather of the values themselves, ``_collectives.all_gather`` (NCCL's in
+    place, Gloo's point to point), of a shard each subclass puts somewhere (:meth:`_shard`)."""
 
     def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
         self.group = group
@@ -116,7 +116,7 @@ class _TorchAllGather(AllGather):
         return full[self.rank * size : (self.rank + 1) * size]
 
 
-class InPlaceAllGather(_TorchAllGather):
+class InPlaceAllGather(_PlainAllGather):
     """Zero copy, no cast: the shard is sent from where it lies."""
 
     whole_from_local = True
@@ -127,7 +127,7 @@ class InPlaceAllGather(_TorchAllGather):
         return local
 
 
-class CastAllGather(_TorchAllGather):
+class CastAllGather(_PlainAllGather):
     """Mixed precision: the master shard is cast into its slot of the ``param_dtype`` buffer;
     this cast is the only copy, and the all-gather then runs in place."""
 
@@ -140,7 +140,7 @@ class CastAllGather(_TorchAllGather):
         return slot
 
 
-class HostOffloadAllGather(_TorchAllGather):
+class HostOffloadAllGather(_PlainAllGather):
     """CPU offload: the host shard is copied into its device slot (cast there under mixed
     precision, ``HostOffload.to_device``): the only copy. Parameters this rank holds whole are
     views of ``full`` too, never of host memory the compute must not read."""
@@ -157,7 +157,7 @@ class HostOffloadAllGather(_TorchAllGather):
         return slot
 
 
-class CopyInAllGather(_TorchAllGather):
+class CopyInAllGather(_PlainAllGather):
     """``zero_copy=False``: FSDP2-style copy-in of the shard, kept for A/B measurement."""
 
     def _shard(

@@ -1,10 +1,10 @@
 """The hooks of a ``fully_shard``-ed module, and what the units under one root share.
 
 [Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
-  reduce queue and scratch pool, plan check across ranks). The unit issues its all-gather if not
-  prefetched, prefetches the next unit's (order recorded in the first iteration), then waits for
-  its own.
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's
+  name, shared stats, reduce queue and scratch pool, plan check across ranks). The unit issues
+  its all-gather if not prefetched, prefetches the next unit's (order recorded in the first
+  iteration), then waits for its own.
 - Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
   ran forward last when gradients are on: its backward comes first), and hook the outputs so
   that the first gradient flowing into them unshards the unit again (pre-backward; the root's
