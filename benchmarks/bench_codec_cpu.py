@@ -48,7 +48,7 @@ def _counted(fn: Callable[..., None], totals: dict[str, float]) -> Callable[...,
 def _rank(rank: int, world: int, system: str, steps: int) -> dict[str, Any]:
     from raggedfsdp.bench.options import BenchOptions
     from raggedfsdp.bench.systems import build, make_batches
-    from raggedfsdp.runtime import _codec
+    from raggedfsdp.runtime.compression import _codec
 
     torch.set_num_threads(1)
     totals = {kind: dict.fromkeys(_COUNTERS, 0.0) for kind in ("quantize", "dequantize")}

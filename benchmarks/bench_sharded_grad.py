@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # genera
 import raggedfsdp as rf
 from generated_docs import write_section
 from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.runtime._state import states_under
+from raggedfsdp.runtime._hooks import states_under
 from raggedfsdp.spawn import run_on_ranks
 
 

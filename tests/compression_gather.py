@@ -12,7 +12,7 @@ from torch import nn
 import raggedfsdp as rf
 from parity_models import OddModel
 from raggedfsdp.planner import QuantBlock, quant_block
-from raggedfsdp.runtime._quant import dequantize, quantize
+from raggedfsdp.runtime.compression._quant import dequantize, quantize
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 POLICIES = {"element": None, "tiles4x8": (4, 8), "whole": "whole"}  # rows: rows4-copy
@@ -42,26 +42,27 @@ def _unsharded_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _compressions(model: nn.Module) -> list:
-    from raggedfsdp.runtime._state import states_under
+    """Every bucket's quantized all-gather."""
+    from raggedfsdp.runtime._hooks import states_under
 
-    return [s.group._compressed[id(b)] for s in states_under(model) for b in s.group.buckets]
+    return [b.gather for s in states_under(model) for b in s.group.buckets]
 
 
 def _messages(model: nn.Module) -> dict[str, tuple[bytes, list[float]]]:
     """This rank's codes and scales of each of its pieces, from the quantized shards the
     all-gathers sent (for the comparison across world sizes)."""
-    from raggedfsdp.runtime._state import states_under
+    from raggedfsdp.runtime._hooks import states_under
 
     out = {}
     for state in states_under(model):
         group = state.group
         for bucket in group.buckets:
-            compressed = group._compressed[id(bucket)]
-            codec, message = compressed.codec, compressed._quantized
+            codec, message = bucket.gather.codec, bucket.gather._quantized
             assert message is not None
             for piece in codec.pieces[bucket.rank]:
                 codes = codec.codes(message, torch.uint8)[piece.elements]
-                out[piece.name] = (bytes(codes.tolist()), codec.scales(message)[piece.scales])
+                name = group.qualify(piece.name)  # the codec's names are the unit's own
+                out[name] = (bytes(codes.tolist()), codec.scales(message)[piece.scales])
     return out
 
 

@@ -19,8 +19,7 @@ from raggedfsdp.cli import main
 from raggedfsdp.layout import RaggedShard
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.runtime._codec import BucketCodec
-from raggedfsdp.runtime._compressed import BucketCompression
+from raggedfsdp.runtime.compression import BucketCodec, Residual
 from raggedfsdp.train import config as train_config
 
 BOTH = CompressionSpec(all_gather=torch.float8_e4m3fn, reduce_scatter=torch.int8)
@@ -38,18 +37,24 @@ def test_message_bytes_are_the_runtime_codec(policy, world):
         assert message_bytes(plan, shard, None) == codec.message_bytes, plan.name
 
 
-def test_compression_state_is_what_the_runtime_keeps():
+@pytest.mark.parametrize("storage", ["int8", "bf16", "fp32"])
+def test_compression_state_is_what_the_runtime_keeps(storage):
     shard = RaggedShard(block_size=4)
-    comp = rf.CommCompression(all_gather=torch.int8, reduce_scatter=torch.int8, error_feedback=True)
+    comp = rf.CommCompression(
+        all_gather=torch.int8,
+        reduce_scatter=torch.int8,
+        error_feedback=True,
+        residual_storage=storage,
+    )
     options = CapacityOptions(batch=1, seq_len=8, block_size=4, compression=comp)
     report = capacity_report("gpt-tiny", [3], hardware("cpu-gloo"), options, find_smallest=False)
     module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
     plans = StructAwarePlanner(shard_policy=shard, compression=comp).plan_model(module, 3)
     runtime = 0
     for plan in plans:
-        bucket = BucketCompression(plan, shard, comp, torch.device("cpu"))
-        assert bucket.residual is not None
-        runtime += bucket.residual.nbytes + bucket.codec.message_bytes  # + the quantized shard
+        codec = BucketCodec(plan, shard, comp.block_size)
+        residual = Residual(codec, comp.residual_storage, torch.device("cpu"))
+        runtime += residual.nbytes + codec.message_bytes  # + the quantized shard
     assert report.worlds[0].systems["raggedfsdp"].memory.compression == runtime
     assert report.worlds[0].systems["fsdp2"].memory.compression == 0
 

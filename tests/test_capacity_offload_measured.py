@@ -1,11 +1,11 @@
 """The capacity planner's CPU-offload split against the runtime's own counters: real Gloo ranks
-on the offload copy path (``forcing_host_copies``, the same code an accelerator runs), W = 2 and
-3 (one launch each, every case inside it), two models, two optimizers, and two variants (bf16
-mixed precision, an int8 reduce-scatter with error feedback) that put something besides the
-unsharded units on the device. Predicted host bytes equal ``stats()["offloaded_bytes"]``, the
-device's persistent bytes ``persistent_bytes - offloaded_bytes``, the host optimizer state the
-optimizer's own, and the unsharded high-water mark (with bf16's pooled staging) the runtime's,
-exactly.
+on the offload copy path (``DBufferConfig(host_copies_on_cpu=True)``, the same code an
+accelerator runs), W = 2 and 3 (one launch each, every case inside it), two models, two
+optimizers, and two variants (bf16 mixed precision, an int8 reduce-scatter with error feedback)
+that put something besides the unsharded units on the device. Predicted host bytes equal
+``stats()["offloaded_bytes"]``, the device's persistent bytes ``persistent_bytes -
+offloaded_bytes``, the host optimizer state the optimizer's own, and the unsharded high-water
+mark (with bf16's pooled staging) the runtime's, exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from raggedfsdp.capacity.shapes import model_shape
 from raggedfsdp.capacity.wire import CompressionSpec, message_bytes
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.planner import StructAwarePlanner
-from raggedfsdp.runtime._offload import forcing_host_copies
 from raggedfsdp.train.build import optimizer_bytes
 
 WORLDS = (2, 3)
@@ -63,15 +62,15 @@ def _step(rank: int, world: int, case: str) -> dict[str, int]:
     kwargs: dict[str, Any] = {
         "planner": _planner(optimizer, variant),
         "offload_policy": CPUOffloadPolicy(pin_memory=False),
+        "dbuffer_config": rf.DBufferConfig(host_copies_on_cpu=True),
     }
     if variant == "bf16":
         kwargs["mp_policy"] = rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if variant == "int8-ef":
         kwargs["compression"] = _INT8_EF
-    with forcing_host_copies():
-        for block in model.blocks:
-            rf.fully_shard(block, **kwargs)
-        rf.fully_shard(model, **kwargs)
+    for block in model.blocks:
+        rf.fully_shard(block, **kwargs)
+    rf.fully_shard(model, **kwargs)
     opt_class = torch.optim.AdamW if optimizer == "adamw" else rf.optim.AdamW8bit
     opt = opt_class(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(rank)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import raggedfsdp as rf
 from compression_reduce import SHAPES, Probe
 from harness import error_message, run_distributed
-from raggedfsdp.runtime._codec import BucketCodec
+from raggedfsdp.runtime.compression import BucketCodec
 
 pytestmark = pytest.mark.slow
 

@@ -1,11 +1,13 @@
 """``offload_policy=CPUOffloadPolicy()``'s copy path (host shards, device unsharded buffers), run
-on CPU with ``forcing_host_copies`` (the same code, separate host buffers): the same training as
-without it, bit for bit, and as FSDP2's offload; the buffers where they belong; a control that
-breaks the copy; checkpoints. One Gloo launch of 2 ranks; the tests judge its collected results.
+on CPU with ``DBufferConfig(host_copies_on_cpu=True)`` (the same code, separate host buffers):
+the same training as without it, bit for bit, and as FSDP2's offload; the buffers where they
+belong; a control that breaks the copy; checkpoints. One Gloo launch of 2 ranks; the tests judge
+its collected results.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel, make_batches
-from raggedfsdp.runtime._collectives import _is_gloo
-from raggedfsdp.runtime._offload import (
-    HostOffload,
-    check_host_backend,
-    forcing_host_copies,
-    offload_for,
-)
+from raggedfsdp.runtime._offload import HostOffload, check_host_backend, offload_for
+from raggedfsdp.runtime._transport import is_gloo
 from raggedfsdp.spawn import run_on_ranks
 
 WORLD = 2
@@ -40,10 +37,11 @@ def _model(offload: bool, **kwargs: Any) -> nn.Module:
     model = OddModel()
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    with forcing_host_copies():
-        for block in model.blocks:
-            rf.fully_shard(block, **kwargs)
-        rf.fully_shard(model, **kwargs)
+    config = kwargs.get("dbuffer_config", rf.DBufferConfig())
+    kwargs["dbuffer_config"] = dataclasses.replace(config, host_copies_on_cpu=True)
+    for block in model.blocks:
+        rf.fully_shard(block, **kwargs)
+    rf.fully_shard(model, **kwargs)
     return model
 
 
@@ -322,8 +320,7 @@ def test_cpu_offload_policy_is_accepted_on_an_accelerator():
     assert offload.pin_memory == torch.accelerator.is_available()
     assert offload_for(CPUOffloadPolicy(), torch.device("cpu")) is None
     assert offload_for(None, cuda) is None
-    with forcing_host_copies():
-        forced = offload_for(CPUOffloadPolicy(), torch.device("cpu"))
+    forced = offload_for(CPUOffloadPolicy(), torch.device("cpu"), host_copies_on_cpu=True)
     assert isinstance(forced, HostOffload) and not forced.pin_memory
 
 
@@ -350,7 +347,7 @@ def _per_device_backends(rank: int, world: int) -> dict[str, Any]:
     gloo = DeviceMesh.from_group(torch.distributed.new_group(backend="gloo"), "cpu")
     out: dict[str, Any] = {
         "backend": str(torch.distributed.get_backend()),
-        "gloo_carries_cpu": _is_gloo(None, torch.device("cpu")),
+        "gloo_carries_cpu": is_gloo(None, torch.device("cpu")),
     }
     for name, mesh in (("per_device", None), ("gloo", gloo)):
         model = _model(True, compression=int8, mesh=mesh)

@@ -10,9 +10,9 @@ import torch
 
 import raggedfsdp as rf
 from raggedfsdp.planner import QuantBlock, quant_block
-from raggedfsdp.runtime import _quant
-from raggedfsdp.runtime._codec import BucketCodec
-from raggedfsdp.runtime._quant import CODE_MAX, dequantize, quantize
+from raggedfsdp.runtime.compression import BucketCodec, Residual, _quant
+from raggedfsdp.runtime.compression._quant import CODE_MAX, dequantize, quantize
+from raggedfsdp.runtime.compression._reduce_scatter import quantize_gradient
 
 CODE_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -166,6 +166,8 @@ def test_comm_compression_validates():
         rf.CommCompression(all_gather=torch.int8, block_size=(4, 0))
     with pytest.raises(ValueError, match=r"error_feedback=True.*reduce_scatter"):
         rf.CommCompression(all_gather=torch.int8, error_feedback=True)
+    with pytest.raises(ValueError, match=r"residual_storage must be one of.*'fp16'"):
+        rf.CommCompression(reduce_scatter=torch.int8, residual_storage="fp16")  # type: ignore[arg-type]
 
 
 def test_planner_units_keep_quantization_blocks_whole():
@@ -234,22 +236,19 @@ def test_128x128_tiles_move_a_quarter_of_fp32():
 def accumulated_error(storage: str | None, steps: int, dtype=torch.float8_e5m2) -> float:
     """Sum of ``steps`` quantized copies of one fixed gradient against the true sum, through a
     bucket's reduce-scatter quantization (one rank) with residuals stored as ``storage``."""
-    from raggedfsdp.runtime._compressed import BucketCompression
-
-    comp = rf.CommCompression(reduce_scatter=dtype, error_feedback=storage is not None)
+    comp = rf.CommCompression(
+        reduce_scatter=dtype, error_feedback=storage is not None, residual_storage=storage or "int8"
+    )
     policy = rf.RaggedShard(block_size=(4, 8))
     plan = rf.StructAwarePlanner(shard_policy=policy, compression=comp).plan({"w": (16, 24)}, 1)
-    BucketCompression.residual_storage = storage or "fp32"
-    try:
-        bucket = BucketCompression(plan, policy, comp, torch.device("cpu"))
-    finally:
-        BucketCompression.residual_storage = "int8"
+    codec = BucketCodec(plan, policy, comp.block_size)
+    residual = Residual(codec, comp.residual_storage, torch.device("cpu")) if storage else None
     gradient = torch.randn(plan.total_numel, generator=torch.Generator().manual_seed(0))
-    message = torch.empty(bucket.codec.message_bytes, dtype=torch.uint8)
+    message = torch.empty(codec.message_bytes, dtype=torch.uint8)
     total = torch.zeros(plan.total_numel)
     for _ in range(steps):
-        bucket._quantize_gradient(gradient, message)
-        bucket.codec.decode(message, 0, total, dtype, accumulate=True)
+        quantize_gradient(codec, dtype, residual, gradient, message)
+        codec.decode(message, 0, total, dtype, accumulate=True)
     return (total - steps * gradient).abs().max().item()
 
 

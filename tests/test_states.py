@@ -9,8 +9,8 @@ from torch import nn
 
 import raggedfsdp as rf
 from harness import run_distributed
-from raggedfsdp.runtime._state import state_of
-from raggedfsdp.runtime._states import RootPhase, TrainingState, check_state
+from raggedfsdp.runtime._hooks import state_of
+from raggedfsdp.runtime._state_machine import RootPhase, TrainingState, check_state
 
 
 def test_check_state_names_rank_unit_and_states() -> None:

@@ -8,11 +8,17 @@ The layers, each a room of its own (imports flow down this list only):
   importing it nor imported by it, ``capacity``: the cost model (memory, bytes and time per
   step of a plan, raggedfsdp beside FSDP2; pure Python, no group)
 - ``checkpoint``  full state dicts, optimizer state for DCP; ``optim``, ``clip``, ``materialize``
+- ``integration`` what raggedfsdp changes in torch, installed by its ``install()``
 - ``train``, ``bench``  the job (the torchrun worker and its launch), the benchmark
 - ``cli``         the ``raggedfsdp`` commands, each ``configure(parser)`` and ``run(args)``
+
+Importing the package calls :func:`raggedfsdp.integration.install` once (idempotent): torch's
+``register_fsdp_forward_method``, ``clip_grad_norm_`` and
+``torch.distributed.checkpoint.state_dict`` then handle raggedfsdp's sharded modules. It is the
+only change to torch made at import.
 """
 
-from . import optim
+from . import integration, optim
 from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_
 from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
@@ -55,3 +61,5 @@ __all__ = [
     "shard_info",
     "shard_size_lower_bound",
 ]
+
+integration.install()

@@ -485,8 +485,10 @@ def compression_state_bytes(
     for unit in units:
         if compression.all_gather is not None:
             total += sum(unit.messages)
-        if compression.error_feedback:  # needs a compressed reduce-scatter: messages
-            total += world_size * unit.trainable_messages
+        if compression.error_feedback:  # W per trainable bucket: int8 messages, or fp32 / bf16 [S]
+            itemsize = {"fp32": 4, "bf16": 2}.get(getattr(compression, "residual_storage", "int8"))
+            share = unit.trainable_shard_numel * itemsize if itemsize else unit.trainable_messages
+            total += world_size * share
     return total
 
 

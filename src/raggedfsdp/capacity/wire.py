@@ -2,11 +2,10 @@
 error-feedback residuals, and the memory traffic of quantizing and dequantizing.
 
 A bucket's *message* is what one rank sends per peer under compression, laid out as the
-runtime's codec lays it out (``runtime/_codec.py``): its shard's ``S`` one-byte codes padded to
-4 bytes, then one fp32 scale per quantization block of its pieces, padded to the largest count
-of any rank (all messages of a bucket have one size). The planner keeps every block whole
-(:mod:`raggedfsdp.planner.quant_blocks`), so a rank's pieces are whole blocks and the counts
-follow from the plan.
+runtime's codec lays it out (``runtime/compression/_codec.py``): its shard's ``S`` one-byte codes
+padded to 4 bytes, then one fp32 scale per quantization block of its pieces, padded to the largest
+count of any rank (all messages of a bucket have one size). The planner keeps every block whole
+(:mod:`.quant_blocks`), so a rank's pieces are whole blocks and the counts follow from the plan.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Offers :func:`full_state_dict` (the unwrapped model's state, full, on every rank) and the
 optimizer's state as DCP-reshardable values (:func:`optim_state_dict`,
 :func:`load_optim_state_dict`, :func:`init_optimizer_state`). A sharded model's own
-``state_dict()`` is reshardable already (its hooks live in the runtime). Importing it makes
-torch's ``torch.distributed.checkpoint.state_dict`` right over ragged shards (``_torch_dsd``).
+``state_dict()`` is reshardable already (its hooks live in the runtime).
+:func:`install_torch_dsd` makes torch's ``torch.distributed.checkpoint.state_dict`` right over
+ragged shards (``_torch_dsd``); :func:`raggedfsdp.integration.install` calls it.
 """
 
 from ._model_state import full_state_dict
@@ -14,14 +15,13 @@ from ._optim_state import (
     load_optim_state_dict,
     optim_state_dict,
 )
-from ._torch_dsd import install as _install_torch_dsd
-
-_install_torch_dsd()
+from ._torch_dsd import install as install_torch_dsd
 
 __all__ = [
     "expected_entries",
     "full_state_dict",
     "init_optimizer_state",
+    "install_torch_dsd",
     "load_optim_state_dict",
     "optim_state_dict",
 ]

@@ -4,7 +4,8 @@
 FSDP2's parameters and optimizer state are DTensors, which ``get_model_state_dict`` /
 ``get_optimizer_state_dict`` (DSD) gather for ``full_state_dict=True`` and DCP reshards. Ours are
 plain local tensors; the model's ``state_dict()`` already turns them into RaggedTensors (see
-[Note: ragged shards in DCP]). Two things make the rest of DSD right, installed once at import:
+[Note: ragged shards in DCP]). Two things make the rest of DSD right, installed once by
+:func:`install` (which ``raggedfsdp.integration.install`` calls at ``import raggedfsdp``):
 
 1. **Full state**: DSD gathers through ``_gather_state_dict``, whose walk
    (``torch.distributed._state_dict_utils._iterate_state_dict``) dispatches on a closed list of
@@ -30,8 +31,8 @@ plain local tensors; the model's ``state_dict()`` already turns them into Ragged
 
 Both are contained: the gather wrapper hands everything else to torch's function, and an
 optimizer without sharded parameters gets no hooks. If a torch release moves either wrapped
-function, the import-time check in :func:`install` raises rather than letting a state dict be
-wrong.
+function, the check in :func:`install` (at ``import raggedfsdp``) raises rather than letting a
+state dict be wrong.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ error rather than a hang.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,15 +15,19 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .._host import backend_for
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
+from ._transport import (
+    Tag,
+    all_gather_tensor,
+    exchange,
+    is_gloo,
+    peers,
+    reduce_scatter_tensor,
+    world_tensor,
+)
 
 __all__ = ["Pending", "all_gather", "all_reduce", "reduce_scatter"]
-
-# torch >= 2.13 names the tensor forms *_single and deprecates the old names; 2.6 has only these.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -82,10 +85,10 @@ def all_gather(
     with record_function("raggedfsdp::all_gather"):
         nbytes = shard.numel() * shard.element_size()
         stats.note_all_gather(nbytes, uncompressed_bytes=nbytes)
-        if _is_gloo(group, output.device):
+        if is_gloo(group, output.device):
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
-            work = _all_gather_tensor(output, shard, group=group, async_op=async_op)
+            work = all_gather_tensor(output, shard, group=group, async_op=async_op)
             pending = Pending.of(work, stats)
     if not async_op:
         pending.wait()
@@ -100,9 +103,9 @@ def _gloo_all_gather(
     own_ranges: Sequence[tuple[int, int]] | None,
 ) -> Pending:
     size = shard.numel()
-    rank, peers = _peers(group)
-    transfers = [(peer, shard, output[peer * size : (peer + 1) * size]) for peer in peers]
-    works = _exchange(transfers, group, _TAG_ALL_GATHER)
+    rank, others = peers(group)
+    transfers = [(peer, shard, output[peer * size : (peer + 1) * size]) for peer in others]
+    works = exchange(transfers, group, Tag.ALL_GATHER)
     own = output[rank * size : (rank + 1) * size]
     if own.data_ptr() != shard.data_ptr():
         for start, end in [(0, size)] if own_ranges is None else own_ranges:
@@ -133,10 +136,10 @@ def reduce_scatter(
     with record_function("raggedfsdp::reduce_scatter"):
         nbytes = full.numel() * full.element_size()
         stats.note_reduce_scatter(nbytes, uncompressed_bytes=nbytes)
-        if _is_gloo(group, full.device):
+        if is_gloo(group, full.device):
             pending = _gloo_reduce_scatter(output, full, group, stats, scratch)
         else:
-            work = _reduce_scatter_tensor(
+            work = reduce_scatter_tensor(
                 output, full, op=dist.ReduceOp.AVG, group=group, async_op=async_op
             )
             pending = Pending.of(work, stats)
@@ -153,21 +156,21 @@ def _gloo_reduce_scatter(
     scratch: BufferPool | None,
 ) -> Pending:
     size = output.numel()
-    rank, peers = _peers(group)
-    world = len(peers) + 1
+    rank, others = peers(group)
+    world = len(others) + 1
     numel = (world - 1) * size
     if scratch is not None:
         received = scratch.take(numel, full.dtype, full.device)
     else:
         received = torch.empty(numel, dtype=full.dtype, device=full.device)
     chunks = {rank: full[rank * size : (rank + 1) * size]}
-    for i, peer in enumerate(peers):
+    for i, peer in enumerate(others):
         chunks[peer] = received[i * size : (i + 1) * size]
-    transfers = [(peer, full[peer * size : (peer + 1) * size], chunks[peer]) for peer in peers]
-    works = _exchange(transfers, group, _TAG_REDUCE_SCATTER)
+    transfers = [(peer, full[peer * size : (peer + 1) * size], chunks[peer]) for peer in others]
+    works = exchange(transfers, group, Tag.REDUCE_SCATTER)
 
     def mean() -> None:
-        divisor = _world_tensor(world, output.dtype, output.device)
+        divisor = world_tensor(world, output.dtype, output.device)
         if world == 1:
             torch.div(chunks[0], divisor, out=output)
         else:
@@ -180,46 +183,6 @@ def _gloo_reduce_scatter(
             scratch.give(received)
 
     return Pending(works, stats, mean)
-
-
-# Point-to-point tags of the Gloo collectives: distinct per kind, so an all-gather and a
-# reduce-scatter in flight at once between the same two ranks never match each other's messages.
-_TAG_ALL_GATHER = 1
-_TAG_REDUCE_SCATTER = 2
-
-
-def _peers(group: dist.ProcessGroup | None) -> tuple[int, list[int]]:
-    """This rank's index in ``group`` and every other member's, starting after this rank so
-    that no member is everyone's first peer."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    return rank, [(rank + step) % world for step in range(1, world)]
-
-
-def _exchange(
-    transfers: list[tuple[int, torch.Tensor, torch.Tensor]],
-    group: dist.ProcessGroup | None,
-    tag: int,
-) -> list[dist.Work]:
-    """For each ``(peer, send, receive)`` (peer: its rank in ``group``), post the send of
-    ``send`` to it and the receive of its message into ``receive``; returns the handles."""
-    works = []
-    for peer, send, receive in transfers:
-        to = peer if group is None else dist.get_global_rank(group, peer)
-        works.append(dist.isend(send, to, group=group, tag=tag))
-        works.append(dist.irecv(receive, to, group=group, tag=tag))
-    return works
-
-
-def _is_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
-    """Whether Gloo carries ``device``'s tensors in ``group``."""
-    return backend_for(group, device.type) == "gloo"
-
-
-@functools.cache
-def _world_tensor(world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``world`` as a 0-d tensor, made once: dividing by a Python number would convert it to a
-    tensor on every call."""
-    return torch.tensor(world, dtype=dtype, device=device)
 
 
 def all_reduce(

@@ -33,6 +33,7 @@ from torch import nn
 
 from ..layout import ShardInfo, mark_sharded
 from ..planner import ShardPlan
+from ._comm import AllGather, ReduceScatter
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._sharded_grad import as_sharded_grad
@@ -93,8 +94,9 @@ class DBuffer:
     """The buffers of one bucket and the views that make parameters and gradients out of them.
 
     ``full`` is a view into a :class:`FlatStorage` and ``full_grad`` into a pooled block, both
-    owned by the unit's parameter group (which allocates and frees them); the collectives that
-    fill the buffers live in ``_collectives.py``.
+    owned by the unit's parameter group (which allocates and frees them). How the buffers are
+    communicated is the bucket's own, chosen once when it is built ([Note: one strategy per
+    bucket] in ``_comm.py``): ``gather`` fills ``full``, ``reduce`` reads ``full_grad``.
     """
 
     def __init__(
@@ -106,9 +108,11 @@ class DBuffer:
         group: torch.distributed.ProcessGroup | None,
         comm_dtype: torch.dtype,
         device: torch.device,
+        gather: AllGather,
+        reduce: ReduceScatter | None,
         offload: HostOffload | None = None,
     ) -> None:
-        self.plan = plan
+        self.plan = plan  # named below the unit's module (FSDPParamGroup.named_plans)
         self.rank = rank
         self.world_size = plan.world_size
         self.shard_numel = plan.shard_numel
@@ -117,6 +121,8 @@ class DBuffer:
         self.dtype = first.dtype  # master dtype of the local shard
         self.comm_dtype = comm_dtype
         self.requires_grad = first.requires_grad
+        self.gather = gather  # fills ``full`` from every rank's ``local``
+        self.reduce = reduce  # reduces ``full_grad`` to this rank's shard; None when frozen
         # Zeros, so the padding between parameters is deterministic in every collective.
         self.local = (  # 1-D [S]; on the host under CPU offload
             torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
@@ -129,48 +135,52 @@ class DBuffer:
         # ragged shards]); None for a one-rank layout, whose gradients stay plain tensors.
         self.grad_group = None if self.world_size == 1 else (group or dist.group.WORLD)
         by_name = {r.fqn: r for r in registrations}
-        self.params: list[FSDPParam] = []  # in buffer order
-        shard_start = rank * self.shard_numel
-        for fqn, entry in plan.entries.items():
-            registration = by_name[fqn]
-            original = registration.param
-            start, end = plan.local_range(fqn, rank)
-            layout = plan.layout(fqn)
-            lo = entry.offset + start - shard_start
-            view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
-            if original.device.type != "meta":
-                view.copy_(layout.to_local(original.detach().to(view.device), rank))
-            sharded = nn.Parameter(view, requires_grad=original.requires_grad)
-            mark_sharded(sharded, ShardInfo(layout, rank, group))
-            unsharded = nn.Parameter(  # its data (a view) is bound in bind_full
-                torch.empty(0, dtype=comm_dtype, device=device),
-                requires_grad=original.requires_grad,
-            )
-            self.params.append(
-                FSDPParam(
-                    registration,
-                    offset=entry.offset,
-                    local_start=lo,
-                    local_end=lo + end - start,
-                    sharded=sharded,
-                    unsharded=unsharded,
-                )
-            )
+        #: in buffer order
+        self.params = [self._shard(by_name[fqn], group) for fqn in plan.entries]
+
+    def _shard(
+        self, registration: Registration, group: torch.distributed.ProcessGroup | None
+    ) -> FSDPParam:
+        """The record of one parameter: its sharded form, a view of ``local`` filled with this
+        rank's piece of the original (unless on the meta device), and its unsharded form,
+        whose data :meth:`bind_full` binds."""
+        plan, rank, original = self.plan, self.rank, registration.param
+        entry = plan.entries[registration.fqn]
+        start, end = plan.local_range(entry.name, rank)
+        layout = plan.layout(entry.name)
+        lo = entry.offset + start - rank * self.shard_numel
+        view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
+        if original.device.type != "meta":
+            view.copy_(layout.to_local(original.detach().to(view.device), rank))
+        sharded = nn.Parameter(view, requires_grad=original.requires_grad)
+        mark_sharded(sharded, ShardInfo(layout, rank, group))
+        unsharded = nn.Parameter(
+            torch.empty(0, dtype=self.comm_dtype, device=self.device),
+            requires_grad=original.requires_grad,
+        )
+        return FSDPParam(
+            registration,
+            offset=entry.offset,
+            local_start=lo,
+            local_end=lo + end - start,
+            sharded=sharded,
+            unsharded=unsharded,
+        )
 
     @property
     def full_numel(self) -> int:
         return self.world_size * self.shard_numel
 
-    def bind_full(
-        self, full: torch.Tensor, param_buffer: torch.Tensor, *, whole_from_local: bool
-    ) -> None:
+    def bind_full(self, full: torch.Tensor, param_buffer: torch.Tensor) -> None:
         """Attach the all-gather output ``full`` and make the unsharded parameters views of
         ``param_buffer``: ``full`` itself with zero copy, or a separate buffer that the
         FSDP2-style path copies into.
 
-        With ``whole_from_local`` (zero copy, no cast) a parameter this rank holds whole is a
-        view of ``local`` instead: its unsharded form *is* its shard, so the all-gather need
-        not place it in ``full`` (see ``own_ranges``)."""
+        When the all-gather sends the shard as it lies (``gather.whole_from_local``: zero copy,
+        no cast, no offload, no compression) a parameter this rank holds whole is a view of
+        ``local`` instead: its unsharded form *is* its shard, so the all-gather need not place
+        it in ``full`` (see ``own_ranges``)."""
+        whole_from_local = self.gather.whole_from_local
         self.full = full
         own_ranges = []
         for param in self.params:

@@ -12,8 +12,8 @@ holds only unsharded buffers. Around the collectives, which run on the compute d
   fresh host buffer, and the sharded gradients are views of it.
 
 The path is written against a compute device and the host only, so it runs on a CPU device too:
-:func:`forcing_host_copies` (tests only) makes a CPU unit take it, with separate host buffers and
-the same copies, which is how it is tested without an accelerator.
+``DBufferConfig(host_copies_on_cpu=True)`` makes a CPU unit take it, with separate host buffers
+and the same copies, which is how it is tested without an accelerator.
 
 [Note: non-blocking offload copies] From and to *pinned* host memory, copies are issued with
 ``non_blocking=True``: stream order already makes the device side safe (the all-gather and the
@@ -29,9 +29,6 @@ asynchronous anyway, and from it would be unsafe).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
@@ -39,34 +36,20 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
 
-__all__ = ["HostOffload", "check_host_backend", "forcing_host_copies", "offload_for"]
+__all__ = ["HostOffload", "check_host_backend", "offload_for"]
 
 _HOST = torch.device("cpu")
 
-# Set only by forcing_host_copies (tests): CPU units take the offload path too.
-_force_host_copies = False
 
-
-@contextmanager
-def forcing_host_copies() -> Iterator[None]:
-    """Tests only: units sharded inside this block with ``CPUOffloadPolicy`` on a CPU device
-    take the offload path (separate host buffers and copies) instead of meeting the policy as
-    is; it lets the copies be tested without an accelerator."""
-    global _force_host_copies
-    previous, _force_host_copies = _force_host_copies, True
-    try:
-        yield
-    finally:
-        _force_host_copies = previous
-
-
-def offload_for(policy: OffloadPolicy | None, device: torch.device) -> HostOffload | None:
+def offload_for(
+    policy: OffloadPolicy | None, device: torch.device, *, host_copies_on_cpu: bool = False
+) -> HostOffload | None:
     """The offload a unit on ``device`` runs with: ``None`` without a ``CPUOffloadPolicy`` and on
     a CPU device, where the policy is met as is (everything is on the host already) unless
-    :func:`forcing_host_copies` is on."""
+    ``host_copies_on_cpu`` (``DBufferConfig.host_copies_on_cpu``) asks for the copy path."""
     if not isinstance(policy, CPUOffloadPolicy):
         return None
-    if device.type == "cpu" and not _force_host_copies:
+    if device.type == "cpu" and not host_copies_on_cpu:
         return None
     # Pinning needs an accelerator runtime (it fails without one, DESIGN.md).
     pin = policy.pin_memory and device.type != "cpu" and torch.accelerator.is_available()

@@ -39,6 +39,8 @@ class FSDPParam:
         sharded: nn.Parameter,
         unsharded: nn.Parameter,
     ) -> None:
+        #: its name below the unit's module, the key of the unit's plan (the model's name is
+        #: ``FSDPParamGroup.qualify(fqn)`` once the root has named the unit)
         self.fqn = registration.fqn
         #: every (module, attribute) the parameter is registered under
         self.owners = registration.owners

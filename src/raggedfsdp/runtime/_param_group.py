@@ -1,8 +1,9 @@
 """One FSDP unit's parameters: its buckets, and unshard / reshard / reduce over them.
 
-Layering runs one way: hooks (``_state.py``) -> this group -> collectives -> DBuffers.
-The group owns the state of its parameters and of their reductions in flight; the hooks only
-decide *when* to call it.
+Layering runs one way: hooks (``_hooks.py``) -> this group -> each bucket's strategies
+(``_comm.py``, ``compression/``) -> collectives -> DBuffers. The group chooses each bucket's
+strategies once, when it builds the bucket, and owns the state of its parameters and of their
+reductions in flight; the hooks only decide *when* to call it.
 """
 
 from __future__ import annotations
@@ -10,23 +11,33 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.profiler import record_function
 
 from ..layout import RaggedShard
-from ..planner import StructAwarePlanner, unit_buckets
-from ._collectives import Pending, all_gather, all_reduce, reduce_scatter
-from ._compressed import BucketCompression
+from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
+from ._collectives import Pending, all_gather
+from ._comm import (
+    AllGather,
+    BucketReduce,
+    CastAllGather,
+    CastReduceScatter,
+    CopyInAllGather,
+    HostOffloadAllGather,
+    InPlaceAllGather,
+    InPlaceReduceScatter,
+    ReduceScatter,
+)
 from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._pool import BufferPool
-from ._reduce import BucketReduce, ReduceQueue
-from ._states import ShardedState, TrainingState, check_state
+from ._reduce import ReduceQueue
+from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
+from .compression import BucketCodec, QuantizedAllGather, QuantizedReduceScatter, Residual
 
 __all__ = ["FSDPParamGroup", "SharedResources"]
 
@@ -77,7 +88,7 @@ class FSDPParamGroup:
         config: DBufferConfig,
         mp_policy: MixedPrecisionPolicy | None,
         device: torch.device,
-        label: str,
+        module_name: str,
         compression: CommCompression | None = None,
         offload: HostOffload | None = None,
     ) -> None:
@@ -86,20 +97,19 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.device = device  # the compute device; the shards' too unless offloaded
         self.offload = offload  # CPU offload: the shards on the host (_offload.py)
-        self.path = ""  # the module's path below the root (set_path); names buckets and params
-        self.label = label  # for errors and profiler ranges: the path once known
+        #: the module's path below its root, given once by the root's lazy init (bind); until
+        #: then the unit is named by its module's class (``module_name``)
+        self.path: str | None = None
+        self._module_name = module_name
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.knobs = Knobs()  # FSDP2's per-unit settings (FSDPModule.set_*)
-        self._unreplicated: dict[int, torch.Tensor] = {}  # id(bucket) -> reduced shard
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
-        self._reduces: list[BucketReduce] = []  # this unit's reductions, from issue to finish
-        self.buckets = self._build_buckets(registrations, planner)
-        self._compression = (planner.shard_policy, compression)
-        #: each bucket's compressed collectives, by id(bucket); none without compression
-        self._compressed = _compressions(self.buckets, *self._compression, device)
+        #: this unit's reductions, one per trainable bucket in order, from issue to finish
+        self._reduces: list[BucketReduce] = []
+        self.buckets = self._build_buckets(registrations, planner, compression)
         #: every parameter of the unit, bucket by bucket in buffer order
         self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
         # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
@@ -111,7 +121,7 @@ class FSDPParamGroup:
         gathered = _views(self._gather_storage)
         param_buffers = _views(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
-            bucket.bind_full(full, param_buffer, whole_from_local=self._whole_from_local(bucket))
+            bucket.bind_full(full, param_buffer)
         for storage in self._gather_storage + self._param_storage:
             storage.free()  # views taken; memory only while unsharded
         # The unsharded gradients of all trainable buckets: one pooled block per backward,
@@ -126,62 +136,80 @@ class FSDPParamGroup:
 
     # -- construction --------------------------------------------------------------------------
 
-    def reduce_dtype(self, bucket: DBuffer) -> torch.dtype:
-        if self.mp_policy.reduce_dtype is not None and bucket.dtype.is_floating_point:
-            return self.mp_policy.reduce_dtype
-        return bucket.comm_dtype
-
     def _build_buckets(
-        self, registrations: list[Registration], planner: StructAwarePlanner
+        self,
+        registrations: list[Registration],
+        planner: StructAwarePlanner,
+        compression: CommCompression | None,
     ) -> list[DBuffer]:
         """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
-        same function ``plan_model`` uses), each planned and made a DBuffer."""
+        same function ``plan_model`` uses, named below the unit's module), each planned and
+        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``)."""
         by_name = {r.fqn: r for r in registrations}
         buckets = unit_buckets(
-            self.path,
+            "",
             [(r.fqn, r.param) for r in registrations],
             param_dtype=self.mp_policy.param_dtype,
             buffer_size=self.config.buffer_size,
         )
-        return [
-            DBuffer(
-                planner.plan_bucket(bucket, self.mesh_info.shard_size),
-                [by_name[name] for name in bucket.params],
-                rank=self.mesh_info.shard_rank,
-                group=self.mesh_info.shard_group,
-                comm_dtype=bucket.comm_dtype,
-                device=self.device,
-                offload=self.offload,
+        out = []
+        for bucket in buckets:
+            plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
+            gather, reduce = self._collectives(bucket, plan, planner.shard_policy, compression)
+            out.append(
+                DBuffer(
+                    plan,
+                    [by_name[name] for name in bucket.params],
+                    rank=self.mesh_info.shard_rank,
+                    group=self.mesh_info.shard_group,
+                    comm_dtype=bucket.comm_dtype,
+                    device=self.device,
+                    gather=gather,
+                    reduce=reduce,
+                    offload=self.offload,
+                )
             )
-            for bucket in buckets
-        ]
+        return out
 
-    def _whole_from_local(self, bucket: DBuffer) -> bool:
-        """Whether parameters this rank holds whole are views of its shard when unsharded (see
-        ``DBuffer.bind_full``): with zero copy and no cast; not when a compressed all-gather
-        dequantizes every parameter, the rank's own ones too, nor under offload, where the shard
-        is host memory that the compute must not read."""
-        return (
-            self.config.zero_copy
-            and bucket.comm_dtype == bucket.dtype
-            and self._compressed_gather(bucket) is None
-            and self.offload is None
-        )
-
-    def set_path(self, path: str) -> None:
-        """This unit's module is ``path`` below the module ``fully_shard`` was last applied to
-        (the root): its buckets and parameters take names from there, as ``plan_model`` gives
-        them."""
-        old = self.path
-        for bucket in self.buckets:
-            names = [_repath(n, old, path) for n in bucket.plan.model_order]
-            bucket.plan = bucket.plan.renamed(names, _repath_bucket(bucket.plan.name, path))
-        for param in self.params:
-            param.fqn = _repath(param.fqn, old, path)
-        # Named as the plans now are (nothing is quantized before the first forward).
-        self._compressed = _compressions(self.buckets, *self._compression, self.device)
-        self.path = path
-        self.label = path or "<root>"
+    def _collectives(
+        self,
+        bucket: Bucket,
+        plan: ShardPlan,
+        policy: RaggedShard,
+        compression: CommCompression | None,
+    ) -> tuple[AllGather, ReduceScatter | None]:
+        """The bucket's all-gather and (trainable buckets) reduce-scatter, chosen once: all
+        they depend on is fixed by now. For each, the first that applies: compressed, then
+        (all-gather) offloaded, cast, in place, copied in; (reduce-scatter) cast, in place."""
+        info = self.mesh_info
+        codec = None
+        if compression is not None and compression.enabled:
+            codec = _codec(bucket, plan, policy, compression)
+        gather: AllGather
+        if codec is not None and compression.all_gather is not None:
+            gather = QuantizedAllGather(
+                info.shard_group, codec, compression.all_gather, self.qualify
+            )
+        elif self.offload is not None:
+            gather = HostOffloadAllGather(info.shard_group, info.shard_rank, self.offload)
+        elif bucket.comm_dtype != bucket.dtype:
+            gather = CastAllGather(info.shard_group, info.shard_rank)
+        elif self.config.zero_copy:
+            gather = InPlaceAllGather(info.shard_group, info.shard_rank)
+        else:
+            gather = CopyInAllGather(info.shard_group, info.shard_rank)
+        if not bucket.requires_grad:
+            return gather, None
+        if codec is not None and compression.reduce_scatter is not None:
+            residual = None
+            if compression.error_feedback:
+                residual = Residual(codec, compression.residual_storage, self.device)
+            dtype = compression.reduce_scatter
+            return gather, QuantizedReduceScatter(info, codec, dtype, residual, self.qualify)
+        reduce_dtype = self.mp_policy.reduce_dtype
+        if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
+            return gather, InPlaceReduceScatter(info, plan.shard_numel)
+        return gather, CastReduceScatter(info, plan.shard_numel, reduce_dtype)
 
     def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
         """One storage for all ``buckets`` (``group_level``), or one each."""
@@ -192,17 +220,46 @@ class FSDPParamGroup:
             return [FlatStorage(sizes, self.device)]
         return [FlatStorage([size], self.device) for size in sizes]
 
-    def bind(self, shared: SharedResources) -> None:
-        """Use the root's shared resources (once, at the root's lazy init)."""
+    def bind(self, shared: SharedResources, path: str) -> None:
+        """Join the root, once, at its lazy init: use its shared resources, and take the unit's
+        name, its module's ``path`` below the root (as FSDP2's ``_init_fqns``): errors,
+        profiler ranges and the parameters named in them say it from now on."""
         if self._shared is not None and self._shared is not shared:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
                 f"fully_shard to the root once and run forward through it"
             )
         self._shared = shared
+        self.path = path
 
     @property
-    def _ctx(self) -> SharedResources:
+    def label(self) -> str:
+        """The unit in errors and profiler ranges: its path below the root once named, before
+        that its module's class."""
+        if self.path is None:
+            return self._module_name
+        return self.path or "<root>"
+
+    def qualify(self, name: str) -> str:
+        """A parameter's name in this unit's plans (below the unit's module) as the model
+        names it: with the unit's path once the root has named the unit."""
+        return f"{self.path}.{name}" if self.path else name
+
+    def named_plans(self, path: str) -> list[ShardPlan]:
+        """The unit's plans with the names ``StructAwarePlanner.plan_model`` gives them when
+        the unit's module is ``path`` below the planned module (``""``: the unit's own)."""
+        if not path:
+            return [bucket.plan for bucket in self.buckets]
+        return [
+            bucket.plan.renamed(
+                [f"{path}.{name}" for name in bucket.plan.model_order],
+                _bucket_name(bucket.plan.name, path),
+            )
+            for bucket in self.buckets
+        ]
+
+    @property
+    def shared(self) -> SharedResources:
         if self._shared is None:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} was used before its root's first forward "
@@ -212,11 +269,11 @@ class FSDPParamGroup:
 
     @property
     def stats(self) -> RuntimeStats:
-        return self._ctx.stats
+        return self.shared.stats
 
     @property
     def _pool(self) -> BufferPool:
-        return self._ctx.pool if self.config.group_level else self._ctx.unpooled
+        return self.shared.pool if self.config.group_level else self.shared.unpooled
 
     def _allocate(self, storages: list[FlatStorage]) -> None:
         """Allocate the storages not yet allocated."""
@@ -259,7 +316,11 @@ class FSDPParamGroup:
             self._allocate(self._gather_storage)
             self._gathered_versions = self._shard_versions()
             for bucket in self.buckets:
-                self._pending_unshard.append(self._all_gather(bucket))
+                assert bucket.full is not None
+                pending = bucket.gather.all_gather(
+                    bucket.full, bucket.local, self.stats, self._pool, own_ranges=bucket.own_ranges
+                )
+                self._pending_unshard.append(pending)
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
@@ -270,40 +331,6 @@ class FSDPParamGroup:
     def _stale(self) -> bool:
         """Whether a shard changed in place since it was gathered."""
         return self._shard_versions() != self._gathered_versions
-
-    def _compressed_gather(self, bucket: DBuffer) -> BucketCompression | None:
-        compressed = self._compressed.get(id(bucket))
-        return compressed if compressed and compressed.config.all_gather else None
-
-    def _compressed_scatter(self, bucket: DBuffer) -> BucketCompression | None:
-        compressed = self._compressed.get(id(bucket))
-        return compressed if compressed and compressed.config.reduce_scatter else None
-
-    def _all_gather(self, bucket: DBuffer) -> Pending:
-        full = bucket.full
-        assert full is not None
-        compressed = self._compressed_gather(bucket)
-        if compressed is not None:
-            group = self.mesh_info.shard_group
-            return compressed.all_gather(full, bucket.local, group, self.stats, self._pool)
-        rank, size = bucket.rank, bucket.shard_numel
-        if self.offload is not None:  # the host shard into its device slot: the only copy
-            shard = full[rank * size : (rank + 1) * size]
-            self.offload.to_device(shard, bucket.local, self._pool, self.stats)
-        elif full.dtype != bucket.dtype:
-            # Mixed precision: cast the fp32 shard into its slot of the bf16 buffer; this cast
-            # is the only copy, and the all-gather then runs in place.
-            shard = full[rank * size : (rank + 1) * size]
-            shard.copy_(bucket.local)
-            self.stats.add_copy(shard)
-        elif self.config.zero_copy:
-            shard = bucket.local
-        else:
-            shard = bucket.local.clone()  # FSDP2-style copy-in, for A/B measurement
-            self.stats.add_copy(shard)
-        return all_gather(
-            full, shard, self.mesh_info.shard_group, self.stats, own_ranges=bucket.own_ranges
-        )
 
     def wait_for_unshard(self) -> None:
         """Wait for the all-gathers and hand the modules the unsharded parameters."""
@@ -397,9 +424,9 @@ class FSDPParamGroup:
             if self.knobs.requires_gradient_sync and self._trainable:
                 # Every rank joins the reduce-scatter, whether or not gradients reached it.
                 self._take_grad_block()
-                self._ctx.reduce_queue.make_room()
+                self.shared.reduce_queue.make_room()
                 self._reduce_scatter()
-                self._ctx.reduce_queue.push(self)
+                self.shared.reduce_queue.push(self)
             if self.knobs.reshard_after_backward:
                 self.reshard()
 
@@ -411,75 +438,39 @@ class FSDPParamGroup:
                 f"is unfinished"
             )
         for bucket in self._trainable:
-            full_grad = bucket.full_grad
-            assert full_grad is not None
-            compressed = self._compressed_scatter(bucket)
-            if compressed is not None:
-                # Summed in fp32 (fully_shard refuses another reduce_dtype).
-                output = torch.empty(bucket.shard_numel, dtype=torch.float32, device=self.device)
-                scatter = compressed.reduce_scatter(
-                    output,
-                    full_grad,
-                    self.mesh_info.shard_group,
-                    self.stats,
-                    self._pool,
-                    replicated=self.mesh_info.replicate_group is not None,
-                )
-                self._reduces.append(BucketReduce(bucket, scatter, output, full_grad))
-                continue
-            reduce_dtype = self.reduce_dtype(bucket)
-            scatter_input = full_grad
-            if reduce_dtype != full_grad.dtype:
-                scatter_input = full_grad.to(reduce_dtype)
-                self.stats.add_copy(scatter_input)
-            # A fresh [S] buffer: when no sharded gradient is held it becomes the gradient
-            # itself (the sharded grads are views of it), so it lives exactly as long as they
-            # do and zero_grad(set_to_none=True) frees it, as in FSDP2.
-            output = torch.empty(bucket.shard_numel, dtype=reduce_dtype, device=self.device)
-            scatter = reduce_scatter(
-                output, scatter_input, self.mesh_info.shard_group, self.stats, scratch=self._pool
-            )
-            self._reduces.append(BucketReduce(bucket, scatter, output, scatter_input))
+            assert bucket.full_grad is not None
+            reduce = _reducer(bucket).reduce_scatter(bucket.full_grad, self.stats, self._pool)
+            self._reduces.append(reduce)
 
     def finish_reduce_scatter(self) -> bool:
         """Wait for this unit's reduce-scatters; its unsharded gradients are read, so their
-        block goes back to the pool. Under HSDP issue the all-reduces over the replicas and
-        return ``True`` (:meth:`finish_reduce` then waits for them)."""
-        replicate_group = self.mesh_info.replicate_group
-        for item in self._reduces:
+        block goes back to the pool. Under HSDP issue the all-reduces over the replicas (or
+        keep the shards for a later backward: ``requires_all_reduce`` off) and return whether
+        any was issued (:meth:`finish_reduce` then waits for them)."""
+        replicated = self.mesh_info.replicate_group is not None
+        for bucket, item in zip(self._trainable, self._reduces, strict=True):
             item.scatter.wait()
             item.scatter_input = None
-            if replicate_group is not None:
-                self._replicate(item, replicate_group)
+            if replicated:
+                all_reduce_now = self.knobs.requires_all_reduce
+                _reducer(bucket).replicate(item, self.stats, all_reduce_now=all_reduce_now)
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
         assert self._grad_block is not None
         self._pool.give(self._grad_block)
         self._grad_block = None
-        return replicate_group is not None and self.knobs.requires_all_reduce
-
-    def _replicate(self, item: BucketReduce, group: dist.ProcessGroup) -> None:
-        """HSDP: all-reduce the reduced shard over the replicas, with what earlier backwards
-        without the all-reduce left; or keep it for a later backward to add."""
-        held = self._unreplicated.pop(id(item.bucket), None)
-        if held is not None:
-            item.output.add_(held)
-        if self.knobs.requires_all_reduce:
-            item.replicate = all_reduce(item.output, group, self.stats)
-        else:
-            self._unreplicated[id(item.bucket)] = item.output
+        return replicated and self.knobs.requires_all_reduce
 
     def finish_reduce(self) -> None:
         """Wait for the all-reduces over the replicas (HSDP); the reduced shards become the
-        sharded gradients."""
-        for item in self._reduces:
+        sharded gradients, unless kept for a later backward's all-reduce."""
+        for bucket, item in zip(self._trainable, self._reduces, strict=True):
+            reduce = _reducer(bucket)
             if item.replicate is not None:
                 item.replicate.wait()
-                compressed = self._compressed_scatter(item.bucket)
-                if compressed is not None:
-                    compressed.check_replicated(item.output)
-            if id(item.bucket) not in self._unreplicated:  # a gradient of every replica
-                self._attach_reduced(item.bucket, self._divided(item.output))
+                reduce.check_replicated(item.output)
+            if reduce.unreplicated is None:  # a gradient of every replica
+                self._attach_reduced(bucket, self._divided(item.output))
         self._reduces.clear()
 
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:
@@ -522,8 +513,8 @@ class FSDPParamGroup:
         elif self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # no all-gather left in flight past the iteration
         if self.knobs.requires_gradient_sync:  # no optimizer step between no_sync micro-batches
-            for compressed in self._compressed.values():
-                compressed.drop_quantized_shard()
+            for bucket in self.buckets:
+                bucket.gather.shard_may_change()
         if self.offload is not None:
             self.offload.wait()  # the optimizer may read the gradients and write the shards
         self.training_state = TrainingState.IDLE
@@ -543,41 +534,41 @@ class FSDPParamGroup:
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residual of each bucket that keeps one, by bucket name:
-        the tensors themselves (loading copies into them)."""
+    def error_feedback_state(self, path: str) -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residual of each bucket that keeps one, by the bucket's
+        name when the unit's module is ``path`` below the model (as :meth:`named_plans`): the
+        tensors themselves (loading copies into them)."""
         out = {}
-        for bucket in self.buckets:
-            compressed = self._compressed.get(id(bucket))
-            if compressed is not None and compressed.residual is not None:
-                out[bucket.plan.name] = compressed.residual.data
+        for bucket in self._trainable:
+            residual = _reducer(bucket).error_feedback_state()
+            if residual is not None:
+                out[_bucket_name(bucket.plan.name, path)] = residual
         return out
 
     def persistent_bytes(self) -> int:
-        residuals = sum(r.numel() * r.element_size() for r in self.residuals().values())
-        return residuals + sum(bucket.persistent_bytes() for bucket in self.buckets)
+        residuals = self.error_feedback_state("").values()
+        return sum(r.numel() * r.element_size() for r in residuals) + sum(
+            bucket.persistent_bytes() for bucket in self.buckets
+        )
 
 
-def _compressions(
-    buckets: list[DBuffer],
-    policy: RaggedShard,
-    compression: CommCompression | None,
-    device: torch.device,
-) -> dict[int, BucketCompression]:
-    """Each bucket's :class:`BucketCompression` (by ``id``); floating parameters only."""
-    if compression is None or not compression.enabled:
-        return {}
-    for bucket in buckets:
-        if not bucket.dtype.is_floating_point:
-            raise ValueError(
-                f"parameter {bucket.params[0].fqn!r} is {bucket.dtype}: compressed "
-                f"communication quantizes floating-point parameters only; make it a buffer or "
-                f"shard it without compression"
-            )
-    return {
-        id(b): BucketCompression(b.plan, policy, compression, device, trainable=b.requires_grad)
-        for b in buckets
-    }
+def _codec(
+    bucket: Bucket, plan: ShardPlan, policy: RaggedShard, compression: CommCompression
+) -> BucketCodec:
+    """The bucket's codec under ``compression``: floating-point parameters only."""
+    if not bucket.dtype.is_floating_point:
+        raise ValueError(
+            f"parameter {next(iter(bucket.params))!r} is {bucket.dtype}: compressed "
+            f"communication quantizes floating-point parameters only; make it a buffer or "
+            f"shard it without compression"
+        )
+    return BucketCodec(plan, policy, compression.block_size)
+
+
+def _reducer(bucket: DBuffer) -> ReduceScatter:
+    """The reduce-scatter of a trainable bucket (frozen buckets have none)."""
+    assert bucket.reduce is not None
+    return bucket.reduce
 
 
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
@@ -585,14 +576,7 @@ def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     return [view for storage in storages for view in storage.views]
 
 
-def _repath(name: str, old: str, new: str) -> str:
-    """A parameter's name under unit path ``old``, renamed under ``new``."""
-    if old and not name.startswith(f"{old}."):
-        raise RuntimeError(f"raggedfsdp: parameter {name!r} is not under unit path {old!r}")
-    relative = name[len(old) + 1 :] if old else name
-    return f"{new}.{relative}" if new else relative
-
-
-def _repath_bucket(name: str, new: str) -> str:
-    """``<path>/<dtype>.../<i>`` with the path replaced."""
-    return f"{new or '<root>'}/{name.split('/', 1)[1]}"
+def _bucket_name(name: str, path: str) -> str:
+    """A unit's bucket ``<root>/<dtype>[/frozen]/<i>`` named for the unit at ``path`` (as
+    ``unit_buckets`` names it there)."""
+    return f"{path or '<root>'}/{name.split('/', 1)[1]}"

@@ -1,6 +1,6 @@
 """Gradient reductions in flight, and the order in which they are finished.
 
-A unit issues the reduce-scatters of all its buckets together (:class:`BucketReduce` holds one
+A unit issues the reduce-scatters of all its buckets together (``_comm.BucketReduce`` holds one
 bucket's); the unit's parameter group owns them and finishes them. The :class:`ReduceQueue`,
 shared by every unit of a model, only decides *when*: before a unit issues its own, those of
 earlier units are finished (oldest first) until fewer than ``depth`` units have any in flight,
@@ -13,15 +13,9 @@ stays in flight through the next unit's backward.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
-from ._collectives import Pending
-from ._dbuffer import DBuffer
-
-__all__ = ["BucketReduce", "ReduceQueue", "Reducing"]
+__all__ = ["ReduceQueue", "Reducing"]
 
 
 class Reducing(Protocol):
@@ -34,22 +28,6 @@ class Reducing(Protocol):
     def finish_reduce(self) -> None:
         """Wait for those all-reduces; the reduced shards become the sharded gradients."""
         ...
-
-
-@dataclass
-class BucketReduce:
-    """One bucket's gradient reduction: its reduce-scatter, then (HSDP) the all-reduce over the
-    replicas; owned by the bucket's parameter group from issue to finish."""
-
-    bucket: DBuffer
-    scatter: Pending
-    #: 1-D [S] in the reduce dtype: the reduce-scatter writes it; it becomes the sharded
-    #: gradients (or is added to them)
-    output: torch.Tensor
-    #: what the reduce-scatter reads (the unsharded gradients, or their cast), kept alive until
-    #: it is done
-    scatter_input: torch.Tensor | None
-    replicate: Pending | None = None  # HSDP: the all-reduce of ``output``, once issued
 
 
 class ReduceQueue:

@@ -19,7 +19,9 @@ are what the forward, the optimizer and ``state_dict`` see every step, and torch
 is called by name from user code and libraries, so patching it would miss ``from torch.nn.utils
 import clip_grad_norm_`` bound earlier. Gradients are touched only by the optimizer and the clip;
 the optimizer's ``_foreach_*`` calls pass through ``__torch_function__`` once per call (the cost
-is measured in docs/results/runtime.md).
+is measured in docs/results/runtime.md). torch's norm and clip utilities take their fused
+(foreach) path only for the tensor types it lists, so :func:`raggedfsdp.integration.install`
+lists this one there, as DTensor lists itself (torch/distributed/tensor/__init__.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._foreach_utils import _foreach_supported_types
 from torch.utils._pytree import tree_map
 
 __all__ = ["PartialNorm", "ShardedGrad", "as_sharded_grad"]
@@ -69,12 +70,6 @@ class ShardedGrad(torch.Tensor):
         """Saved (``torch.save``, pickle) as what it holds: this rank's piece, a plain tensor;
         a process group cannot travel."""
         return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
-
-
-# torch's norm and clip utilities take their fused (foreach) path only for the tensor types listed
-# here; DTensor registers itself the same way (torch/distributed/tensor/__init__.py).
-if ShardedGrad not in _foreach_supported_types:
-    _foreach_supported_types.append(ShardedGrad)
 
 
 def as_sharded_grad(grad: torch.Tensor, group: dist.ProcessGroup | None) -> ShardedGrad:

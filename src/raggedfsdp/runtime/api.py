@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-__all__ = ["CommCompression", "DBufferConfig", "MixedPrecisionPolicy"]
+__all__ = ["CommCompression", "DBufferConfig", "MixedPrecisionPolicy", "ResidualStorage"]
+
+#: How error-feedback residuals are stored (``CommCompression.residual_storage``).
+ResidualStorage = Literal["int8", "bf16", "fp32"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,11 +31,17 @@ class DBufferConfig:
         buffer_size: a unit's parameters are split into buckets of at most this many bytes (in
             the communication dtype); a single larger parameter gets its own bucket; ``None`` makes
             each unit one bucket per dtype.
+        host_copies_on_cpu: with ``offload_policy=CPUOffloadPolicy()`` on a CPU device, keep
+            the shards in separate host buffers and copy them to and from the unsharded buffers
+            as on an accelerator, instead of meeting the policy as is (on CPU everything is on
+            the host already). It runs the accelerator's offload path on CPU, for tests and
+            measurements; no effect without that policy or on an accelerator.
     """
 
     zero_copy: bool = True
     group_level: bool = True
     buffer_size: int | None = None
+    host_copies_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         if self.buffer_size is not None and (
@@ -124,12 +134,18 @@ class CommCompression:
             policy's tiles.
         error_feedback: each rank keeps what quantizing its gradient dropped and adds it to its
             next gradient before quantizing (needs ``reduce_scatter``).
+        residual_storage: how error feedback stores the residual (one ``[W*S]`` per trainable
+            bucket per rank): ``"int8"`` (codes and a scale per quantization block, a quarter of
+            fp32's memory) keeps the error of a long sum of gradients where ``"fp32"`` keeps it;
+            ``"bf16"`` (half) lets it drift further (docs/compression.md). Only read with
+            ``error_feedback``.
     """
 
     all_gather: torch.dtype | None = None
     reduce_scatter: torch.dtype | None = None
     block_size: int | tuple[int, int] | None = None
     error_feedback: bool = False
+    residual_storage: ResidualStorage = "int8"
 
     def __post_init__(self) -> None:
         _check_code_dtype("all_gather", self.all_gather, ALL_GATHER_DTYPES)
@@ -149,6 +165,11 @@ class CommCompression:
         if not isinstance(self.error_feedback, bool):
             raise ValueError(
                 f"CommCompression.error_feedback must be a bool, got {self.error_feedback!r}"
+            )
+        if self.residual_storage not in get_args(ResidualStorage):
+            raise ValueError(
+                f"CommCompression.residual_storage must be one of "
+                f"{list(get_args(ResidualStorage))}, got {self.residual_storage!r}"
             )
         if self.error_feedback and self.reduce_scatter is None:
             raise ValueError(

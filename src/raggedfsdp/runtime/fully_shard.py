@@ -1,7 +1,7 @@
 """``fully_shard`` / ``FSDPBackend``: shard a module in place, and the methods it then has.
 
 ``fully_shard`` builds one :class:`~._param_group.FSDPParamGroup` (the unit's buckets and
-buffers) and one :class:`~._state.FSDPState` (its hooks) per module, and extends the module's
+buffers) and one :class:`~._hooks.FSDPState` (its hooks) per module, and extends the module's
 class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unchanged.
 """
 
@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
-import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -24,12 +23,12 @@ from torch.distributed.tensor.placement_types import Placement
 from .._host import peak_rss_bytes
 from ..layout import RaggedShard
 from ..planner import ShardPlan, StructAwarePlanner, WrapPolicy, wrap_units
+from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info
 from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
-from ._state import FSDPState, state_of, states_under
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -174,13 +173,13 @@ class FSDPModule:
         them on the host under CPU offload) and padding."""
         state = self._fsdp_state
         states = self._all_states()
-        stats = state.ctx.resources.stats if state.ctx else RuntimeStats()
+        stats = state.ctx.shared.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
         out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
         # under CPU offload the shards and their gradients are on the host (residuals are not)
         offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
         out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)
-        plans = self.shard_plans()
+        plans = [b.plan for s in states for b in s.group.buckets]  # the numbers, not the names
         out["padding_numel"] = sum(p.padding_numel for p in plans)
         out["param_numel"] = sum(p.param_numel for p in plans)
         out["process_peak_rss_bytes"] = peak_rss_bytes()
@@ -193,12 +192,13 @@ class FSDPModule:
         held stays counted."""
         state = self._fsdp_state
         if state.ctx is not None:
-            state.ctx.resources.stats.reset()
+            state.ctx.shared.stats.reset()
 
     def shard_plans(self) -> list[ShardPlan]:
         """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in the order
-        and with the names of ``StructAwarePlanner.plan_model``."""
-        return [b.plan for s in self._all_states() for b in s.group.buckets]
+        and with the names of ``StructAwarePlanner.plan_model`` applied to this module."""
+        named = named_states_under(cast(nn.Module, self))
+        return [plan for path, state in named for plan in state.group.named_plans(path)]
 
 
 class UnshardHandle:
@@ -271,7 +271,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     them after, as forward does (FSDP2's function; a no-op on a module not sharded by
     ``rf.fully_shard``, as FSDP2's is). torch's own ``register_fsdp_forward_method`` routes
     raggedfsdp modules here when it is looked up after ``import raggedfsdp``
-    (:func:`_route_torch_register`); a reference bound before that does nothing to them."""
+    (:func:`raggedfsdp.integration.install`); a reference bound before that does nothing to
+    them."""
     state = state_of(module)
     if state is None:
         return
@@ -287,28 +288,6 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state._post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
-
-
-def _route_torch_register() -> None:
-    """torch's ``register_fsdp_forward_method`` returns silently for modules that are not
-    FSDP2's; make it hand raggedfsdp's modules to :func:`register_fsdp_forward_method` (and the
-    rest to torch's, unchanged), where torch exports it. Idempotent."""
-    torch_register = torch_fsdp.register_fsdp_forward_method
-    if getattr(torch_register, "_raggedfsdp", False):
-        return
-
-    @functools.wraps(torch_register)
-    def route(module: nn.Module, method_name: str) -> None:
-        if state_of(module) is not None:
-            return register_fsdp_forward_method(module, method_name)
-        return torch_register(module, method_name)
-
-    route._raggedfsdp = True  # type: ignore[attr-defined]
-    for exporter in (torch_fsdp, torch_fsdp._fully_shard):
-        exporter.register_fsdp_forward_method = route
-
-
-_route_torch_register()
 
 
 def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
@@ -364,13 +343,14 @@ def _check_fsdp2_arguments(
 def _offload(
     offload_policy: OffloadPolicy | None,
     device: torch.device,
+    config: DBufferConfig,
     compression: CommCompression | None,
     info: MeshInfo,
 ) -> HostOffload | None:
-    """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU);
-    refused with a compressed all-gather, which quantizes the shard where it lies, and over
-    groups that cannot reduce host tensors."""
-    offload = offload_for(offload_policy, device)
+    """What a ``CPUOffloadPolicy`` asks on ``device`` (``_offload.py``: nothing more on CPU
+    unless ``config.host_copies_on_cpu``); refused with a compressed all-gather, which quantizes
+    the shard where it lies, and over groups that cannot reduce host tensors."""
+    offload = offload_for(offload_policy, device, host_copies_on_cpu=config.host_copies_on_cpu)
     if offload is None:
         return None
     check_host_backend([g for g in (info.shard_group, info.replicate_group) if g])
@@ -451,15 +431,6 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def _name_units(module: nn.Module) -> None:
-    """Units take their names from the outermost module sharded so far, as plan_model names
-    them."""
-    for path, sub in module.named_modules():
-        state = state_of(sub)
-        if state is not None:
-            state.group.set_path(path)
-
-
 def _mark_sharded(registrations: list[Registration], module: nn.Module) -> None:
     for registration in registrations:
         unit = f"{type(module).__name__} (as {registration.fqn!r})"
@@ -523,12 +494,13 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
     ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
     units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    devices; on an accelerator the shards, gradients and optimizer state live on the host and
-    only the unsharded parameters on the device (not with a compressed all-gather).
-    ``ignored_params`` stay unsharded and unmanaged (their gradients are not reduced), as in
-    FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by blocks
-    (:class:`CommCompression`; a ``planner`` given too must carry the same one, and
-    ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
+    devices (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator the shards,
+    gradients and optimizer state live on the host and only the unsharded parameters on the
+    device (not with a compressed all-gather). ``ignored_params`` stay unsharded and unmanaged
+    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather
+    and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must
+    carry the same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed
+    reduce-scatter)."""
     _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     if state_of(module) is not None:
         raise ValueError(
@@ -540,21 +512,21 @@ def fully_shard(
     registrations = _registrations(module, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
-    offload = _offload(offload_policy, device, planner.compression, info)
+    config = dbuffer_config or DBufferConfig()
+    offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
         registrations,
         mesh_info=info,
         planner=planner,
-        config=dbuffer_config or DBufferConfig(),
+        config=config,
         mp_policy=MixedPrecisionPolicy.of(mp_policy),
         device=device,
-        label=type(module).__name__,
+        module_name=type(module).__name__,
         compression=planner.compression,
         offload=offload,
     )
     FSDPState(module, group, reshard_after_forward)
     _mark_sharded(registrations, module)
-    _name_units(module)
     if not isinstance(module, FSDPModule):
         module.__class__ = _fsdp_class(type(module))
     return cast(FSDPModule, module)

@@ -13,17 +13,17 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ._state import states_under
+from ._hooks import named_states_under
 
 __all__ = ["error_feedback_state", "load_error_feedback_state"]
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's residuals by bucket name (views of the live tensors; empty without error
-    feedback). Not a collective."""
+    """This rank's residuals by bucket name, as ``plan_model(model)`` names the buckets (the
+    live tensors; empty without error feedback). Not a collective."""
     out: dict[str, torch.Tensor] = {}
-    for state in states_under(model):
-        out.update(state.group.residuals())
+    for path, state in named_states_under(model):
+        out.update(state.group.error_feedback_state(path))
     return out
 
 

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ..planner import QuantBlock
+from ...planner import QuantBlock
 
 __all__ = ["CODE_MAX", "dequantize", "quantize"]
 

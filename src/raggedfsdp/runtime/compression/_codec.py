@@ -17,7 +17,11 @@ sender (the first in rank order) and raises the same error at the same point of 
 before any rank enters another collective, without an extra collective or byte on the wire.
 Under HSDP the other replica groups receive nothing from the poisoned group but its all-reduce:
 there the poisoned ranks defer the error, fill their reduced shards with NaN, and after the
-all-reduce every rank of every group finds it (:meth:`BucketCompression.check_replicated`).
+all-reduce every rank of every group finds it (:meth:`QuantizedReduceScatter.check_replicated`).
+
+Parameters are named as the bucket's plan names them (below the unit's module); the collectives
+qualify a name with the unit's path when they raise, so the codec is built once and never
+renamed.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layout import RaggedShard
-from ..planner import QuantBlock, ShardPlan, quant_block
+from ...layout import RaggedShard
+from ...planner import QuantBlock, ShardPlan, quant_block
 from ._quant import dequantize, quantize
 
 __all__ = ["BucketCodec", "Piece"]
@@ -159,15 +163,14 @@ class BucketCodec:
             return None
         return self.names[int(message[:4].view(torch.int32)[0])]
 
-    def check_finite(self, message: torch.Tensor, rank: int, what: str) -> None:
-        """Raise ``ValueError`` naming the parameter if a block of rank ``rank``'s message had
-        a non-finite value (its scale is then not finite)."""
+    def non_finite_parameter(self, message: torch.Tensor, rank: int) -> str | None:
+        """The first parameter of rank ``rank``'s ``message`` with a block that had a
+        non-finite value (its scale is then not finite), or ``None``."""
         scales = self.scales(message)[: self.scale_counts[rank]]
         if bool(torch.isfinite(scales).all()):
-            return
-        for piece in self.pieces[rank]:
-            if not bool(torch.isfinite(scales[piece.scales]).all()):
-                raise ValueError(
-                    f"raggedfsdp: {what} of parameter {piece.name!r} has a non-finite value "
-                    f"(in rank {rank}'s shard); compressed communication cannot quantize it"
-                )
+            return None
+        return next(
+            piece.name
+            for piece in self.pieces[rank]
+            if not bool(torch.isfinite(scales[piece.scales]).all())
+        )

@@ -1,10 +1,10 @@
 """The hooks of a ``fully_shard``-ed module, and what the units under one root share.
 
 [Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (shared stats,
-  reduce queue and scratch pool, plan check across ranks). The unit issues its all-gather if not
-  prefetched, prefetches the next unit's (order recorded in the first iteration), then waits for
-  its own.
+- Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's
+  name, shared stats, reduce queue and scratch pool, plan check across ranks). The unit issues
+  its all-gather if not prefetched, prefetches the next unit's (order recorded in the first
+  iteration), then waits for its own.
 - Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
   ran forward last when gradients are on: its backward comes first), and hook the outputs so
   that the first gradient flowing into them unshards the unit again (pre-backward; the root's
@@ -37,9 +37,9 @@ from ._collectives import all_gather
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup, SharedResources
 from ._state_dict import load_state_dict_pre_hook, state_dict_post_hook
-from ._states import RootPhase, TrainingState, check_state
+from ._state_machine import RootPhase, TrainingState, check_state
 
-__all__ = ["FSDPState", "RootContext", "state_of", "states_under"]
+__all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
 
 # The attribute of a sharded module that holds its FSDPState; read only through state_of().
 _STATE_ATTR = "_raggedfsdp_state"
@@ -50,11 +50,16 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return getattr(module, _STATE_ATTR, None)
 
 
-def states_under(module: nn.Module) -> list[FSDPState]:
-    """The states of ``module`` and of every sharded module below it, inner units first and
-    the root last: the order of ``plan_model``'s buckets."""
+def named_states_under(module: nn.Module) -> list[tuple[str, FSDPState]]:
+    """``(path below module, state)`` of ``module`` and of every sharded module below it,
+    inner units first and the root last: the order of ``plan_model``'s buckets."""
     units = post_order(module, lambda m: state_of(m) is not None)
-    return [state for _, m in units if (state := state_of(m)) is not None]
+    return [(path, state) for path, m in units if (state := state_of(m)) is not None]
+
+
+def states_under(module: nn.Module) -> list[FSDPState]:
+    """The states of :func:`named_states_under`, in its order."""
+    return [state for _, state in named_states_under(module)]
 
 
 class RootContext:
@@ -63,7 +68,7 @@ class RootContext:
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root
         self.states = states
-        self.resources = SharedResources.new()
+        self.shared = SharedResources.new()
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration (prefetch order)
         self.forward_order: list[FSDPState] = []
@@ -91,10 +96,10 @@ class RootContext:
         """End-of-backward callback (queued on the autograd engine)."""
         for state in reversed(self.forward_order or self.states):
             state.group.post_backward()
-        self.resources.reduce_queue.drain()
+        self.shared.reduce_queue.drain()
         for state in self.states:
             state.group.finish_iteration()
-        self.resources.pool.clear()  # nothing pooled through forward, where the memory peak is
+        self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.phase = RootPhase.READY
 
 
@@ -147,22 +152,24 @@ class FSDPState:
 
     def lazy_init(self) -> RootContext:
         """The first unit to run forward (or to be unsharded by hand) is the root: it takes
-        every unit below it, shares its resources with them and checks, before the first
-        all-gather, that every rank planned the same buckets. Idempotent."""
+        every unit below it, names each by its path (once, as FSDP2's ``_init_fqns``), shares
+        its resources with them and checks, before the first all-gather, that every rank
+        planned the same buckets. Idempotent."""
         if self.ctx is not None:
             return self.ctx
-        states = states_under(self.module)
-        for state in states:
+        named = named_states_under(self.module)
+        for _, state in named:
             if state.ctx is not None:
                 raise RuntimeError(
                     f"raggedfsdp: {state.group.label} already ran under another root; run "
                     f"forward through the outermost fully_shard-ed module"
                 )
-        ctx = RootContext(self, states)
-        for state in states:
+        ctx = RootContext(self, [state for _, state in named])
+        for path, state in named:
             state.ctx = ctx
-            state.group.bind(ctx.resources)
-        _check_plans_agree(states)
+            state.group.bind(ctx.shared, path)
+        plans = [plan for path, state in named for plan in state.group.named_plans(path)]
+        _check_plans_agree(plans, named[0][1].group)
         return ctx
 
     # -- forward -------------------------------------------------------------------------------
@@ -289,16 +296,15 @@ def _unshard(
             state.group.unshard()
 
 
-def _check_plans_agree(states: list[FSDPState]) -> None:
-    """Before the first all-gather, check every rank planned the same buckets; a rank that
-    disagrees would otherwise hang or corrupt the collectives. One all-gather of a digest; only
-    when they differ are the plans themselves gathered, to name the first difference."""
-    plans = [bucket.plan for state in states for bucket in state.group.buckets]
+def _check_plans_agree(plans: list[ShardPlan], group: FSDPParamGroup) -> None:
+    """Before the first all-gather, check every rank planned the same buckets (``plans``, as
+    the root names them); a rank that disagrees would otherwise hang or corrupt the
+    collectives. One all-gather of a digest over ``group``'s shard group (the first unit's);
+    only when they differ are the plans themselves gathered, to name the first difference."""
     h = hashlib.sha256()
     for plan in plans:
         h.update(plan.digest().encode())
     local = int.from_bytes(h.digest()[:7], "little")
-    group = states[0].group
     mesh = group.mesh_info
     gathered = torch.zeros(mesh.shard_size, dtype=torch.int64, device=group.device)
     mine = torch.tensor([local], dtype=torch.int64, device=group.device)

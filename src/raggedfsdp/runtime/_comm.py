@@ -1,0 +1,267 @@
+"""How each bucket communicates: one all-gather and one reduce-scatter strategy per bucket.
+
+[Note: one strategy per bucket] Everything that decides how a bucket's parameters are gathered
+and its gradients reduced (zero copy or not, mixed precision, CPU offload, compression) is fixed
+when ``fully_shard`` builds the bucket. So the choice is made there, once, and kept on the
+bucket's DBuffer as two objects, ``bucket.gather`` (an :class:`AllGather`) and ``bucket.reduce``
+(a :class:`ReduceScatter`, ``None`` for a frozen bucket), as FSDP2 keeps its ``AllGather`` and
+``ReduceScatter`` comm objects (``_fsdp_api.py``). The parameter group calls them without
+looking at the configuration again, and whatever a strategy keeps between calls (the HSDP shard
+held back from the replicas' all-reduce here; the quantized shard and the error-feedback
+residual in ``compression/``) lives on the strategy object, one per bucket.
+
+The all-gathers, by what this rank sends from where:
+
+- :class:`InPlaceAllGather` (zero copy, no cast): the shard as it lies; parameters this rank
+  holds whole are views of it, so nothing of theirs is placed;
+- :class:`CastAllGather` (mixed precision): the fp32 shard cast into its bf16 slot of ``full``
+  -- that cast is the only copy, and the all-gather then runs in place;
+- :class:`HostOffloadAllGather` (CPU offload): the host shard copied into its device slot;
+- :class:`CopyInAllGather` (``zero_copy=False``): a copy of the shard, FSDP2's copy-in, for A/B
+  measurement;
+- ``compression.QuantizedAllGather``: codes and scales.
+
+The reduce-scatters: :class:`InPlaceReduceScatter` reads the unsharded gradient block as it
+lies, :class:`CastReduceScatter` casts it to ``reduce_dtype`` first, and
+``compression.QuantizedReduceScatter`` sends codes and scales.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ._collectives import Pending, all_gather, all_reduce, reduce_scatter
+from ._mesh import MeshInfo
+from ._metrics import RuntimeStats
+from ._offload import HostOffload
+from ._pool import BufferPool
+
+__all__ = [
+    "AllGather",
+    "BucketReduce",
+    "CastAllGather",
+    "CastReduceScatter",
+    "CopyInAllGather",
+    "HostOffloadAllGather",
+    "InPlaceAllGather",
+    "InPlaceReduceScatter",
+    "ReduceScatter",
+]
+
+
+class AllGather(ABC):
+    """How one bucket's unsharded buffer is filled with every rank's shard ([Note: one strategy
+    per bucket])."""
+
+    #: whether parameters this rank holds whole may be views of its shard when unsharded
+    #: (``DBuffer.bind_full``): only when the shard itself is what is sent, so no copy or
+    #: transform of it is needed in ``full``
+    whole_from_local: bool = False
+
+    @abstractmethod
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        local: torch.Tensor,
+        stats: RuntimeStats,
+        pool: BufferPool,
+        *,
+        own_ranges: Sequence[tuple[int, int]],
+    ) -> Pending:
+        """Issue the all-gather of ``local`` (this rank's shard ``[S]``) into ``full`` (1-D
+        ``[W*S]``); ``own_ranges``: the pieces of this rank's slot that unsharded views read
+        (``DBuffer.own_ranges``). Scratch comes from ``pool``."""
+
+    def shard_may_change(self) -> None:
+        """An iteration that reduced gradients ended: an optimizer step may change the shard
+        before the next all-gather. Nothing to drop unless the strategy keeps something made
+        from the shard."""
+        return
+
+
+class _PlainAllGather(AllGather):
+    """The plain all-gather of the values themselves, ``_collectives.all_gather`` (NCCL's in
+    place, Gloo's point to point), of a shard each subclass puts somewhere (:meth:`_shard`)."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
+        self.group = group
+        self.rank = rank  # this rank's index in ``group``: its slot of ``full``
+
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        local: torch.Tensor,
+        stats: RuntimeStats,
+        pool: BufferPool,
+        *,
+        own_ranges: Sequence[tuple[int, int]],
+    ) -> Pending:
+        shard = self._shard(full, local, stats, pool)
+        return all_gather(full, shard, self.group, stats, own_ranges=own_ranges)
+
+    @abstractmethod
+    def _shard(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        """What this rank sends: ``local`` itself, or a copy (in its slot of ``full`` when the
+        copy is a cast or a move, so the all-gather places nothing more)."""
+
+    def _slot(self, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        size = local.numel()
+        return full[self.rank * size : (self.rank + 1) * size]
+
+
+class InPlaceAllGather(_PlainAllGather):
+    """Zero copy, no cast: the shard is sent from where it lies."""
+
+    whole_from_local = True
+
+    def _shard(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        return local
+
+
+class CastAllGather(_PlainAllGather):
+    """Mixed precision: the master shard is cast into its slot of the ``param_dtype`` buffer;
+    this cast is the only copy, and the all-gather then runs in place."""
+
+    def _shard(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        slot = self._slot(full, local)
+        slot.copy_(local)
+        stats.add_copy(slot)
+        return slot
+
+
+class HostOffloadAllGather(_PlainAllGather):
+    """CPU offload: the host shard is copied into its device slot (cast there under mixed
+    precision, ``HostOffload.to_device``): the only copy. Parameters this rank holds whole are
+    views of ``full`` too, never of host memory the compute must not read."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, offload: HostOffload) -> None:
+        super().__init__(group, rank)
+        self.offload = offload  # the unit's, shared by its buckets
+
+    def _shard(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        slot = self._slot(full, local)
+        self.offload.to_device(slot, local, pool, stats)
+        return slot
+
+
+class CopyInAllGather(_PlainAllGather):
+    """``zero_copy=False``: FSDP2-style copy-in of the shard, kept for A/B measurement."""
+
+    def _shard(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        shard = local.clone()
+        stats.add_copy(shard)
+        return shard
+
+
+@dataclass
+class BucketReduce:
+    """One bucket's gradient reduction in flight: its reduce-scatter, then (HSDP) the
+    all-reduce over the replicas; owned by the bucket's parameter group from issue to finish."""
+
+    scatter: Pending
+    #: 1-D [S] in the reduce dtype: the reduce-scatter writes it; it becomes the sharded
+    #: gradients (or is added to them)
+    output: torch.Tensor
+    #: what the reduce-scatter reads (the unsharded gradients, or their cast), kept alive until
+    #: it is done
+    scatter_input: torch.Tensor | None
+    replicate: Pending | None = None  # HSDP: the all-reduce of ``output``, once issued
+
+
+class ReduceScatter(ABC):
+    """How one trainable bucket's unsharded gradient becomes this rank's reduced shard, the
+    mean over the shard group, then (HSDP) over the replicas ([Note: one strategy per
+    bucket])."""
+
+    def __init__(self, mesh: MeshInfo) -> None:
+        self.group = mesh.shard_group
+        self.replicate_group = mesh.replicate_group  # HSDP; None without replicas
+        #: HSDP: a reduced shard a backward without the all-reduce over the replicas kept
+        #: (``set_requires_all_reduce(False)``), until a backward with it adds it in
+        self.unreplicated: torch.Tensor | None = None
+
+    @abstractmethod
+    def reduce_scatter(
+        self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> BucketReduce:
+        """Issue the reduce-scatter of ``full_grad`` (1-D ``[W*S]``, the unsharded gradients)
+        into a fresh ``[S]`` output: when no sharded gradient is held it becomes the gradient
+        itself (the sharded grads are views of it), so it lives exactly as long as they do and
+        ``zero_grad(set_to_none=True)`` frees it, as in FSDP2."""
+
+    def replicate(self, item: BucketReduce, stats: RuntimeStats, *, all_reduce_now: bool) -> None:
+        """HSDP, once ``item``'s reduce-scatter is done: add what earlier backwards without the
+        all-reduce kept, then issue the all-reduce over the replicas (``all_reduce_now``) or
+        keep the shard for a later backward."""
+        assert self.replicate_group is not None
+        if self.unreplicated is not None:
+            item.output.add_(self.unreplicated)
+            self.unreplicated = None
+        if all_reduce_now:
+            item.replicate = all_reduce(item.output, self.replicate_group, stats)
+        else:
+            self.unreplicated = item.output
+
+    def check_replicated(self, output: torch.Tensor) -> None:
+        """HSDP, after the all-reduce of ``output`` over the replicas: raise if what it brought
+        cannot be used. Nothing to check unless the strategy defers errors to here."""
+        return
+
+    def error_feedback_state(self) -> torch.Tensor | None:
+        """The per-rank state this strategy keeps across steps that a checkpoint must save (an
+        error-feedback residual), or ``None``."""
+        return None
+
+
+class InPlaceReduceScatter(ReduceScatter):
+    """The unsharded gradient block is reduced as it lies (``_collectives.reduce_scatter``:
+    NCCL's ``AVG``, Gloo's point to point summed in rank order): no copy-in, no copy-out."""
+
+    def __init__(self, mesh: MeshInfo, shard_numel: int) -> None:
+        super().__init__(mesh)
+        self.shard_numel = shard_numel
+
+    def reduce_scatter(
+        self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> BucketReduce:
+        return self._scatter(full_grad, stats, pool)
+
+    def _scatter(
+        self, scatter_input: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> BucketReduce:
+        output = torch.empty(
+            self.shard_numel, dtype=scatter_input.dtype, device=scatter_input.device
+        )
+        scatter = reduce_scatter(output, scatter_input, self.group, stats, scratch=pool)
+        return BucketReduce(scatter, output, scatter_input)
+
+
+class CastReduceScatter(InPlaceReduceScatter):
+    """``MixedPrecisionPolicy.reduce_dtype`` other than the gradients': the block is cast to it
+    first (one copy, read by the reduce-scatter and dropped once it is done)."""
+
+    def __init__(self, mesh: MeshInfo, shard_numel: int, reduce_dtype: torch.dtype) -> None:
+        super().__init__(mesh, shard_numel)
+        self.reduce_dtype = reduce_dtype
+
+    def reduce_scatter(
+        self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> BucketReduce:
+        scatter_input = full_grad.to(self.reduce_dtype)
+        stats.add_copy(scatter_input)
+        return self._scatter(scatter_input, stats, pool)

@@ -1,0 +1,78 @@
+"""How bytes travel between the ranks of a group, for the plain and the quantized collectives.
+
+NCCL runs torch's own collectives (:data:`all_gather_tensor`, :data:`reduce_scatter_tensor`).
+On Gloo the runtime posts point-to-point transfers instead (:func:`exchange`), which write
+straight into their destinations where Gloo's collectives would stage through buffers of their
+own ([Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo] in ``_collectives.py``).
+Everything here is shared by ``_collectives.py`` and ``compression/``, so each transfer has one
+tag namespace (:class:`Tag`) and one notion of a rank's peers.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+
+import torch
+import torch.distributed as dist
+
+from .._host import backend_for
+
+__all__ = [
+    "Tag",
+    "all_gather_tensor",
+    "exchange",
+    "is_gloo",
+    "peers",
+    "reduce_scatter_tensor",
+    "world_tensor",
+]
+
+# torch >= 2.13 names the tensor forms *_single and deprecates the old names; 2.6 has only these.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Tag(enum.IntEnum):
+    """Point-to-point tags, one per kind of collective: an all-gather and a reduce-scatter (or
+    a quantized one of another bucket) in flight at once between the same two ranks never
+    match each other's messages."""
+
+    ALL_GATHER = 1
+    REDUCE_SCATTER = 2
+    QUANTIZED_ALL_GATHER = 3
+    QUANTIZED_ALL_TO_ALL = 4
+
+
+def peers(group: dist.ProcessGroup | None) -> tuple[int, list[int]]:
+    """This rank's index in ``group`` and every other member's, starting after this rank so
+    that no member is everyone's first peer."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return rank, [(rank + step) % world for step in range(1, world)]
+
+
+def exchange(
+    transfers: list[tuple[int, torch.Tensor, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    tag: Tag,
+) -> list[dist.Work]:
+    """For each ``(peer, send, receive)`` (peer: its rank in ``group``), post the send of
+    ``send`` to it and the receive of its message into ``receive``; returns the handles."""
+    works = []
+    for peer, send, receive in transfers:
+        to = peer if group is None else dist.get_global_rank(group, peer)
+        works.append(dist.isend(send, to, group=group, tag=int(tag)))
+        works.append(dist.irecv(receive, to, group=group, tag=int(tag)))
+    return works
+
+
+def is_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether Gloo carries ``device``'s tensors in ``group``."""
+    return backend_for(group, device.type) == "gloo"
+
+
+@functools.cache
+def world_tensor(world: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``world`` as a 0-d tensor, made once: dividing by a Python number would convert it to a
+    tensor on every call."""
+    return torch.tensor(world, dtype=dtype, device=device)

@@ -1,0 +1,23 @@
+"""Block-quantized communication (``CommCompression``): the quantized pair of collective
+strategies a bucket may carry ([Note: one strategy per bucket] in ``runtime/_comm.py``).
+
+- :class:`QuantizedAllGather` (``_all_gather``): the parameters travel as codes and scales;
+- :class:`QuantizedReduceScatter` (``_reduce_scatter``): so do the gradients, summed in fp32;
+- :class:`Residual` (``_error_feedback``): what quantizing a rank's gradient dropped, for the
+  next one;
+- :class:`BucketCodec` (``_codec``): one bucket's shards as messages of codes and scales;
+- ``_quant``: DESIGN.md's block quantization formulas, vectorised over tiles.
+"""
+
+from ._all_gather import QuantizedAllGather
+from ._codec import BucketCodec, Piece
+from ._error_feedback import Residual
+from ._reduce_scatter import QuantizedReduceScatter
+
+__all__ = [
+    "BucketCodec",
+    "Piece",
+    "QuantizedAllGather",
+    "QuantizedReduceScatter",
+    "Residual",
+]

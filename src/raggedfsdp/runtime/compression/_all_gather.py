@@ -1,0 +1,117 @@
+"""The quantized all-gather of one bucket's parameters.
+
+[Note: compressed all-gather] Each rank quantizes its master shard block by block into one
+message (codes, then scales: :mod:`._codec`) and the messages are all-gathered in ONE collective
+(codes and scales in two would pay the latency twice for a few hundred bytes of scales); every
+rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
+dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
+forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
+The message is valid until an iteration that reduces gradients ends (or the shard changes): with
+``reshard_after_forward`` the second all-gather before backward does not quantize again, nor do
+the micro-batches of gradient accumulation (``no_sync``) after the first: once per optimizer
+step. That costs one message per bucket, about a quarter of the fp32 shard, kept for the
+bucket's life (one buffer re-encoded in place: no allocation per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from .._collectives import Pending
+from .._comm import AllGather
+from .._metrics import RuntimeStats
+from .._pool import BufferPool
+from .._transport import Tag, all_gather_tensor, exchange, is_gloo, peers
+from ._codec import BucketCodec
+
+__all__ = ["QuantizedAllGather"]
+
+
+class QuantizedAllGather(AllGather):
+    """One bucket's all-gather as ``dtype`` codes and fp32 scales (module doc); it keeps the
+    quantized shard it last sent."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        codec: BucketCodec,
+        dtype: torch.dtype,
+        qualify: Callable[[str], str],
+    ) -> None:
+        self.group = group
+        self.codec = codec
+        self.dtype = dtype  # the codes' dtype (CommCompression.all_gather)
+        #: a parameter's name in the codec -> its name in the model, read when raising
+        self.qualify = qualify
+        #: the quantized master shard ``[message_bytes]`` (one buffer, re-encoded in place,
+        #: allocated at the first all-gather) and the shard version it encodes (-1: stale)
+        self._quantized: torch.Tensor | None = None
+        self._quantized_version = -1
+
+    def shard_may_change(self) -> None:
+        """The next all-gather quantizes again (into the same buffer)."""
+        self._quantized_version = -1
+
+    def _quantized_shard(self, local: torch.Tensor, rank: int) -> torch.Tensor:
+        # The version counter catches in-place changes made through the parameters (optimizer
+        # steps, load_state_dict); changes through .data are caught at the end of an iteration
+        # that reduced (no_sync micro-batches keep the shard: no optimizer step between them).
+        if self._quantized is None:  # zeros: the padding of codes and scales stays 0
+            self._quantized = torch.zeros(
+                self.codec.message_bytes, dtype=torch.uint8, device=local.device
+            )
+        if self._quantized_version != local._version:
+            self.codec.encode(local, rank, self._quantized, self.dtype)
+            self._quantized_version = local._version
+        return self._quantized
+
+    def all_gather(
+        self,
+        full: torch.Tensor,
+        local: torch.Tensor,
+        stats: RuntimeStats,
+        pool: BufferPool,
+        *,
+        own_ranges: Sequence[tuple[int, int]],
+    ) -> Pending:
+        """Fill ``full`` (1-D ``[W*S]``, the unsharded parameter buffer) with every rank's
+        dequantized shard; ``local`` is this rank's master shard ``[S]``. Every rank's message
+        is dequantized, this rank's too, so ``own_ranges`` needs no placing of its own."""
+        codec, group = self.codec, self.group
+        size, nbytes, world = codec.shard_numel, codec.message_bytes, codec.world_size
+        with record_function("raggedfsdp::quantized_all_gather"):
+            rank, others = peers(group)
+            mine = self._quantized_shard(local, rank)
+            received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
+            messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
+            if is_gloo(group, local.device):
+                transfers = [(p, mine, messages[p]) for p in others]
+                works = exchange(transfers, group, Tag.QUANTIZED_ALL_GATHER)
+                messages[rank] = mine
+            else:
+                works = [all_gather_tensor(received, mine, group=group, async_op=True)]
+            stats.note_all_gather(nbytes, uncompressed_bytes=size * full.element_size())
+
+        def dequantize() -> None:
+            with record_function("raggedfsdp::dequantize"):
+                for k, message in enumerate(messages):
+                    self._check_finite(message, k)
+                    codec.decode(message, k, full[k * size : (k + 1) * size], self.dtype)
+            pool.give(received)
+
+        return Pending([w for w in works if w is not None], stats, dequantize)
+
+    def _check_finite(self, message: torch.Tensor, rank: int) -> None:
+        """Raise naming the parameter if a block of rank ``rank``'s message had a non-finite
+        master weight (every rank raises the same: each decodes every message)."""
+        name = self.codec.non_finite_parameter(message, rank)
+        if name is not None:
+            raise ValueError(
+                f"raggedfsdp: the master weight of parameter {self.qualify(name)!r} has a "
+                f"non-finite value (in rank {rank}'s shard); compressed communication cannot "
+                f"quantize it"
+            )
