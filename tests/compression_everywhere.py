@@ -135,7 +135,7 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     rf.FSDPBackend(model, compression=BOTH)
     with torch.no_grad():
         if rank == 1:
-            model.blocks[0].fc1.weight.view(-1)[0] = float("nan")
+            model.blocks[0].fc1.weight.to_local().view(-1)[0] = float("nan")  # its piece
     idx, targets = make_batches(1, world)[0]
     expect("non_finite", lambda: model(idx[rank : rank + 1], targets[rank : rank + 1]))
     return errors

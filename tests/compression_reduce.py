@@ -53,7 +53,7 @@ def _step(rank, world, policy, compression, targets):
     rf.FSDPBackend(model, shard_policy=rf.RaggedShard(block_size=policy), compression=compression)
     model.reset_stats()
     model(targets[rank]).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}  # the pieces
     layouts = {n: rf.layout_of(p) for n, p in model.named_parameters()}
     return grads, layouts, model.stats(), model.shard_plans()
 
@@ -127,17 +127,17 @@ def _error_feedback(rank, world) -> dict[str, float]:
         comp = rf.CommCompression(reduce_scatter=E5M2, error_feedback=feedback)
         model = Probe(SHAPES)
         rf.FSDPBackend(model, compression=comp)
-        total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        total = {n: torch.zeros_like(p.to_local()) for n, p in model.named_parameters()}
         steps = 16
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
             model(targets[rank]).backward()
             for n, p in model.named_parameters():
-                total[n] += p.grad
+                total[n] += p.grad.to_local()
         errors[str(feedback)] = max(
             (rf.layout_of(p).to_local(true[n] * steps, rank) - total[n]).abs().max().item()
             for n, p in model.named_parameters()
-            if p.numel()
+            if p.to_local().numel()
         )
     return errors
 

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 import raggedfsdp as rf
 from harness import error_message, run_distributed
@@ -113,7 +114,8 @@ def _pairs(rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    local = t.to_local() if isinstance(t, DTensor) else t  # a sharded tensor: its piece's
+    return local.untyped_storage().data_ptr()
 
 
 def _placement(rank: int) -> dict[str, Any]:

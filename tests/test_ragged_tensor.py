@@ -1,11 +1,11 @@
-"""RaggedTensor, DCP's container of a ragged shard: what it holds and allows, what DCP writes from
+"""RaggedTensor, the DTensor of a ragged shard: what it holds and allows, what DCP writes from
 it (the same as torch's former ShardedTensor wrote, and comparable to FSDP2's and one process's
 checkpoints), and that the package no longer uses the deprecated ShardedTensor."""
 
 from __future__ import annotations
 
 import filecmp
-import pickle
+import io
 import tempfile
 import warnings
 from copy import deepcopy
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
@@ -23,12 +24,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel
-from raggedfsdp.runtime import RaggedTensor, local_flat, to_ragged_tensor
+from raggedfsdp.runtime import RaggedTensor, local_flat
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "raggedfsdp"
 WORLD = 3
@@ -46,18 +49,41 @@ def test_package_does_not_use_torch_sharded_tensor() -> None:
     assert offenders == []
 
 
-def _piece() -> tuple[rf.ShardLayout, torch.Tensor, torch.Tensor]:
+@pytest.fixture
+def rank_1_of_3():
+    """A fake process group (no peers, collectives do nothing): rank 1 of 3, its 1-D mesh."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=WORLD)
+    try:
+        yield DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _piece(mesh: DeviceMesh) -> tuple[rf.ShardLayout, torch.Tensor, torch.Tensor, RaggedTensor]:
     """A [5, 6] tensor over 3 ranks; rank 1 holds elements [8, 23): three rectangles."""
     layout = rf.ShardLayout(torch.Size([5, 6]), 1, ((0, 8), (8, 23), (23, 30)))
     full = torch.arange(30.0).view(5, 6)
-    return layout, full, layout.to_local(full, 1).reshape(-1).clone()
+    piece = layout.to_local(full, 1).reshape(-1).clone()
+    return layout, full, piece, RaggedTensor.from_piece(piece, layout, mesh)
 
 
-def test_rectangles_are_views_of_the_piece() -> None:
-    layout, full, piece = _piece()
-    value = to_ragged_tensor(piece, layout, 1, None)
-    assert isinstance(value, RaggedTensor) and not isinstance(piece, RaggedTensor)
+def test_a_dtensor_placed_by_its_layout(rank_1_of_3) -> None:
+    layout, full, piece, value = _piece(rank_1_of_3)
+    assert isinstance(value, DTensor) and isinstance(value, RaggedTensor)
     assert (value.shape, value.dtype) == (full.shape, full.dtype)
+    assert value.placements == (rf.RaggedShardPlacement(layout),)
+    assert value.device_mesh is rank_1_of_3
+    assert value.to_local().data_ptr() == piece.data_ptr()  # no copy
+    assert rf.layout_of(value) == layout and rf.shard_info(value).rank == 1
+    assert repr(value).startswith("RaggedTensor(local_tensor=")
+    with pytest.raises(ValueError, match="has 15 elements, got 14"):
+        RaggedTensor.from_piece(piece[:14], layout, rank_1_of_3)
+
+
+def test_rectangles_are_views_of_the_piece(rank_1_of_3) -> None:
+    layout, full, piece, value = _piece(rank_1_of_3)
     assert local_flat(value).data_ptr() == piece.data_ptr()
     chunks = value.__create_chunk_list__()
     assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == layout.boxes(1)
@@ -75,34 +101,42 @@ def test_rectangles_are_views_of_the_piece() -> None:
         value.__get_tensor_shard__(MetadataIndex("w", torch.Size([0, 0])))
 
 
-def test_state_dict_operations_keep_the_container_and_others_are_refused() -> None:
-    layout, _, piece = _piece()
-    value = to_ragged_tensor(piece, layout, 1, None)
+def test_ops_on_the_piece_keep_the_placement_and_others_are_refused(rank_1_of_3) -> None:
+    _, full, piece, value = _piece(rank_1_of_3)
     detached = value.detach()
     assert isinstance(detached, RaggedTensor)
     assert local_flat(detached).data_ptr() == piece.data_ptr()
     assert value.to("cpu") is value  # nothing to do: DSD's cpu_offload on a CPU value
     wider = value.to(torch.float64)
     assert isinstance(wider, RaggedTensor) and torch.equal(local_flat(wider), piece.double())
+    assert wider.placements == value.placements and wider.dtype == torch.float64
     copy = value.clone()
     assert torch.equal(local_flat(copy), piece) and local_flat(copy).data_ptr() != piece.data_ptr()
-    with pytest.raises(NotImplementedError, match="local_flat"):
-        value + 1
-    assert repr(value).startswith("RaggedTensor(shape=[5, 6], dtype=torch.float32, rank=1")
-    with pytest.raises(ValueError, match="has 15 elements, got 14"):
-        to_ragged_tensor(piece[:14], layout, 1, None)
+    for result in (value * 2 + 1, torch.zeros_like(value), torch._foreach_mul([value], 2.0)[0]):
+        assert isinstance(result, RaggedTensor) and result.placements == value.placements
+    assert torch.equal(local_flat(value * 2 + 1), piece * 2 + 1)
+    target = torch.zeros_like(value)
+    target.copy_(full)  # a whole tensor: this rank's piece of it
+    assert torch.equal(local_flat(target), piece)
+    for refused in (lambda: value.t(), lambda: value @ torch.ones(6), lambda: value.view(6, 5)):
+        with pytest.raises(NotImplementedError, match=r"raggedfsdp: aten\.\w+"):
+            refused()
+    with pytest.raises(ValueError, match="plain tensor of shape"):
+        value + torch.ones(6)  # a piece cannot broadcast against part of the whole
+    with pytest.raises(NotImplementedError, match="only Replicate"):
+        value.redistribute(placements=[Shard(0)])
 
 
-def test_copies_and_pickles_as_its_piece_and_place() -> None:
-    layout, _, piece = _piece()
-    value = to_ragged_tensor(piece, layout, 1, None)
-    for copy in (deepcopy(value), pickle.loads(pickle.dumps(value))):
+def test_copies_and_pickles_as_its_piece_and_place(rank_1_of_3) -> None:
+    layout, _, piece, value = _piece(rank_1_of_3)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    for copy in (deepcopy(value), torch.load(buffer, weights_only=False)):
         assert isinstance(copy, RaggedTensor)
         assert copy.shard_layout == layout and copy.shard_rank == 1
         assert torch.equal(local_flat(copy), piece)
         assert local_flat(copy).data_ptr() != piece.data_ptr()
-        first = copy.rectangles[0][1]
-        assert local_flat(copy).data_ptr() == first.data_ptr()  # views again
 
 
 def _rf_model(seed: int, block_size: Any) -> torch.nn.Module:
@@ -123,7 +157,7 @@ def _as_sharded_tensor(value: RaggedTensor) -> Any:
         TensorProperties as ShardedProperties,
     )
 
-    layout, views = value.shard_layout, iter(view for _, view in value.rectangles)
+    layout, views = value.shard_layout, iter(view for _, view in value._rectangles())
     everyone, mine = [], []
     for rank in range(layout.world_size):
         for offsets, sizes in layout.boxes(rank):
@@ -173,11 +207,15 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
     wrong_shape = {**model.state_dict(), "emb.weight": torch.zeros(3, 3)}
     errors = {
         "shape": error_message(lambda: model.load_state_dict(wrong_shape)),
-        "plan": error_message(lambda: model.load_state_dict(other.state_dict())),
         **_optimizer_plan_errors(model, other),
     }
+    # Another plan's sharded values loaded without DCP: copy_ reshards them (a collective, as
+    # every rank loads), as a DTensor of another placement would be.
+    third = _rf_model(3, 4)
+    third.load_state_dict(other.state_dict())
     return {
         "full": full,
+        "resharded": rf.full_state_dict(third),
         "sharded": sharded,
         "warnings": _deprecations(caught),
         "control": _deprecations(control),
@@ -232,8 +270,8 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
         assert result["warnings"] == [], rank
         assert result["sharded"], rank  # DSD's cpu_offload keeps RaggedTensors (on the CPU)
         assert result["control"], rank  # negative control: the check does see the warning
-        assert "expected the full shape [37, 24]" in result["errors"]["shape"], rank
-        for kind in ("plan", "optimizer", "dsd_optimizer"):
+        assert "size mismatch for emb.weight" in result["errors"]["shape"], rank
+        for kind in ("optimizer", "dsd_optimizer"):
             assert "rectangles do not match this rank's layout" in result["errors"][kind], rank
     for name in ("fsdp2", "single"):
         theirs = meta[name].state_dict_metadata
@@ -245,3 +283,4 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
         for key, value in loaded["single"].items():
             assert torch.equal(loaded[name][key], value), (name, key)
             assert torch.equal(results[0]["full"][key], value), key
+            assert torch.equal(results[0]["resharded"][key], value), key

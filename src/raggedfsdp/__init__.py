@@ -21,7 +21,15 @@ only change to torch made at import.
 from . import integration, optim
 from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_
-from .layout import RaggedShard, ShardInfo, ShardLayout, layout_of, mark_sharded, shard_info
+from .layout import (
+    RaggedShard,
+    RaggedShardPlacement,
+    ShardInfo,
+    ShardLayout,
+    layout_of,
+    mark_sharded,
+    shard_info,
+)
 from .materialize import init_sharded_
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
 from .runtime import (
@@ -30,6 +38,7 @@ from .runtime import (
     FSDPBackend,
     FSDPModule,
     MixedPrecisionPolicy,
+    RaggedTensor,
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
@@ -43,6 +52,8 @@ __all__ = [
     "MixedPrecisionPolicy",
     "PlanEntry",
     "RaggedShard",
+    "RaggedShardPlacement",
+    "RaggedTensor",
     "ShardInfo",
     "ShardLayout",
     "ShardPlan",

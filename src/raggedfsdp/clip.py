@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from .layout import comm_group
@@ -78,12 +79,13 @@ def _split_by_group(
     groups: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
     for p in params:
         group = comm_group(p)
+        # The local pieces: the norms here are reduced by hand, not as DTensors.
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         if group is None:
-            if p.grad.numel() > 0:
-                plain.append(p.grad)
+            if grad.numel() > 0:
+                plain.append(grad)
         else:
-            # Plain views: the norms here are reduced by hand, not by ShardedGrad's PartialNorm.
-            groups.setdefault(id(group), (group, []))[1].append(p.grad.as_subclass(torch.Tensor))
+            groups.setdefault(id(group), (group, []))[1].append(grad)
     return plain, groups
 
 

@@ -10,6 +10,10 @@ Two nouns live here:
   flattened index space per rank (possibly empty), plus the geometry to move between the full
   tensor and a rank's piece (``local_shape``, ``boxes``, ``to_local``, ``from_locals``).
 
+and the DTensor placement that names a layout on a sharded parameter,
+:class:`RaggedShardPlacement` ([Note: ragged shards as DTensors] in
+``runtime/_ragged_tensor.py``).
+
 Everything here is pure Python over shapes; no process group is needed.
 """
 
@@ -23,10 +27,13 @@ from typing import Literal, TypeAlias, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "BlockSize",
     "RaggedShard",
+    "RaggedShardPlacement",
     "ShardInfo",
     "ShardLayout",
     "comm_group",
@@ -35,6 +42,7 @@ __all__ = [
     "local_range",
     "mark_sharded",
     "parse_block_size",
+    "ragged_dim",
     "row_numel",
     "shard_info",
 ]
@@ -318,16 +326,64 @@ class ShardInfo:
     group: dist.ProcessGroup | None = None
 
 
+class RaggedShardPlacement(Placement):
+    """A DTensor placement: along its mesh dimension, rank ``r`` holds the flat range
+    ``layout.ranges[r]`` of the tensor's row-major flattening -- runs of whole units, possibly
+    none. The placement of raggedfsdp's sharded parameters on the data-parallel mesh dimension
+    (``p.placements``); equal placements have equal layouts."""
+
+    def __init__(self, layout: ShardLayout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, RaggedShardPlacement) and other.layout == self.layout
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.layout)
+
+    def __repr__(self) -> str:
+        ranges = self.layout.ranges
+        shown = ", ".join(f"{s}:{e}" for s, e in ranges[:4]) + (", ..." if len(ranges) > 4 else "")
+        return f"RaggedShard(unit={self.layout.unit_numel}, ranges=[{shown}])"
+
+    def __str__(self) -> str:
+        return "RS"
+
+    def __reduce__(self) -> tuple[type, tuple[ShardLayout]]:
+        return (RaggedShardPlacement, (self.layout,))
+
+
+def ragged_dim(tensor: DTensor) -> int | None:
+    """The mesh dimension of ``tensor``'s :class:`RaggedShardPlacement`, or ``None``."""
+    for dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, RaggedShardPlacement):
+            return dim
+    return None
+
+
 _SHARD_ATTR = "_raggedfsdp_shard"
 
 
 def mark_sharded(param: torch.Tensor, info: ShardInfo) -> None:
-    """Attach ``info`` to ``param`` (the runtime does this for every local shard)."""
+    """Attach ``info`` to a plain tensor holding this rank's piece (the optimizers take such
+    tensors as well as sharded parameters)."""
     setattr(param, _SHARD_ATTR, info)
 
 
 def shard_info(param: torch.Tensor) -> ShardInfo | None:
-    """The :class:`ShardInfo` of a sharded parameter, or ``None`` for a plain tensor."""
+    """The :class:`ShardInfo` of a sharded tensor -- a DTensor with a ragged placement, or a
+    plain piece marked by :func:`mark_sharded` -- or ``None`` for a plain tensor."""
+    if isinstance(param, DTensor):
+        dim = ragged_dim(param)
+        if dim is None:
+            return None
+        placement = param.placements[dim]
+        assert isinstance(placement, RaggedShardPlacement)
+        mesh = param.device_mesh
+        return ShardInfo(placement.layout, mesh.get_local_rank(dim), mesh.get_group(dim))
     return getattr(param, _SHARD_ATTR, None)
 
 

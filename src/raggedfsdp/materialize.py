@@ -1,10 +1,13 @@
 """Initialise a model built on the meta device, shard by shard, as if it had been built whole.
 
-``fully_shard`` gives a meta-device model real local shards (zeros) without ever holding a full
-parameter. :func:`init_sharded_` then fills them: for each parameter in model order it lets
-``init_fn`` fill one full-size temporary, from the same random stream a whole build would use,
-and keeps this rank's piece. Every rank runs the same stream, so the result equals a whole build
-with the same seed bit for bit; the only full-size memory is one parameter at a time.
+``fully_shard`` of a meta-device model keeps its shards on meta. :func:`init_sharded_` gives
+them memory (zeros, on each unit's device) without ever holding a full parameter, then fills
+them: for each parameter in model order it lets ``init_fn`` fill one full-size temporary, from
+the same random stream a whole build would use, and keeps this rank's piece. Every rank runs the
+same stream, so the result equals a whole build with the same seed bit for bit; the only
+full-size memory is one parameter at a time. (``model.to_empty(device=...)`` then the
+parameters' own initialisation, FSDP2's recipe, works too: random fills of a sharded parameter
+draw the whole tensor, [Note: ragged shards as DTensors].)
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .layout import shard_info
+from .runtime import materialize_shards_
 
 __all__ = ["init_sharded_"]
 
@@ -27,6 +32,7 @@ def init_sharded_(model: nn.Module, init_fn: InitFn) -> nn.Module:
     visiting parameters in ``model.named_parameters()`` order (tied parameters once, under their
     first name), exactly as a whole-model ``init_weights`` loop would. Meta buffers are
     materialised on the parameters' device and passed to ``init_fn`` too."""
+    materialize_shards_(model)
     device = None
     for name, param in model.named_parameters():
         info = shard_info(param)
@@ -41,7 +47,8 @@ def init_sharded_(model: nn.Module, init_fn: InitFn) -> nn.Module:
         device = param.device
         full = torch.empty(info.layout.global_shape, dtype=param.dtype, device=param.device)
         init_fn(name, full)
-        param.copy_(info.layout.to_local(full, info.rank))
+        local = param.to_local() if isinstance(param, DTensor) else param
+        local.copy_(info.layout.to_local(full, info.rank).view_as(local))
     for module_name, module in model.named_modules():
         for buf_name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type == "meta":

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..layout import ShardLayout, shard_info
 from ..runtime import RaggedTensor, local_flat, to_ragged_tensor
@@ -100,9 +101,9 @@ def entry(
                 f"parameter {fqn!r} a layout with {layout.local_numel(info.rank)} elements on "
                 f"rank {info.rank}, but the value has {flat.numel()}"
             )
-        return to_ragged_tensor(flat, layout, info.rank, info.group)
-    if isinstance(value, torch.Tensor) and value.ndim == 0:
-        return value
+        return to_ragged_tensor(flat, layout, param)
+    if isinstance(value, DTensor) or (isinstance(value, torch.Tensor) and value.ndim == 0):
+        return value  # placed already (made like the parameter: torch's optimizers), or scalar
     if info.layout.ndim == 0:
         raise ValueError(
             f"{type(optimizer).__name__} state {key!r} of the 0-D parameter {fqn!r} cannot be "
@@ -111,7 +112,7 @@ def entry(
     if isinstance(value, torch.Tensor) and value.numel() == info.layout.local_numel(info.rank):
         if not value.is_contiguous():
             value = value.contiguous()  # a copy: loading then copies back into the state
-        return to_ragged_tensor(value, info.layout, info.rank, info.group)
+        return to_ragged_tensor(value, info.layout, param)
     if not isinstance(value, (torch.Tensor, list, tuple, dict)):
         return value
     shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -134,7 +135,8 @@ def optim_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def same_storage(value: RaggedTensor, target: torch.Tensor) -> bool:
     """Whether ``value``'s piece lives in ``target``'s storage (DCP loaded into it in place)."""
-    return local_flat(value).untyped_storage().data_ptr() == target.untyped_storage().data_ptr()
+    local = target._local_tensor if isinstance(target, DTensor) else target
+    return local_flat(value).untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
 
 def loaded_piece(
@@ -145,7 +147,7 @@ def loaded_piece(
     wrong; DCP reshards)."""
     info = shard_info(param)
     layout = state_layout(optimizer, param, key, local_flat(value))
-    if info is None or layout is None or not value.placed_as(layout, info.rank):
+    if info is None or layout is None or not value.placed_as(layout):
         raise ValueError(
             f"optimizer state of {where} ({key!r}): its RaggedTensor's rectangles do not match "
             f"this rank's layout; load it with torch.distributed.checkpoint, which reshards"
@@ -157,6 +159,7 @@ def copy_flat(flat: torch.Tensor, target: torch.Tensor | list[torch.Tensor]) -> 
     """Copy ``flat`` (1-D) into a state value: a tensor, or a list taken as the concatenation of
     its flattenings (as :func:`optim_state_dict` stores it)."""
     pieces = [target] if isinstance(target, torch.Tensor) else list(target)
+    pieces = [p._local_tensor if isinstance(p, DTensor) else p for p in pieces]
     position = 0
     for piece in pieces:
         piece.copy_(flat[position : position + piece.numel()].view_as(piece))

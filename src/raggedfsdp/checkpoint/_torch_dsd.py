@@ -1,38 +1,21 @@
 """torch's own checkpoint utilities over ragged shards: ``torch.distributed.checkpoint.state_dict``.
 
 [Note: torch.distributed.checkpoint.state_dict over ragged shards]
-FSDP2's parameters and optimizer state are DTensors, which ``get_model_state_dict`` /
-``get_optimizer_state_dict`` (DSD) gather for ``full_state_dict=True`` and DCP reshards. Ours are
-plain local tensors; the model's ``state_dict()`` already turns them into RaggedTensors (see
-[Note: ragged shards in DCP]). Two things make the rest of DSD right, installed once by
-:func:`install` (which ``raggedfsdp.integration.install`` calls at ``import raggedfsdp``):
+Sharded parameters are DTensors (RaggedTensor, [Note: ragged shards as DTensors]), and so is the
+state torch's optimizers make from them (``zeros_like(param)``): DSD's ``get_model_state_dict``
+and ``get_optimizer_state_dict`` gather them for ``full_state_dict=True`` through
+``redistribute(Replicate())`` and DCP reshards them, as FSDP2's. What is left is the state of
+raggedfsdp's own optimizers, which they keep as this rank's plain pieces: an optimizer over
+sharded parameters gets, at its first ``step()`` (a global step pre-hook; DSD steps a fresh
+optimizer itself to create its state), a ``state_dict`` post-hook that, while DSD reads the
+state (``_get_optim_state_dict``, wrapped to say so), turns the plain pieces into RaggedTensors
+by the rules of [Note: optimizer state across world sizes] (DTensor values pass as they are);
+and a ``load_state_dict`` pre-hook that accepts RaggedTensors (resharded by DCP), full tensors
+(``full_state_dict=True``) or this rank's own pieces, and hands the loader this rank's pieces.
 
-1. **Full state**: DSD gathers through ``_gather_state_dict``, whose walk
-   (``torch.distributed._state_dict_utils._iterate_state_dict``) dispatches on a closed list of
-   types (ShardedTensor, DTensor, Tensor) to functions private to each caller. A RaggedTensor is
-   a plain ``torch.Tensor`` there, which is what every other walk wants (``cpu_offload`` moves it
-   with ``.to("cpu")``, a copy of its piece); only the gather must differ. So DSD's
-   ``_gather_state_dict`` is wrapped, not the walk: RaggedTensors (and nothing else) are first
-   replaced by :func:`~raggedfsdp.runtime.gather_full` (the pieces padded to the largest, one
-   all-gather over the shard group, cut by the layout), then torch's function runs unchanged on
-   what is left. Every rank joins every gather before torch's walk drops the values of ranks
-   other than 0, so ``cpu_offload=True`` (values on rank 0 only) cannot hang. This depends on
-   one name and its first argument only, not on the walk's internals, which change between
-   releases.
-2. **Optimizer state**: an optimizer over sharded parameters gets, at its first ``step()`` (a
-   global step pre-hook; DSD steps a fresh optimizer itself to create its state), a
-   ``state_dict`` post-hook that, while DSD reads the state (``_get_optim_state_dict``, wrapped
-   to say so), turns the state of sharded parameters into RaggedTensors by the rules of [Note:
-   optimizer state across world sizes]; and a ``load_state_dict`` pre-hook that accepts
-   RaggedTensors (resharded by DCP), full tensors (``full_state_dict=True``) or this rank's own
-   pieces, and hands torch's loader this rank's pieces. A plain ``optimizer.state_dict()`` keeps
-   this rank's own tensors (FSDP2's holds DTensors), so a per-rank ``torch.save`` loads into any
-   fresh optimizer at the same world size, as before.
-
-Both are contained: the gather wrapper hands everything else to torch's function, and an
-optimizer without sharded parameters gets no hooks. If a torch release moves either wrapped
-function, the check in :func:`install` (at ``import raggedfsdp``) raises rather than letting a
-state dict be wrong.
+It is contained: an optimizer without sharded parameters gets no hooks. If a torch release moves
+the wrapped function, the check in :func:`install` (at ``import raggedfsdp``) raises rather than
+letting a state dict be wrong.
 """
 
 from __future__ import annotations
@@ -44,11 +27,12 @@ from itertools import chain
 from typing import Any
 
 import torch
+import torch.distributed._state_dict_utils as state_dict_utils
 import torch.distributed.checkpoint.state_dict as dsd
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..layout import shard_info
-from ..runtime import RaggedTensor, gather_full
+from ..runtime import RaggedTensor
 from ._optim_state import copy_flat, entry, loaded_piece, same_storage, state_layout
 
 __all__ = ["install"]
@@ -61,13 +45,35 @@ _IN_DSD = contextvars.ContextVar("raggedfsdp_in_dsd", default=False)
 
 def install() -> None:
     """Make DSD gather RaggedTensors and hook optimizers over sharded parameters. Idempotent."""
-    torch_gather = _torch_function(dsd, "_gather_state_dict")
     torch_get_optim = _torch_function(dsd, "_get_optim_state_dict")
-    if getattr(torch_gather, "_raggedfsdp", False):
+    if getattr(torch_get_optim, "_raggedfsdp", False):
         return
-    dsd._gather_state_dict = _gather_wrapper(torch_gather)
     dsd._get_optim_state_dict = _in_dsd(torch_get_optim)
+    torch_tensors = _torch_function(state_dict_utils, "_distribute_tensors")
+    state_dict_utils._distribute_tensors = _distribute_ragged_first(torch_tensors)
     register_optimizer_step_pre_hook(_hook_optimizer)
+
+
+def _distribute_ragged_first(torch_tensors: Callable[..., None]) -> Callable[..., None]:
+    """DSD's ``_distribute_tensors`` (``broadcast_from_rank0``: every rank has the whole tensor
+    now) cuts a DTensor's chunk by torch's placements, which a ragged piece is not: sharded
+    tensors of ours take their piece through ``copy_``; the rest goes to torch's function."""
+
+    @functools.wraps(torch_tensors)
+    def distribute(local_state_dict: dict[str, Any], keys: list[str], *args: Any) -> None:
+        rest = []
+        for key in keys:
+            entry = local_state_dict.get(key)
+            if isinstance(entry, tuple) and isinstance(entry[0], RaggedTensor):
+                local, whole = entry
+                with torch.no_grad():
+                    local.copy_(whole)
+                local_state_dict[key] = local
+            else:
+                rest.append(key)
+        torch_tensors(local_state_dict, rest, *args)
+
+    return distribute
 
 
 def _torch_function(module: Any, name: str) -> Callable[..., Any]:
@@ -90,28 +96,8 @@ def _in_dsd(torch_get_optim: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _IN_DSD.reset(token)
 
+    get_optim._raggedfsdp = True  # type: ignore[attr-defined]
     return get_optim
-
-
-def _gather_wrapper(torch_gather: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(torch_gather)
-    def gather(state_dict: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        return torch_gather(_gather_ragged(state_dict), *args, **kwargs)
-
-    gather._raggedfsdp = True  # type: ignore[attr-defined]
-    return gather
-
-
-def _gather_ragged(value: Any) -> Any:
-    """``value`` with every RaggedTensor, in nested dicts, lists and tuples, replaced by its full
-    tensor (a collective per RaggedTensor, in the walk's order, the same on every rank)."""
-    if isinstance(value, RaggedTensor):
-        return gather_full(value)
-    if isinstance(value, dict):
-        return {key: _gather_ragged(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_gather_ragged(item) for item in value)
-    return value
 
 
 def _hook_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -3,23 +3,21 @@ buffer per bucket, so the all-gather and the reduce-scatter run in place.
 
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
-:class:`CommCompression`); the counters (:class:`RuntimeStats`); :class:`ShardedGrad`, the class
-of sharded parameters' gradients (norms of it are global); and, for the checkpoint layer,
-:func:`full_parameters`, :class:`RaggedTensor` (DCP's container of a ragged shard, with
-:func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`), and
+:class:`CommCompression`); the counters (:class:`RuntimeStats`); :class:`RaggedTensor`, the
+DTensor class of sharded parameters, their gradients and optimizer state (with
+:func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`); for the checkpoint
+layer, :func:`full_parameters` and
 :func:`error_feedback_state` / :func:`load_error_feedback_state` (the residuals of compressed
 reduce-scatters, per rank).
 Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), each bucket's
 all-gather and reduce-scatter strategies (``_comm``; the quantized pair in ``compression/``),
 collectives (``_collectives``) and how their bytes travel (``_transport``), one parameter's
 record (``_param``), a unit's group (``_param_group``), reductions in flight (``_reduce``), hooks
-(``_hooks``), state machines (``_state_machine``), state dicts (``_state_dict``; their container,
-``_ragged_tensor``) and sharded gradients (``_sharded_grad``).
+(``_hooks``), state machines (``_state_machine``) and state dicts (``_state_dict``).
 """
 
 from ._metrics import RuntimeStats
-from ._ragged_tensor import RaggedTensor, gather_full, local_flat, to_ragged_tensor
-from ._sharded_grad import ShardedGrad
+from ._ragged_tensor import RaggedTensor, distribute, gather_full, local_flat, to_ragged_tensor
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
     FSDPBackend,
@@ -27,6 +25,7 @@ from .fully_shard import (
     UnshardHandle,
     full_parameters,
     fully_shard,
+    materialize_shards_,
     register_fsdp_forward_method,
 )
 from .residuals import error_feedback_state, load_error_feedback_state
@@ -39,14 +38,15 @@ __all__ = [
     "MixedPrecisionPolicy",
     "RaggedTensor",
     "RuntimeStats",
-    "ShardedGrad",
     "UnshardHandle",
+    "distribute",
     "error_feedback_state",
     "full_parameters",
     "fully_shard",
     "gather_full",
     "load_error_feedback_state",
     "local_flat",
+    "materialize_shards_",
     "register_fsdp_forward_method",
     "to_ragged_tensor",
 ]

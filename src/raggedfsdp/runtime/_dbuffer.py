@@ -15,6 +15,11 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
 - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
   it; the sharded gradients are views of it, so it lives as long as they do.
 
+Sharded parameters and their gradients are :class:`~._ragged_tensor.RaggedTensor` DTensors
+whose local tensors are these views ([Note: ragged shards as DTensors]). A bucket of parameters
+on the meta device keeps ``local`` on meta too, until ``to_empty`` gives it memory
+(``FSDPParamGroup.adopt``); nothing runs on it before then.
+
 So neither collective needs a copy-in or a copy-out.
 
 [Note: freeing unsharded storage] Unsharded parameters are persistent views, because autograd
@@ -28,15 +33,14 @@ allocation (and one free) however many buckets it has.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ..layout import ShardInfo, mark_sharded
 from ..planner import ShardPlan
 from ._comm import AllGather, ReduceScatter
+from ._mesh import MeshInfo
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
-from ._sharded_grad import as_sharded_grad
+from ._ragged_tensor import RaggedTensor, placed_like
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
 
@@ -104,8 +108,7 @@ class DBuffer:
         plan: ShardPlan,
         registrations: list[Registration],
         *,
-        rank: int,
-        group: torch.distributed.ProcessGroup | None,
+        mesh_info: MeshInfo,
         comm_dtype: torch.dtype,
         device: torch.device,
         gather: AllGather,
@@ -113,7 +116,8 @@ class DBuffer:
         offload: HostOffload | None = None,
     ) -> None:
         self.plan = plan  # named below the unit's module (FSDPParamGroup.named_plans)
-        self.rank = rank
+        self.mesh_info = mesh_info
+        self.rank = mesh_info.shard_rank
         self.world_size = plan.world_size
         self.shard_numel = plan.shard_numel
         self.device = device
@@ -123,27 +127,35 @@ class DBuffer:
         self.requires_grad = first.requires_grad
         self.gather = gather  # fills ``full`` from every rank's ``local``
         self.reduce = reduce  # reduces ``full_grad`` to this rank's shard; None when frozen
-        # Zeros, so the padding between parameters is deterministic in every collective.
-        self.local = (  # 1-D [S]; on the host under CPU offload
-            torch.zeros(self.shard_numel, dtype=self.dtype, device=device)
-            if offload is None
-            else offload.zeros(self.shard_numel, self.dtype)
-        )
+        self.local = self._new_local(registrations, offload)  # 1-D [S]
         self.full: torch.Tensor | None = None  # 1-D [W*S] comm dtype; set by bind_full
         self.full_grad: torch.Tensor | None = None  # 1-D [W*S]; bound during backward
-        # The group sharded gradients' norms reduce over ([Note: torch's clip_grad_norm_ over
-        # ragged shards]); None for a one-rank layout, whose gradients stay plain tensors.
-        self.grad_group = None if self.world_size == 1 else (group or dist.group.WORLD)
         by_name = {r.fqn: r for r in registrations}
         #: in buffer order
-        self.params = [self._shard(by_name[fqn], group) for fqn in plan.entries]
+        self.params = [self._shard(by_name[fqn]) for fqn in plan.entries]
 
-    def _shard(
-        self, registration: Registration, group: torch.distributed.ProcessGroup | None
-    ) -> FSDPParam:
-        """The record of one parameter: its sharded form, a view of ``local`` filled with this
-        rank's piece of the original (unless on the meta device), and its unsharded form,
-        whose data :meth:`bind_full` binds."""
+    def _new_local(
+        self, registrations: list[Registration], offload: HostOffload | None
+    ) -> torch.Tensor:
+        """The shard buffer: zeros (the padding between parameters stays deterministic in every
+        collective), on the host under CPU offload; on meta while the parameters are."""
+        on_meta = [r.param.device.type == "meta" for r in registrations]
+        if any(on_meta):
+            if not all(on_meta):
+                names = [r.fqn for r, meta in zip(registrations, on_meta, strict=True) if meta]
+                raise ValueError(
+                    f"parameters {names} are on the meta device and others of their bucket are "
+                    f"not; materialise all of a module's parameters, or none, before fully_shard"
+                )
+            return torch.empty(self.shard_numel, dtype=self.dtype, device="meta")
+        if offload is not None:
+            return offload.zeros(self.shard_numel, self.dtype)
+        return torch.zeros(self.shard_numel, dtype=self.dtype, device=self.device)
+
+    def _shard(self, registration: Registration) -> FSDPParam:
+        """The record of one parameter: its sharded form, a RaggedTensor whose local tensor is
+        a view of ``local`` filled with this rank's piece of the original (unless on the meta
+        device), and its unsharded form, whose data :meth:`bind_full` binds."""
         plan, rank, original = self.plan, self.rank, registration.param
         entry = plan.entries[registration.fqn]
         start, end = plan.local_range(entry.name, rank)
@@ -152,8 +164,9 @@ class DBuffer:
         view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
         if original.device.type != "meta":
             view.copy_(layout.to_local(original.detach().to(view.device), rank))
-        sharded = nn.Parameter(view, requires_grad=original.requires_grad)
-        mark_sharded(sharded, ShardInfo(layout, rank, group))
+        info = self.mesh_info
+        piece = RaggedTensor.from_piece(view, layout, info.mesh, mesh_dim=info.shard_dim)
+        sharded = nn.Parameter(piece, requires_grad=original.requires_grad)
         unsharded = nn.Parameter(
             torch.empty(0, dtype=self.comm_dtype, device=self.device),
             requires_grad=original.requires_grad,
@@ -166,6 +179,28 @@ class DBuffer:
             sharded=sharded,
             unsharded=unsharded,
         )
+
+    def relocate(
+        self, local: torch.Tensor, param_dtype: torch.dtype | None, device: torch.device | None
+    ) -> None:
+        """``local`` (a new shard buffer, already filled) replaces the shard buffer: the bucket
+        takes its dtype, its communication dtype follows (``param_dtype`` under mixed precision),
+        and ``device`` becomes the compute device (``None``: unchanged, the host keeps the
+        shards under offload). The parameters' views and the storages are the callers' to
+        make anew."""
+        self.local = local
+        self.dtype = local.dtype
+        floating = param_dtype is not None and local.dtype.is_floating_point
+        self.comm_dtype = param_dtype if floating else local.dtype
+        if device is not None:
+            self.device = device
+
+    def version(self) -> int:
+        """A count that grows with every in-place update of the shard: through the sharded
+        parameters (an optimizer step, a load: it bumps the RaggedTensor's own version counter,
+        not its local tensor's, as the op runs below autograd) or through their local tensors
+        and ``local`` itself (views of one storage, one counter)."""
+        return self.local._version + sum(param.sharded._version for param in self.params)
 
     @property
     def full_numel(self) -> int:
@@ -180,7 +215,9 @@ class DBuffer:
         no cast, no offload, no compression) a parameter this rank holds whole is a view of
         ``local`` instead: its unsharded form *is* its shard, so the all-gather need not place
         it in ``full`` (see ``own_ranges``)."""
-        whole_from_local = self.gather.whole_from_local
+        # (not while the shard is on meta: those views would be meta too; bound again when
+        # the shard gets memory)
+        whole_from_local = self.gather.whole_from_local and self.local.device.type != "meta"
         self.full = full
         own_ranges = []
         for param in self.params:
@@ -217,16 +254,11 @@ class DBuffer:
 
     def attach_sharded_grads(self, local_grad: torch.Tensor) -> None:
         """Sharded gradients become views of ``local_grad`` (1-D ``[S]``, the reduce-scatter's
-        output)."""
+        output), placed as their parameters."""
         for param in self.params:
             if param.sharded.requires_grad:
                 view = local_grad[param.local_start : param.local_end]
-                param.sharded.grad = self.as_grad(view.view(param.sharded.shape))
-
-    def as_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as a sharded parameter's ``.grad``: a :class:`ShardedGrad` of the shard
-        group (same storage), so torch's norm utilities see the whole gradient."""
-        return grad if self.grad_group is None else as_sharded_grad(grad, self.grad_group)
+                param.sharded.grad = placed_like(view, param.sharded)
 
     def persistent_bytes(self) -> int:
         """Bytes this bucket holds between steps: the local shard, and its gradient while the

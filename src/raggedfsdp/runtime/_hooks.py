@@ -33,10 +33,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ..planner import ShardPlan, post_order
+from ._adopt import adopt, meta_parameters
 from ._collectives import all_gather
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup, SharedResources
-from ._state_dict import load_state_dict_pre_hook, state_dict_post_hook
+from ._state_dict import state_dict_post_hook
 from ._state_machine import RootPhase, TrainingState, check_state
 
 __all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
@@ -140,9 +141,8 @@ class FSDPState:
         module.register_state_dict_post_hook(
             functools.partial(FSDPState._state_dict_post_hook, self)
         )
-        module.register_load_state_dict_pre_hook(
-            functools.partial(FSDPState._load_state_dict_pre_hook, self)
-        )
+        module.register_load_state_dict_pre_hook(functools.partial(FSDPState._hold_sharded, self))
+        module.register_load_state_dict_post_hook(self._load_state_dict_post_hook)
 
     @property
     def is_root(self) -> bool:
@@ -164,6 +164,15 @@ class FSDPState:
                     f"raggedfsdp: {state.group.label} already ran under another root; run "
                     f"forward through the outermost fully_shard-ed module"
                 )
+        for _, state in named:  # parameters converted below an inner module, say, taken back
+            adopt(state.group)
+        on_meta = [name for _, state in named for name in meta_parameters(state.group)]
+        if on_meta:
+            raise RuntimeError(
+                f"raggedfsdp: parameters {on_meta} are still on the meta device; give them memory "
+                f"and values first (model.to_empty(device=...) then their initialisation, e.g. "
+                f"reset_parameters(), or rf.init_sharded_)"
+            )
         ctx = RootContext(self, [state for _, state in named])
         for path, state in named:
             state.ctx = ctx
@@ -269,11 +278,11 @@ class FSDPState:
         if self.group.training_state is TrainingState.IDLE:
             self.group.reshard()
 
-    def _load_state_dict_pre_hook(
-        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
-    ) -> None:
-        self._hold_sharded()
-        load_state_dict_pre_hook(self.group.named_parameters_in(module, prefix), state_dict)
+    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        """After a load: parameters assigned in place of the unit's (``assign=True``) are
+        taken back ([Note: adopting changed parameters]); loads into the parameters themselves
+        (``copy_``) need nothing."""
+        adopt(self.group)
 
 
 def _cast_floating(tree: Any, dtype: torch.dtype) -> Any:

@@ -1,4 +1,4 @@
-"""The process groups and the device a unit runs on, read from the user's mesh."""
+"""The data-parallel mesh a unit is sharded over: its process groups and the device it runs on."""
 
 from __future__ import annotations
 
@@ -16,18 +16,27 @@ __all__ = ["MeshInfo", "device_for", "mesh_info"]
 
 @dataclass(frozen=True)
 class MeshInfo:
-    """The process groups a unit communicates over: ``shard_group`` (all-gather and
-    reduce-scatter) and, for HSDP, ``replicate_group`` (all-reduce of the reduced shard)."""
+    """The mesh a unit is sharded over and its process groups: ``shard_group`` (all-gather and
+    reduce-scatter, the mesh's last dimension) and, for HSDP, ``replicate_group`` (all-reduce of
+    the reduced shard, the first). Sharded parameters are DTensors on ``mesh``, ragged along
+    ``shard_dim``."""
 
+    mesh: DeviceMesh
     shard_group: dist.ProcessGroup
     shard_rank: int
     shard_size: int
     replicate_group: dist.ProcessGroup | None = None
     replicate_size: int = 1
 
+    @property
+    def shard_dim(self) -> int:
+        """The mesh dimension the parameters are ragged along."""
+        return self.mesh.ndim - 1
 
-def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
-    """The groups of a 1-D (shard) or 2-D (replicate, shard) mesh; ``None``: the world."""
+
+def mesh_info(mesh: DeviceMesh | None, device: torch.device) -> MeshInfo:
+    """The groups of a 1-D (shard) or 2-D (replicate, shard) mesh; ``None``: a 1-D mesh of the
+    whole default group on ``device``'s type (as FSDP2 makes one)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "raggedfsdp: torch.distributed is not initialised; call "
@@ -36,18 +45,17 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
         )
     world = dist.get_world_size()
     if mesh is None:
-        group = dist.group.WORLD
-        assert group is not None
-        return MeshInfo(group, dist.get_rank(), world)
+        mesh = _world_mesh(device.type)
     if mesh.size() != world:
         raise ValueError(
             f"mesh of shape {tuple(mesh.shape)} has {mesh.size()} ranks but the process group "
             f"has {world}; the mesh must cover every rank"
         )
     if mesh.ndim == 1:
-        return MeshInfo(mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
+        return MeshInfo(mesh, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
     if mesh.ndim == 2:  # HSDP: (replicate, shard)
         return MeshInfo(
+            mesh,
             mesh.get_group(1),
             mesh.get_local_rank(1),
             mesh.size(1),
@@ -57,12 +65,33 @@ def mesh_info(mesh: DeviceMesh | None) -> MeshInfo:
     raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
 
 
+#: The 1-D mesh of the default group per device type, with the group it was made for (a new
+#: default group after destroy_process_group gets a new mesh).
+_WORLD_MESHES: dict[str, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def _world_mesh(device_type: str) -> DeviceMesh:
+    """One 1-D mesh of the default group per device type, shared by every unit (their
+    parameters' meshes are then one object). No process group is made."""
+    group = dist.group.WORLD
+    assert group is not None
+    cached = _WORLD_MESHES.get(device_type)
+    if cached is None or cached[0] is not group:
+        cached = (group, DeviceMesh.from_group(group, device_type))
+        _WORLD_MESHES[device_type] = cached
+    return cached[1]
+
+
 def device_for(params: list[nn.Parameter], mesh: DeviceMesh | None) -> torch.device:
-    """Where a unit's buffers live: its parameters' device, else (all on meta) the mesh's,
-    else this rank's default device."""
+    """Where a unit's buffers live: the mesh's device when a mesh is given (parameters on
+    another device are moved there, as FSDP2 moves them), else its parameters' device, else
+    (all on meta) this rank's default device."""
+    if mesh is not None:
+        if mesh.device_type == "cpu":
+            return torch.device("cpu")
+        handle = getattr(torch, mesh.device_type)
+        return torch.device(mesh.device_type, handle.current_device())
     real = [p.device for p in params if p.device.type != "meta"]
     if real:
         return real[0]
-    if mesh is not None and mesh.device_type != "cpu":
-        return torch.device(mesh.device_type, torch.cuda.current_device())
     return default_device()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 __all__ = ["FSDPParam", "Registration"]
@@ -62,6 +63,17 @@ class FSDPParam:
     def held_whole(self) -> bool:
         """Whether this rank's piece is the whole parameter."""
         return self.local_end - self.local_start == self.numel
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's piece (N-D when whole rows, else 1-D)."""
+        return self.sharded._local_tensor.shape
+
+    def held(self) -> torch.Tensor:
+        """What the modules hold in the parameter's place now (its sharded or unsharded form,
+        unless something else was put there: see ``_adopt.py``)."""
+        module, attr = self.owners[0]
+        return module._parameters[attr]
 
     def hold(self, *, unsharded: bool) -> None:
         """Make every module that registers this parameter hold its unsharded (or sharded)

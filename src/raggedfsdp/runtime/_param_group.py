@@ -16,6 +16,7 @@ from torch.autograd.profiler import record_function
 
 from ..layout import RaggedShard
 from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
+from ._adopt import adopt
 from ._collectives import Pending, all_gather
 from ._comm import (
     AllGather,
@@ -34,6 +35,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._pool import BufferPool
+from ._ragged_tensor import placed_like
 from ._reduce import ReduceQueue
 from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
@@ -109,26 +111,16 @@ class FSDPParamGroup:
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
         #: this unit's reductions, one per trainable bucket in order, from issue to finish
         self._reduces: list[BucketReduce] = []
-        self.buckets = self._build_buckets(registrations, planner, compression)
+        self._policy = planner.shard_policy  # for the strategies, chosen again by rebind()
+        self._compression = compression
+        self.buckets = self._build_buckets(registrations, planner)
         #: every parameter of the unit, bucket by bucket in buffer order
         self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
-        # Storage for the all-gather outputs; with zero copy the unsharded parameters are views
-        # of it. The FSDP2-style path copies out into a second storage, as FSDP2 does.
-        self._gather_storage = self._storages(self.buckets)
-        self._param_storage = (
-            self._gather_storage if config.zero_copy else self._storages(self.buckets)
-        )
-        gathered = _views(self._gather_storage)
-        param_buffers = _views(self._param_storage)
-        for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
-            bucket.bind_full(full, param_buffer)
-        for storage in self._gather_storage + self._param_storage:
-            storage.free()  # views taken; memory only while unsharded
         # The unsharded gradients of all trainable buckets: one pooled block per backward,
         # taken at the first gradient and given back when the reduce-scatters have read it.
         self._trainable = [b for b in self.buckets if b.requires_grad]
-        self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
         self._grad_block: torch.Tensor | None = None
+        self._bind_storages()
         for param in self.params:
             if param.unsharded.requires_grad:  # of a trainable bucket, then
                 param.unsharded.register_hook(self._gradient_arrives)
@@ -137,10 +129,7 @@ class FSDPParamGroup:
     # -- construction --------------------------------------------------------------------------
 
     def _build_buckets(
-        self,
-        registrations: list[Registration],
-        planner: StructAwarePlanner,
-        compression: CommCompression | None,
+        self, registrations: list[Registration], planner: StructAwarePlanner
     ) -> list[DBuffer]:
         """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
         same function ``plan_model`` uses, named below the unit's module), each planned and
@@ -155,13 +144,12 @@ class FSDPParamGroup:
         out = []
         for bucket in buckets:
             plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
-            gather, reduce = self._collectives(bucket, plan, planner.shard_policy, compression)
+            gather, reduce = self._collectives(bucket, plan)
             out.append(
                 DBuffer(
                     plan,
                     [by_name[name] for name in bucket.params],
-                    rank=self.mesh_info.shard_rank,
-                    group=self.mesh_info.shard_group,
+                    mesh_info=self.mesh_info,
                     comm_dtype=bucket.comm_dtype,
                     device=self.device,
                     gather=gather,
@@ -172,19 +160,15 @@ class FSDPParamGroup:
         return out
 
     def _collectives(
-        self,
-        bucket: Bucket,
-        plan: ShardPlan,
-        policy: RaggedShard,
-        compression: CommCompression | None,
+        self, bucket: Bucket | DBuffer, plan: ShardPlan
     ) -> tuple[AllGather, ReduceScatter | None]:
         """The bucket's all-gather and (trainable buckets) reduce-scatter, chosen once: all
         they depend on is fixed by now. For each, the first that applies: compressed, then
         (all-gather) offloaded, cast, in place, copied in; (reduce-scatter) cast, in place."""
-        info = self.mesh_info
+        info, compression = self.mesh_info, self._compression
         codec = None
         if compression is not None and compression.enabled:
-            codec = _codec(bucket, plan, policy, compression)
+            codec = _codec(bucket.dtype, plan, self._policy, compression)
         gather: AllGather
         if codec is not None and compression.all_gather is not None:
             gather = QuantizedAllGather(
@@ -210,6 +194,29 @@ class FSDPParamGroup:
         if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
             return gather, InPlaceReduceScatter(info, plan.shard_numel)
         return gather, CastReduceScatter(info, plan.shard_numel, reduce_dtype)
+
+    def _bind_storages(self) -> None:
+        """Storage for the all-gather outputs, on the compute device in each bucket's
+        communication dtype; with zero copy the unsharded parameters are views of it. The
+        FSDP2-style path copies out into a second storage, as FSDP2 does."""
+        self._gather_storage = self._storages(self.buckets)
+        self._param_storage = (
+            self._gather_storage if self.config.zero_copy else self._storages(self.buckets)
+        )
+        gathered = _views(self._gather_storage)
+        param_buffers = _views(self._param_storage)
+        for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
+            bucket.bind_full(full, param_buffer)
+        for storage in self._gather_storage + self._param_storage:
+            storage.free()  # views taken; memory only while unsharded
+        self._grad_sizes = [(b.full_numel, b.comm_dtype) for b in self._trainable]
+
+    def rebind(self) -> None:
+        """After a bucket's shard moved to another dtype or device (:func:`~._adopt.adopt`):
+        its strategies chosen again and the unit's storages made anew, as at construction."""
+        for bucket in self.buckets:
+            bucket.gather, bucket.reduce = self._collectives(bucket, bucket.plan)
+        self._bind_storages()
 
     def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
         """One storage for all ``buckets`` (``group_level``), or one each."""
@@ -312,9 +319,16 @@ class FSDPParamGroup:
             self.reshard()
         if self.sharded_state is not ShardedState.SHARDED:
             return
+        adopt(self)  # a parameter changed outside the unit is taken back first
         with record_function(f"raggedfsdp::unshard({self.label})"):
             self._allocate(self._gather_storage)
-            self._gathered_versions = self._shard_versions()
+            versions = self._shard_versions()
+            for bucket, version, gathered in zip(
+                self.buckets, versions, self._gathered_versions or versions, strict=True
+            ):
+                if version != gathered:
+                    bucket.gather.shard_may_change()  # a strategy's copy of the shard is old
+            self._gathered_versions = versions
             for bucket in self.buckets:
                 assert bucket.full is not None
                 pending = bucket.gather.all_gather(
@@ -324,9 +338,8 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
-        """The shards' version counters: their sharded parameters are views of them, so every
-        in-place update (an optimizer step, a load) bumps them."""
-        return [bucket.local._version for bucket in self.buckets]
+        """How often each bucket's shard was updated in place (:meth:`DBuffer.version`)."""
+        return [bucket.version() for bucket in self.buckets]
 
     def _stale(self) -> bool:
         """Whether a shard changed in place since it was gathered."""
@@ -491,11 +504,13 @@ class FSDPParamGroup:
                 self.offload.wait()  # the host adds the copy below
         if bucket.has_sharded_grads():
             for param in bucket.params:
-                piece = output[param.local_start : param.local_end].view(param.sharded.shape)
+                piece = output[param.local_start : param.local_end]
                 if param.sharded.grad is not None:
-                    param.sharded.grad += piece
+                    param.sharded.grad.to_local().view(-1).add_(piece)
                 elif param.sharded.requires_grad:
-                    param.sharded.grad = bucket.as_grad(piece.to(bucket.dtype, copy=True))
+                    param.sharded.grad = placed_like(
+                        piece.to(bucket.dtype, copy=True), param.sharded
+                    )
                     self.stats.add_copy(piece)
         else:
             if output.dtype != bucket.dtype:  # reduce_dtype other than the master dtype
@@ -553,14 +568,14 @@ class FSDPParamGroup:
 
 
 def _codec(
-    bucket: Bucket, plan: ShardPlan, policy: RaggedShard, compression: CommCompression
+    dtype: torch.dtype, plan: ShardPlan, policy: RaggedShard, compression: CommCompression
 ) -> BucketCodec:
     """The bucket's codec under ``compression``: floating-point parameters only."""
-    if not bucket.dtype.is_floating_point:
+    if not dtype.is_floating_point:
         raise ValueError(
-            f"parameter {next(iter(bucket.params))!r} is {bucket.dtype}: compressed "
-            f"communication quantizes floating-point parameters only; make it a buffer or "
-            f"shard it without compression"
+            f"parameter {plan.model_order[0]!r} is {dtype}: compressed communication "
+            f"quantizes floating-point parameters only; make it a buffer or shard it without "
+            f"compression"
         )
     return BucketCodec(plan, policy, compression.block_size)
 
