@@ -135,13 +135,15 @@ def _view_of_buffer(param: FSDPParam, bucket: DBuffer) -> torch.Tensor:
     return bucket.local[param.local_start : param.local_end]
 
 
-def meta_parameters(group: FSDPParamGroup) -> list[str]:
-    """The names of ``group``'s parameters still on the meta device (nothing can run on them)."""
+def meta_parameters(group: FSDPParamGroup, paths: list[str]) -> list[str]:
+    """The names of ``group``'s parameters still on the meta device (nothing can run on them),
+    its modules being at ``paths``."""
+    plans = group.named_plans(paths)
     return [
-        group.qualify(p.fqn)
-        for b in group.buckets
-        if b.local.device.type == "meta"
-        for p in b.params
+        name
+        for bucket, plan in zip(group.buckets, plans, strict=True)
+        if bucket.local.device.type == "meta"
+        for name in plan.model_order
     ]
 
 

@@ -53,6 +53,13 @@ class FSDPModule(TorchFSDPModule):
         self.__init__(*args, **kwargs)
         return self
 
+    def __deepcopy__(self, memo: dict) -> Any:
+        unsupported(
+            f"copy.deepcopy of a module sharded by raggedfsdp ({type(self).__name__})",
+            "its parameters are views of buffers shared with the rest of the model and its "
+            "hooks belong to one root; copy the model before fully_shard and shard the copy",
+        )
+
     def _get_fsdp_state(self) -> Any:
         unsupported(
             "FSDPModule._get_fsdp_state()",
@@ -66,7 +73,12 @@ class FSDPModule(TorchFSDPModule):
         state = self._fsdp_state
         state.group.reshard()
         out = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # skip torch's FSDP2 one
-        adopt(state.group)
+        # A unit of several modules is taken back once all of them are converted (a model's
+        # _apply reaches them one by one); a unit's next unshard takes back whatever is left.
+        state.applied += 1
+        if state.applied >= len(state.modules):
+            state.applied = 0
+            adopt(state.group)
         return out
 
     @property
@@ -219,7 +231,7 @@ class FSDPModule(TorchFSDPModule):
         """The :class:`~raggedfsdp.ShardPlan` of every bucket under this module, in the order
         and with the names of ``StructAwarePlanner.plan_model`` applied to this module."""
         named = named_states_under(cast(nn.Module, self))
-        return [plan for path, state in named for plan in state.group.named_plans(path)]
+        return [plan for paths, state in named for plan in state.group.named_plans(paths)]
 
 
 class UnshardHandle:

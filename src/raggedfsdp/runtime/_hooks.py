@@ -51,11 +51,19 @@ def state_of(module: nn.Module) -> FSDPState | None:
     return getattr(module, _STATE_ATTR, None)
 
 
-def named_states_under(module: nn.Module) -> list[tuple[str, FSDPState]]:
-    """``(path below module, state)`` of ``module`` and of every sharded module below it,
-    inner units first and the root last: the order of ``plan_model``'s buckets."""
+def named_states_under(module: nn.Module) -> list[tuple[list[str], FSDPState]]:
+    """``(paths below module, state)`` of ``module`` and of every sharded module below it,
+    inner units first and the root last: the order of ``plan_model``'s buckets. A unit of
+    several modules (``fully_shard([a, b])``) comes once, at its first module, with the path of
+    each of its modules in its own order."""
     units = post_order(module, lambda m: state_of(m) is not None)
-    return [(path, state) for path, m in units if (state := state_of(m)) is not None]
+    paths = {id(m): path for path, m in units}
+    seen: dict[int, tuple[list[str], FSDPState]] = {}
+    for _, m in units:
+        state = state_of(m)
+        if state is not None and id(state) not in seen:
+            seen[id(state)] = ([paths.get(id(u), "") for u in state.modules], state)
+    return list(seen.values())
 
 
 def states_under(module: nn.Module) -> list[FSDPState]:
@@ -119,12 +127,19 @@ class _PostBackward(torch.autograd.Function):
 
 
 class FSDPState:
-    """The hooks of one ``fully_shard``-ed module; they delegate to its parameter group."""
+    """The hooks of one ``fully_shard``-ed unit -- a module, or several sharing one parameter
+    group (FSDP2's ``fully_shard([a, b])``) -- which delegate to its parameter group. A unit of
+    several modules runs its pre-forward when the first of them starts its forward and its
+    post-forward when all have run (FSDP2's group hooks)."""
 
     def __init__(
-        self, module: nn.Module, group: FSDPParamGroup, reshard_after_forward: bool | None
+        self,
+        modules: list[nn.Module],
+        group: FSDPParamGroup,
+        reshard_after_forward: bool | None,
     ):
-        self.module = module
+        self.modules = modules
+        self.module = modules[0]  # the unit's first module: it names the unit
         self.group = group
         #: True / False, or None: FSDP2's default (True, but False for the root)
         self.reshard_after_forward = reshard_after_forward
@@ -133,6 +148,18 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.ctx: RootContext | None = None  # set by the root's lazy init
+        #: ids of the unit's modules yet to run in the forward under way (empty between them)
+        self._to_run: set[int] = set()
+        #: outputs requiring grad of the unit's modules in that forward (their gradients start
+        #: its backward), until its post-forward hooks them
+        self._outputs: list[torch.Tensor] = []
+        #: how many of its modules nn.Module._apply has converted since the unit last took
+        #: its parameters back (FSDPModule._apply)
+        self.applied = 0
+        for module in modules:
+            self._hook(module)
+
+    def _hook(self, module: nn.Module) -> None:
         setattr(module, _STATE_ATTR, self)
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, prepend=False)
@@ -166,7 +193,7 @@ class FSDPState:
                 )
         for _, state in named:  # parameters converted below an inner module, say, taken back
             adopt(state.group)
-        on_meta = [name for _, state in named for name in meta_parameters(state.group)]
+        on_meta = [name for paths, state in named for name in meta_parameters(state.group, paths)]
         if on_meta:
             raise RuntimeError(
                 f"raggedfsdp: parameters {on_meta} are still on the meta device; give them memory "
@@ -174,10 +201,10 @@ class FSDPState:
                 f"reset_parameters(), or rf.init_sharded_)"
             )
         ctx = RootContext(self, [state for _, state in named])
-        for path, state in named:
+        for paths, state in named:
             state.ctx = ctx
-            state.group.bind(ctx.shared, path)
-        plans = [plan for path, state in named for plan in state.group.named_plans(path)]
+            state.group.bind(ctx.shared, paths)
+        plans = [plan for paths, state in named for plan in state.group.named_plans(paths)]
         _check_plans_agree(plans, named[0][1].group)
         return ctx
 
@@ -195,17 +222,24 @@ class FSDPState:
         if ctx.phase is RootPhase.BACKWARD:  # recomputation under activation checkpointing
             self.group.wait_for_unshard()
             return None
+        if self._to_run:  # a later module of this unit: its forward is under way
+            return self._cast_inputs(args, kwargs)
+        self._to_run = {id(m) for m in self.modules}
         self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
         # Prefetch: overlaps the next all-gathers with this compute.
         _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
         self.group.pre_forward()
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = self._route_inputs(args, kwargs)
+        return args, kwargs
+
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         policy = self.group.mp_policy
         if policy.param_dtype is not None and policy.cast_forward_inputs:
             args, kwargs = _cast_floating((args, kwargs), policy.param_dtype)
-        if torch.is_grad_enabled():
-            args, kwargs = self._route_inputs(args, kwargs)
         return args, kwargs
 
     def _route_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -224,19 +258,31 @@ class FSDPState:
         assert ctx is not None
         if ctx.phase is RootPhase.BACKWARD:
             return output
-        if self.is_root:
-            ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
-        grad_enabled = torch.is_grad_enabled()
-        self.group.post_forward(reshard=self._reshards_after_forward(ctx, grad_enabled))
         if self.group.mp_policy.output_dtype is not None:
             output = _cast_floating(output, self.group.mp_policy.output_dtype)
-        if grad_enabled:
-            tensors = [t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
+        if torch.is_grad_enabled():
+            self._outputs += [
+                t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad
+            ]
+        self._to_run.discard(id(module))
+        if self._to_run:  # more of the unit's modules to run
+            return output
+        if self.is_root:
+            for state in ctx.states:  # a unit some of whose modules did not run: ended here
+                if state._to_run:
+                    state._to_run.clear()
+                    state._end_forward(ctx)
+            ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
+        self._end_forward(ctx)
         return output
+
+    def _end_forward(self, ctx: RootContext) -> None:
+        """The unit's forward is done: reshard, and arm its pre-backward on its outputs."""
+        grad_enabled = torch.is_grad_enabled()
+        self.group.post_forward(reshard=self._reshards_after_forward(ctx, grad_enabled))
+        outputs, self._outputs = self._outputs, []
+        if grad_enabled and outputs:
+            torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
 
     def _reshards_after_forward(self, ctx: RootContext, grad_enabled: bool) -> bool:
         if self.is_root:

@@ -83,12 +83,14 @@ class FSDPParam:
             module._parameters[attr] = param
 
     def named_in(self, paths: dict[int, str], prefix: str) -> list[tuple[str, nn.Parameter]]:
-        """``(state-dict key, what the owner holds)`` under every name the parameter has;
-        ``paths`` maps ``id(module)`` to its path below the module whose keys start with
-        ``prefix``."""
+        """``(state-dict key, what the owner holds)`` under every name the parameter has below
+        a module, ``paths`` mapping ``id(module)`` to its path below it (keys start with
+        ``prefix``); owners outside that module (another module of the unit) are left out."""
         out = []
         for owner, attr in self.owners:
-            path = paths[id(owner)]
+            path = paths.get(id(owner))
+            if path is None:
+                continue
             key = f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"
             out.append((key, owner._parameters[attr]))
         return out

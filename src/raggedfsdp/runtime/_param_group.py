@@ -99,9 +99,9 @@ class FSDPParamGroup:
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         self.device = device  # the compute device; the shards' too unless offloaded
         self.offload = offload  # CPU offload: the shards on the host (_offload.py)
-        #: the module's path below its root, given once by the root's lazy init (bind); until
-        #: then the unit is named by its module's class (``module_name``)
-        self.path: str | None = None
+        #: its modules' paths below their root, given once by the root's lazy init (bind);
+        #: until then the unit is named by its modules' classes (``module_name``)
+        self.paths: list[str] | None = None
         self._module_name = module_name
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -227,40 +227,41 @@ class FSDPParamGroup:
             return [FlatStorage(sizes, self.device)]
         return [FlatStorage([size], self.device) for size in sizes]
 
-    def bind(self, shared: SharedResources, path: str) -> None:
+    def bind(self, shared: SharedResources, paths: list[str]) -> None:
         """Join the root, once, at its lazy init: use its shared resources, and take the unit's
-        name, its module's ``path`` below the root (as FSDP2's ``_init_fqns``): errors,
-        profiler ranges and the parameters named in them say it from now on."""
+        names, its modules' ``paths`` below the root (as FSDP2's ``_init_fqns``): errors,
+        profiler ranges and the parameters named in them say them from now on."""
         if self._shared is not None and self._shared is not shared:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
                 f"fully_shard to the root once and run forward through it"
             )
         self._shared = shared
-        self.path = path
+        self.paths = paths
 
     @property
     def label(self) -> str:
-        """The unit in errors and profiler ranges: its path below the root once named, before
-        that its module's class."""
-        if self.path is None:
+        """The unit in errors and profiler ranges: its (first) module's path below the root
+        once named, before that its modules' classes."""
+        if self.paths is None:
             return self._module_name
-        return self.path or "<root>"
+        return self.paths[0] or "<root>"
 
     def qualify(self, name: str) -> str:
         """A parameter's name in this unit's plans (below the unit's module) as the model
         names it: with the unit's path once the root has named the unit."""
-        return f"{self.path}.{name}" if self.path else name
+        return name if self.paths is None else _qualified(name, self.paths)
 
-    def named_plans(self, path: str) -> list[ShardPlan]:
+    def named_plans(self, paths: list[str] | None = None) -> list[ShardPlan]:
         """The unit's plans with the names ``StructAwarePlanner.plan_model`` gives them when
-        the unit's module is ``path`` below the planned module (``""``: the unit's own)."""
-        if not path:
+        the unit's modules are ``paths`` below the planned module (``None``: the unit's own
+        names)."""
+        if paths is None or paths == [""]:
             return [bucket.plan for bucket in self.buckets]
         return [
             bucket.plan.renamed(
-                [f"{path}.{name}" for name in bucket.plan.model_order],
-                _bucket_name(bucket.plan.name, path),
+                [_qualified(name, paths) for name in bucket.plan.model_order],
+                _bucket_name(bucket.plan.name, paths[0]),
             )
             for bucket in self.buckets
         ]
@@ -402,9 +403,14 @@ class FSDPParamGroup:
         that receives a gradient calls it."""
         check_state(
             self.training_state,
-            (TrainingState.IDLE, TrainingState.PRE_BACKWARD),
+            (TrainingState.IDLE, TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD),
             unit=self.label,
         )
+        if self.training_state is TrainingState.POST_BACKWARD:
+            # Its backward runs again in this backward (two forwards, then one backward, as
+            # DPO and contrastive losses do): the first pass's reduction is finished now, so
+            # its gradient block is free; the next one adds to the sharded gradients it left.
+            self.shared.reduce_queue.finish(self)
         self.training_state = TrainingState.PRE_BACKWARD
         if self.knobs.unshard_in_backward or self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
@@ -549,19 +555,19 @@ class FSDPParamGroup:
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
-    def error_feedback_state(self, path: str) -> dict[str, torch.Tensor]:
+    def error_feedback_state(self, paths: list[str] | None = None) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residual of each bucket that keeps one, by the bucket's
-        name when the unit's module is ``path`` below the model (as :meth:`named_plans`): the
-        tensors themselves (loading copies into them)."""
+        name when the unit's modules are ``paths`` below the model (as :meth:`named_plans`):
+        the tensors themselves (loading copies into them)."""
         out = {}
         for bucket in self._trainable:
             residual = _reducer(bucket).error_feedback_state()
             if residual is not None:
-                out[_bucket_name(bucket.plan.name, path)] = residual
+                out[_bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
         return out
 
     def persistent_bytes(self) -> int:
-        residuals = self.error_feedback_state("").values()
+        residuals = self.error_feedback_state().values()
         return sum(r.numel() * r.element_size() for r in residuals) + sum(
             bucket.persistent_bytes() for bucket in self.buckets
         )
@@ -589,6 +595,17 @@ def _reducer(bucket: DBuffer) -> ReduceScatter:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
+
+
+def _qualified(name: str, paths: list[str]) -> str:
+    """A parameter's name below its unit (``i.rest`` for the ``i``-th module of a unit of
+    several) as the model names it, the unit's modules being at ``paths``."""
+    if len(paths) > 1:
+        index, name = name.split(".", 1)
+        path = paths[int(index)]
+    else:
+        path = paths[0]
+    return f"{path}.{name}" if path else name
 
 
 def _bucket_name(name: str, path: str) -> str:

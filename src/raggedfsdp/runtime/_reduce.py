@@ -49,6 +49,15 @@ class ReduceQueue:
         """``group`` has just issued its reduce-scatters."""
         self._scattering.append(group)
 
+    def finish(self, group: Reducing) -> None:
+        """Finish ``group``'s reductions now, and those issued before them (oldest first), so
+        that it may reduce again: its backward runs a second time in this backward (a model run
+        forward twice before one backward)."""
+        while group in self._scattering:
+            self._scattered(self._scattering.popleft())
+        while group in self._replicating:
+            self._replicating.popleft().finish_reduce()
+
     def drain(self) -> None:
         """Finish every reduction (end of backward)."""
         while self._scattering:

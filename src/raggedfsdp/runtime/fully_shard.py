@@ -8,15 +8,15 @@ class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unch
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..layout import RaggedShard
@@ -114,19 +114,40 @@ def _resolve_planner(
 
 def _check_fsdp2_arguments(
     module: object, reshard_after_forward: object, offload_policy: object
-) -> None:
-    """FSDP2's arguments that have no meaning here: a clear error, before any collective."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(
-            f"rf.fully_shard takes one nn.Module, got {type(module).__name__} (FSDP2's list of "
-            f"modules sharing one group is not supported: shard their parent, or each)"
-        )
+) -> list[nn.Module]:
+    """FSDP2's arguments that have no meaning here: a clear error, before any collective.
+    Returns the modules to shard as one unit: ``module``, or the outermost of a list of them
+    (FSDP2's group: one parameter group for modules that run one after the other)."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard needs a module, or a non-empty list of modules")
+    for item in modules:
+        if not isinstance(item, nn.Module):
+            raise TypeError(
+                f"rf.fully_shard takes an nn.Module or a list of them, got {type(item).__name__}"
+            )
+        if isinstance(item, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not take a container without a forward "
+                f"({type(item).__name__}): its hooks would never run, so its parameters would "
+                f"never be gathered; shard each of its modules, pass them as a list, or shard "
+                f"the module that calls them (FSDP2 refuses it too)"
+            )
+        if state_of(item) is not None:
+            raise ValueError(
+                f"{type(item).__name__} is already sharded by raggedfsdp (fully_shard was "
+                f"applied to it twice)"
+            )
     check_reshard_after_forward(reshard_after_forward)
     if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
         raise TypeError(
             f"offload_policy must be a torch.distributed.fsdp OffloadPolicy, got "
             f"{type(offload_policy).__name__}"
         )
+    # Modules inside another of the list belong to it already, as FSDP2 takes them.
+    unique = list({id(m): m for m in modules}.values())
+    inner = {id(sub) for m in unique for sub in m.modules() if sub is not m}
+    return [m for m in unique if id(m) not in inner]
 
 
 def _offload(
@@ -179,12 +200,15 @@ def _check_placements(
     registrations: list[Registration],
     placement_fn: Callable[[nn.Parameter], Placement | None] | None,
 ) -> None:
-    """``shard_placement_fn`` may only ask for what ragged shards are: dim 0, row-major."""
+    """``shard_placement_fn`` may only ask for what ragged shards are: dim 0, row-major (also
+    written ``Shard(-1)`` for a 1-D parameter)."""
     if placement_fn is None:
         return
     for registration in registrations:
         placement = placement_fn(registration.param)
-        if placement is not None and not (isinstance(placement, Shard) and placement.dim == 0):
+        ndim = max(registration.param.dim(), 1)
+        dim_0 = isinstance(placement, Shard) and placement.dim % ndim == 0
+        if placement is not None and not dim_0:
             raise ValueError(
                 f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} "
                 f"of shape {list(registration.param.shape)}: raggedfsdp shards every parameter "
@@ -198,47 +222,61 @@ def _check_placements(
 _SHARDED_BY = "_raggedfsdp_sharded_by"
 
 
-def _mark_sharded(registrations: list[Registration], module: nn.Module) -> None:
+def _mark_sharded(registrations: list[Registration], modules: list[nn.Module]) -> None:
+    unit = " + ".join(type(m).__name__ for m in modules)
     for registration in registrations:
-        unit = f"{type(module).__name__} (as {registration.fqn!r})"
-        setattr(registration.param, _SHARDED_BY, unit)
+        setattr(registration.param, _SHARDED_BY, f"{unit} (as {registration.fqn!r})")
 
 
-def _registrations(module: nn.Module, ignored: set[nn.Parameter]) -> list[Registration]:
-    """Parameters of ``module`` not managed by an inner unit nor ignored, each with every place
-    it is registered (tied parameters have several), in model order."""
+def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[Registration]:
+    """Parameters of ``modules`` not managed by an inner unit nor ignored, each with every place
+    it is registered (tied parameters have several), in model order; named below their module,
+    and ``i.``-prefixed by its index when the unit has several."""
     managed: set[int] = {id(p) for p in ignored}
-    for sub in module.modules():
-        state = state_of(sub)
-        if sub is not module and state is not None:
-            managed.update(id(p) for p in state.group.sharded_parameters())
+    for module in modules:
+        for sub in module.modules():
+            state = state_of(sub)
+            if sub is not module and state is not None:
+                managed.update(id(p) for p in state.group.sharded_parameters())
     found: dict[int, tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]] = {}
-    for mname, sub in module.named_modules(remove_duplicate=False):
-        for pname, param in sub._parameters.items():
-            if param is None or id(param) in managed:
-                continue
-            fqn = f"{mname}.{pname}" if mname else pname
-            owners = found.setdefault(id(param), (fqn, param, []))[2]
-            if (sub, pname) not in owners:
-                owners.append((sub, pname))
+    for index, module in enumerate(modules):
+        prefix = f"{index}." if len(modules) > 1 else ""
+        for mname, sub in module.named_modules(remove_duplicate=False):
+            for pname, param in sub._parameters.items():
+                if param is None or id(param) in managed:
+                    continue
+                fqn = f"{prefix}{mname}.{pname}" if mname else f"{prefix}{pname}"
+                owners = found.setdefault(id(param), (fqn, param, []))[2]
+                if (sub, pname) not in owners:
+                    owners.append((sub, pname))
     for fqn, param, _ in found.values():
-        sharded_by = getattr(param, _SHARDED_BY, None)
-        if sharded_by is not None:
-            raise ValueError(
-                f"parameter {fqn!r} of {type(module).__name__} was sharded already by the "
-                f"unit {sharded_by}: it is tied across units (registered in both); shard a "
-                f"module that holds every place it is registered, such as their common parent"
-            )
-        if not param.is_contiguous():
-            raise ValueError(
-                f"parameter {fqn!r} of shape {list(param.shape)} is not contiguous; "
-                f"make it contiguous before fully_shard"
-            )
+        _check_parameter(fqn, param, modules)
     return [Registration(fqn, param, tuple(owners)) for fqn, param, owners in found.values()]
 
 
+def _check_parameter(fqn: str, param: nn.Parameter, modules: list[nn.Module]) -> None:
+    sharded_by = getattr(param, _SHARDED_BY, None)
+    if sharded_by is not None:
+        raise ValueError(
+            f"parameter {fqn!r} of {type(modules[0]).__name__} was sharded already by the unit "
+            f"{sharded_by}: it is tied across units (registered in both); shard a module that "
+            f"holds every place it is registered, such as their common parent, or shard the "
+            f"modules together (fully_shard([a, b]))"
+        )
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"parameter {fqn!r} is a DTensor placed {param.placements} (tensor or expert "
+            f"parallelism): raggedfsdp shards plain parameters only, so far"
+        )
+    if not param.is_contiguous():
+        raise ValueError(
+            f"parameter {fqn!r} of shape {list(param.shape)} is not contiguous; make it "
+            f"contiguous before fully_shard"
+        )
+
+
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | None = None,
@@ -250,9 +288,12 @@ def fully_shard(
     planner: StructAwarePlanner | None = None,
     dbuffer_config: DBufferConfig | None = None,
     compression: CommCompression | None = None,
-) -> FSDPModule:
+) -> Any:
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
-    mesh, in place; returns the same object with its class extended by :class:`FSDPModule`.
+    mesh, in place; returns the same object with its class extended by :class:`FSDPModule`
+    (a subclass of torch's). A list of modules becomes one unit, as in FSDP2: one parameter
+    group, gathered when the first of them starts its forward and freed when the last ends
+    (``fully_shard([model.norm, model.output])``); the list is returned.
 
     Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's meanings
     (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded parameters after
@@ -268,14 +309,9 @@ def fully_shard(
     and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must
     carry the same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed
     reduce-scatter)."""
-    _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
-    if state_of(module) is not None:
-        raise ValueError(
-            f"{type(module).__name__} is already sharded by raggedfsdp (fully_shard was "
-            f"applied to it twice)"
-        )
+    modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
-    registrations = _registrations(module, ignored_params or set())
+    registrations = _registrations(modules, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
     info = mesh_info(mesh, device)
@@ -288,15 +324,16 @@ def fully_shard(
         config=config,
         mp_policy=MixedPrecisionPolicy.of(mp_policy),
         device=device,
-        module_name=type(module).__name__,
+        module_name=" + ".join(type(m).__name__ for m in modules),
         compression=planner.compression,
         offload=offload,
     )
-    FSDPState(module, group, reshard_after_forward)
-    _mark_sharded(registrations, module)
-    if not isinstance(module, FSDPModule):
-        module.__class__ = fsdp_class(type(module))
-    return cast(FSDPModule, module)
+    FSDPState(modules, group, reshard_after_forward)
+    _mark_sharded(registrations, modules)
+    for unit in modules:
+        if not isinstance(unit, FSDPModule):
+            unit.__class__ = fsdp_class(type(unit))
+    return module
 
 
 def FSDPBackend(

@@ -22,8 +22,8 @@ def error_feedback_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """This rank's residuals by bucket name, as ``plan_model(model)`` names the buckets (the
     live tensors; empty without error feedback). Not a collective."""
     out: dict[str, torch.Tensor] = {}
-    for path, state in named_states_under(model):
-        out.update(state.group.error_feedback_state(path))
+    for paths, state in named_states_under(model):
+        out.update(state.group.error_feedback_state(paths))
     return out
 
 
