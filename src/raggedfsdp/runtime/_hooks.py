@@ -47,8 +47,10 @@ _STATE_ATTR = "_raggedfsdp_state"
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
-    """The :class:`FSDPState` of a ``fully_shard``-ed module, or ``None``."""
-    return getattr(module, _STATE_ATTR, None)
+    """The :class:`FSDPState` of a ``fully_shard``-ed module, or ``None``. Read from the
+    module's own attributes: a wrapper that forwards unknown attributes to what it wraps
+    (``checkpoint_wrapper``) is not the module it wraps."""
+    return vars(module).get(_STATE_ATTR)
 
 
 def named_states_under(module: nn.Module) -> list[tuple[list[str], FSDPState]]:

@@ -254,6 +254,18 @@ def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list
     return [Registration(fqn, param, tuple(owners)) for fqn, param, owners in found.values()]
 
 
+def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
+    """The unit's buffers (not an inner unit's) on its device, as FSDP2 moves them: a model
+    built on the CPU and sharded over a GPU mesh computes on the GPU."""
+    for module in modules:
+        for sub in module.modules():
+            if sub is not module and state_of(sub) is not None:
+                continue  # an inner unit moved its own
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and buffer.device.type != "meta" and buffer.device != device:
+                    sub._buffers[name] = buffer.to(device)
+
+
 def _check_parameter(fqn: str, param: nn.Parameter, modules: list[nn.Module]) -> None:
     sharded_by = getattr(param, _SHARDED_BY, None)
     if sharded_by is not None:
@@ -328,6 +340,7 @@ def fully_shard(
         compression=planner.compression,
         offload=offload,
     )
+    _move_buffers(modules, device)
     FSDPState(modules, group, reshard_after_forward)
     _mark_sharded(registrations, modules)
     for unit in modules:
