@@ -12,6 +12,12 @@ The layers, each a room of its own (imports flow down this list only):
 - ``cli``         the ``raggedfsdp`` commands, each ``configure(parser)`` and ``run(args)``
 """
 
+# First, before torch loads (seconds): a worker of ``raggedfsdp train`` dies with its launcher
+# from here on, not only once it reaches train() (_lifeline.py).
+from ._lifeline import hold_from_env as _hold_from_env
+
+_hold_from_env()
+
 from . import optim
 from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_

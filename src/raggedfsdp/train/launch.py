@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .._lifeline import LAUNCHER_PID
 from .config import TrainConfig
 
 __all__ = [
@@ -140,6 +141,9 @@ def launch(cfg: TrainConfig, options: LaunchOptions, worker_argv: Sequence[str])
     # the agents' shared store, two agents deadlock in the rendezvous and restarted workers
     # cannot agree on their attempt.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # The workers die with this process from their first instruction, even if it is SIGKILLed
+    # while they start (raggedfsdp._lifeline); torchrun's agent runs here, so it is their parent.
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     with agent_log(cfg.out):
         run(get_args_parser().parse_args(argv))
 
