@@ -24,6 +24,7 @@ from launches import (
     workers_of,
 )
 from raggedfsdp._lifeline import LAUNCHER_PID
+from raggedfsdp.train.run_dir import LOCK
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def test_workers_die_with_a_launcher_killed_while_they_start(tmp_path, corpus, d
         assert len(kill_launcher(launcher)) == 2
         assert time.monotonic() - killed < 2  # the kernel's signal, not a timeout
         assert not (out / "metrics.jsonl").exists()  # nothing trained
+        assert [p.name for p in out.iterdir()] == [LOCK]  # the dead job's lock, nothing else
     finally:
         kill_tree(launcher)
 

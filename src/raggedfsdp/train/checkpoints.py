@@ -20,6 +20,7 @@ world sizes]).
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import random
@@ -229,11 +230,38 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         if final.exists():  # the same step saved again (a run resumed before it)
-            shutil.rmtree(final)
+            _make_room(final, meta.get("job"))
         os.rename(tmp, final)
         _fsync_dir(final.parent)
     _barrier()  # nobody moves on (or exits) before the checkpoint is complete
     return final
+
+
+def _make_room(final: Path, job: object) -> None:
+    """Clear the way for a checkpoint of a step saved before (``job``: this job's key, as
+    ``meta`` records it). Only this job's own is replaced. Another job's is never: a damaged one
+    (which ``--resume`` skipped) is moved aside, as ``step_N.unverified``; an intact one means
+    that another job writes into this folder (past the run-folder lock: a bare torchrun, ...),
+    and the save is refused."""
+    try:
+        written_by = json.loads((final / COMPLETE).read_text()).get("job")
+    except (OSError, ValueError, AttributeError):  # no record, or not a readable one
+        written_by = None
+    if job is not None and written_by == job:
+        shutil.rmtree(final)
+        return
+    if verify_checkpoint(final) is None:
+        raise ValueError(
+            f"checkpoint {str(final)!r} exists, written by another job "
+            f"({written_by or 'unknown'}): not replacing it; is another job using this --out?"
+        )
+    aside = final.with_name(f"{final.name}.unverified")
+    for n in itertools.count(2):
+        if not aside.exists():
+            break
+        aside = final.with_name(f"{final.name}.unverified{n}")
+    os.rename(final, aside)
+    print(f"checkpoint: moved the damaged {final} aside, to {aside.name}", flush=True)
 
 
 def load_checkpoint(

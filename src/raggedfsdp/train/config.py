@@ -218,6 +218,22 @@ class TrainConfig:
                 f"seq_len: must be in [1, {model_seq}] (the seq_len of {self.model_name}), "
                 f"got {self.seq_len}"
             )
+        self._check_numbers()
+        if not self.out:
+            raise ValueError("out: the output folder must not be empty")
+        try:
+            self.parsed_block_size()
+        except ValueError as err:
+            raise ValueError(f"block_size: {err}") from None
+        try:
+            self.comm_compression()
+        except ValueError as err:
+            raise ValueError(f"error_feedback: {err}") from None
+        if self.inject_fault is not None:
+            Fault.parse(self.inject_fault)
+
+    def _check_numbers(self) -> None:
+        """Every count, rate, timeout and ratio in its range (``ValueError`` naming it)."""
         positive = (
             "steps",
             "batch_size",
@@ -254,18 +270,6 @@ class TrainConfig:
             raise ValueError(
                 f"max_preconditioner_dim: must be >= 1, got {self.max_preconditioner_dim}"
             )
-        if not self.out:
-            raise ValueError("out: the output folder must not be empty")
-        try:
-            self.parsed_block_size()
-        except ValueError as err:
-            raise ValueError(f"block_size: {err}") from None
-        try:
-            self.comm_compression()
-        except ValueError as err:
-            raise ValueError(f"error_feedback: {err}") from None
-        if self.inject_fault is not None:
-            Fault.parse(self.inject_fault)
 
     @property
     def model_name(self) -> str:
