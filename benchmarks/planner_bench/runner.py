@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from raggedfsdp import StructAwarePlanner
+from raggedfsdp.capacity.report import WorldReport, plan_report
 from raggedfsdp.layout import BlockSize
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import Bucket, ShardPlan, model_buckets
-from raggedfsdp.capacity.report import WorldReport, plan_report
 
 from .scenarios import (
     BUFFERS,
