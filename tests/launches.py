@@ -1,5 +1,6 @@
 """What the tests that launch real ``raggedfsdp train`` jobs share: the environment, the command
-in a fresh interpreter, a corpus file, and the comparisons they make of the results."""
+in a fresh interpreter, a corpus file, the comparisons they make of the results, and how they
+start, watch and kill launchers and their workers."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -97,3 +100,71 @@ def one_error_line(err: str, *fragments: str) -> None:
     assert "Traceback" not in err
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
+
+
+#: How long a test waits for any one thing (a loaded machine is slow to start workers).
+DEADLINE_S = 120
+
+
+def tiny_train(corpus: Path, out: Path, *extra: str) -> list[str]:
+    """``train`` arguments of a small gpt-tiny run on ``corpus`` into ``out``."""
+    return [
+        "train",
+        "--model=gpt-tiny",
+        "--batch-size=4",
+        "--eval-batches=1",
+        "--eval-every=0",
+        "--log-every=10",
+        "--warmup-steps=1",
+        f"--data={corpus}",
+        f"--out={out}",
+        *extra,
+    ]
+
+
+def start_launcher(args: list[str], log: Path) -> subprocess.Popen:
+    """``raggedfsdp ARGS`` in a session of its own; its stderr in ``log``, stdout in
+    ``log.out``."""
+    with open(log, "w") as err, open(f"{log}.out", "w") as out:
+        return subprocess.Popen(
+            cli_command(*args), stdout=out, stderr=err, env=ENV, start_new_session=True
+        )
+
+
+def wait_for(what: str, condition: Callable[[], object]) -> object:
+    """Poll ``condition`` until it is true (its value then), failing after DEADLINE_S."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has died)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def workers_of(launcher: subprocess.Popen) -> list[int]:
+    """The launcher's workers that run ``python -m raggedfsdp.train`` (past their exec)."""
+
+    def command(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    return [pid for pid in descendants(launcher.pid) if b"raggedfsdp.train" in command(pid)]
+
+
+def kill_launcher(launcher: subprocess.Popen) -> list[int]:
+    """SIGKILL the launcher alone, as the OOM killer would; its workers, once they are dead."""
+    workers = workers_of(launcher)
+    launcher.kill()
+    launcher.wait()
+    wait_for("the workers to die", lambda: not any(alive(pid) for pid in workers))
+    return workers

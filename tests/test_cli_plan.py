@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from raggedfsdp.cli import main
 from raggedfsdp.cli.plan import parse_world_sizes
 from raggedfsdp.layout import parse_block_size
 from raggedfsdp.models import build_model
-from raggedfsdp.planner import parse_buffer_size
+from raggedfsdp.planner import StructAwarePlanner, parse_buffer_size
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -112,6 +114,60 @@ def test_fsdp_split_helpers() -> None:
     assert fsdp1_unit_split([10, 6], [5, 3], 4) == (4, 0, 3)
     assert fsdp1_unit_split([10, 6], [5, 3], 2) == (8, 0, 1)
     assert fsdp1_unit_split([10, 5], [5, 5], 3) == (5, 0, 0)
+
+
+def _cuts_edge_by_edge(numels: list[int], units: list[int], chunk: int) -> int:
+    """What the closed forms count, by visiting every split of a flat buffer (one per rank)."""
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    cut_units = set()
+    for edge in range(chunk, sum(numels), chunk):
+        i = max(i for i, s in enumerate(starts) if s <= edge and numels[i])
+        local = edge - starts[i]
+        if local % units[i]:
+            cut_units.add((i, local // units[i]))
+    return len(cut_units)
+
+
+def test_fsdp_baselines_equal_counting_every_split() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        numels = [rng.choice([0, rng.randint(1, 60), rng.randint(1, 400)]) for _ in range(3)]
+        units = [rng.choice([1, 2, 3, 7, 16, rng.randint(1, 50)]) for _ in range(3)]
+        world = rng.randint(1, 300)
+        chunk, _, cut = fsdp1_unit_split(numels, units, world)
+        assert cut == (_cuts_edge_by_edge(numels, units, chunk) if chunk else 0)
+        rows, row = rng.randint(1, 30), rng.randint(1, 5)
+        per_rank, cut = fsdp2_param_split((rows, row), units[0], world)
+        assert cut == _cuts_edge_by_edge([rows * row], units[:1], per_rank)
+
+
+def test_any_world_size_answers_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """No loop runs over the ranks (it took minutes at W = 10**9): a billion ranks of
+    Llama 3 8B cost what eight do."""
+    module = build_model("llama3-8b", device="meta")
+    started = time.perf_counter()
+    (world,) = plan_report(module, [10**9], block_size=128).worlds
+    assert time.perf_counter() - started < 5  # 0.06 s measured; minutes before
+    # FSDP1 gives each rank an element of every unit and FSDP2 a row of every parameter (or
+    # nothing): both cut every 128-row block.
+    assert world.fsdp1_cut_blocks == world.fsdp2_cut_blocks == world.blocks_total
+    (record,) = run_json(capsys, "--world", str(10**30))
+    assert record["world_size"] == 10**30
+
+
+def test_capacity_refuses_too_many_ranks_before_planning(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned before refusing")
+
+    monkeypatch.setattr(StructAwarePlanner, "plan_bucket", no_planning)
+    assert main(["plan", "--model", "gpt-tiny", "--world", "1000000000", "--gpu", "h100"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "raggedfsdp: error: W=1,000,000,000 is more ranks than bucket 'blocks.0/float32/0' has "
+        "blocks (49,408 under this block size): some rank would hold none of it. Use W <= "
+        "49,408 or a smaller --block-size"
+    ]
 
 
 def test_report_of_a_module_in_bfloat16() -> None:

@@ -441,15 +441,16 @@ def test_launcher_names_the_first_failure_and_its_cause(tmp_path, monkeypatch, c
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from raggedfsdp.cli.train import _child_failed
-    from raggedfsdp.train.job import _report_failure
+    from raggedfsdp.train.failures import report_failure
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
     monkeypatch.setenv("RANK", "0")
+    (tmp_path / "metrics.jsonl").touch()  # the run has begun writing there: logs go there too
     try:
         raise RuntimeError("Connection reset by peer\nmore detail")
     except RuntimeError as err:
-        assert _report_failure(err, str(tmp_path)) == 1
+        assert report_failure(err, str(tmp_path)) == 1
     assert "more detail" in (tmp_path / "logs" / "rank_00000.log").read_text()  # the whole
     lost_peer = ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))
     killed = ProcessFailure(local_rank=1, pid=11, exitcode=-9, error_file=str(tmp_path / "none"))

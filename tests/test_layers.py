@@ -26,14 +26,17 @@ WORKER_MODULES = (
     "raggedfsdp.train.health",
     "raggedfsdp.train.step",
     "raggedfsdp.train.preemption",
+    "raggedfsdp.train.failures",
 )
 #: Launcher-side code a worker must never pay for (the bench, the plan report, the commands
-#: and their tables, the launch and the rendezvous store), as packages or modules.
+#: and their tables, the launch, the run-folder lock and the rendezvous store), as packages or
+#: modules.
 LAUNCHER_PREFIXES = (
     "raggedfsdp.bench",
     "raggedfsdp.cli",
     "raggedfsdp.capacity.report",
     "raggedfsdp.train.launch",
+    "raggedfsdp.train.run_lock",
     "raggedfsdp.train.rendezvous",
 )
 

@@ -18,6 +18,12 @@ Importing the package calls :func:`raggedfsdp.integration.install` once (idempot
 only change to torch made at import.
 """
 
+# First, before torch loads (seconds): a worker of ``raggedfsdp train`` dies with its launcher
+# from here on, not only once it reaches train() (_lifeline.py).
+from ._lifeline import hold_from_env as _hold_from_env
+
+_hold_from_env()
+
 from . import integration, optim
 from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_

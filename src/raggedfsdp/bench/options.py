@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models import GPT_CONFIGS
@@ -83,8 +84,9 @@ class BenchOptions:
                 )
         if self.profile_rounds < 1:
             raise ValueError(f"--profile-rounds must be >= 1, got {self.profile_rounds}")
-        if self.link_gbit is not None and not self.link_gbit > 0:
-            raise ValueError(f"--link-gbit must be > 0, got {self.link_gbit}")
+        # tc takes a finite rate only (inf reached it, and failed inside it).
+        if self.link_gbit is not None and not 0 < self.link_gbit < math.inf:
+            raise ValueError(f"--link-gbit must be a finite rate > 0, got {self.link_gbit}")
         check_burst_kb(self.link_burst_kb)
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from ..planner import ShardPlan, StructAwarePlanner
+from ..planner import Bucket, StructAwarePlanner, model_buckets
 from ..planner.quant_blocks import Compression
 from .cost import (
     OPTIMIZERS,
@@ -162,16 +162,24 @@ class UnshardableWorld(ValueError):
     """More ranks than some bucket has policy blocks."""
 
 
-def _check_shardable(plans: Sequence[ShardPlan], world_size: int) -> None:
+def _check_shardable(
+    planner: StructAwarePlanner, buckets: Sequence[Bucket], world_size: int
+) -> None:
     """Each bucket has at least ``world_size`` policy blocks: with fewer, some rank holds
-    nothing of it whatever the plan, and the extra ranks only add padding."""
-    for plan in plans:
-        blocks = sum(-(-e.numel // e.unit_numel) for e in plan.entries.values())
+    nothing of it whatever the plan, and the extra ranks only add padding. Counted from the
+    shapes before any planning, so a world size too large is refused at once, naming the
+    largest the model supports."""
+    for bucket in buckets:
+        blocks = sum(
+            -(-p.numel() // planner.unit_numel(name, tuple(p.shape)))
+            for name, p in bucket.params.items()
+            if p.numel()
+        )
         if blocks < world_size:
             raise UnshardableWorld(
-                f"W={world_size} is more ranks than bucket {plan.name!r} has blocks ({blocks:,} "
-                f"under this block size): some rank would hold none of it. Use W <= {blocks:,} "
-                f"or a smaller --block-size"
+                f"W={world_size:,} is more ranks than bucket {bucket.name!r} has blocks "
+                f"({blocks:,} under this block size): some rank would hold none of it. Use W <= "
+                f"{blocks:,} or a smaller --block-size"
             )
 
 
@@ -195,10 +203,11 @@ def plan_capacity(
         shard_policy=policy,
         compression=step.compression,
     )
-    plans = planner.plan_model(
-        module, world_size, buffer_size=options.buffer_size, dtype=options.param_dtype
+    buckets = model_buckets(
+        module, param_dtype=options.param_dtype, buffer_size=options.buffer_size
     )
-    _check_shardable(plans, world_size)
+    _check_shardable(planner, buckets, world_size)
+    plans = [planner.plan_bucket(bucket, world_size) for bucket in buckets]
     messages = None
     if step.compression is not None:
         messages = [message_bytes(p, policy, step.compression.block_size) for p in plans]

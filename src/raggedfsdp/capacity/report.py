@@ -25,7 +25,6 @@ and rendering is the caller's business (:mod:`raggedfsdp.cli.plan`).
 
 from __future__ import annotations
 
-import bisect
 import math
 import statistics
 import time
@@ -140,15 +139,44 @@ class PlanReport:
 # The FSDP baselines, computed from shapes alone.
 
 
-def _count_cut_units(positions: Sequence[int], unit: int) -> int:
-    """Distinct units of ``unit`` elements with a cut strictly inside, for increasing cut
-    ``positions`` (a unit cut twice counts once: it is lost either way)."""
-    cut, last = 0, -1
-    for p in positions:
-        if p % unit:
-            j = p // unit
-            if j != last:
-                cut, last = cut + 1, j
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a*i + b) / m) for i in range(n))`` for ``n, a, b >= 0`` and ``m >= 1``, in
+    ``O(log m)`` steps (the Euclid-like reduction of AtCoder's ``floor_sum``), so no loop runs
+    over the ranks however large ``W`` is."""
+    total = 0
+    while True:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            return total
+        n, b = divmod(y_max, m)
+        m, a = a, m
+
+
+def _cut_units(start: int, numel: int, unit: int, chunk: int) -> int:
+    """Units of ``unit`` elements of a parameter at ``[start, start + numel)`` of a flat buffer
+    split every ``chunk`` elements that have a split strictly inside (a unit cut twice counts
+    once: it is lost either way); the last unit may be partial.
+
+    A full unit ``[a, a + unit)`` holds a multiple of ``chunk`` strictly inside when
+    ``(a + unit - 1) // chunk > a // chunk``; with ``unit - 1 < chunk`` that difference is 0 or 1,
+    so the count over the units ``a = start + j*unit`` is a difference of two floor sums.
+    """
+    if unit <= 1 or numel <= 0:
+        return 0
+    full, rest = divmod(numel, unit)
+    if unit - 1 >= chunk:  # every full unit is longer than a chunk
+        cut = full
+    else:
+        cut = _floor_sum(full, chunk, unit, start + unit - 1) - _floor_sum(full, chunk, unit, start)
+    if rest > 1:  # the partial last unit [a, a + rest)
+        a = start + full * unit
+        cut += (a + rest - 1) // chunk > a // chunk
     return cut
 
 
@@ -164,11 +192,7 @@ def fsdp2_param_split(shape: Sequence[int], unit: int, world_size: int) -> tuple
     if numel == 0 or dim0 == 0:
         return 0, 0
     per_rank = -(-dim0 // world_size) * (numel // dim0)
-    if per_rank % unit == 0:  # every chunk edge is a unit edge (also covers unit 1)
-        return per_rank, 0
-    # At most min(W, dim0) - 1 edges fall inside the parameter.
-    edges = range(per_rank, numel, per_rank)
-    return per_rank, _count_cut_units(edges, unit)
+    return per_rank, _cut_units(0, numel, unit, per_rank)
 
 
 def fsdp1_unit_split(
@@ -178,25 +202,17 @@ def fsdp1_unit_split(
 
     The unit's parameters are flattened and concatenated in order (no alignment padding between
     them, as with ``use_orig_params=False``), padded to a multiple of ``W`` and split evenly;
-    rank ``r`` holds ``[r*c, (r+1)*c)`` with ``c = ceil(total / W)``.
+    rank ``r`` holds ``[r*c, (r+1)*c)`` with ``c = ceil(total / W)``. Counted per parameter, in
+    closed form (:func:`_cut_units`): a split at a parameter's first element cuts nothing.
     """
     total = sum(numels)
     if total == 0:
         return 0, 0, 0
     chunk = -(-total // world_size)
-    starts = [0]
-    for n in numels[:-1]:
-        starts.append(starts[-1] + n)
-    cut, last = 0, (-1, -1)
-    for edge in range(chunk, total, chunk):
-        # The parameter that holds element ``edge`` (the last one starting at or before it, which
-        # skips zero-size parameters sharing its start).
-        i = bisect.bisect_right(starts, edge) - 1
-        local = edge - starts[i]
-        if local % units[i]:
-            key = (i, local // units[i])
-            if key != last:
-                cut, last = cut + 1, key
+    cut, start = 0, 0
+    for numel, unit in zip(numels, units, strict=True):
+        cut += _cut_units(start, numel, unit, chunk)
+        start += numel
     return chunk, chunk * world_size - total, cut
 
 

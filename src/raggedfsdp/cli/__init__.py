@@ -10,7 +10,8 @@ entry here. ``python -m raggedfsdp.cli`` runs :func:`main` (``__main__.py``).
 
 Errors the user caused (a bad argument, an unknown model, a policy the shapes cannot meet) are
 ``ValueError``; they print one line ``raggedfsdp: error: ...`` to stderr and exit 2, with the
-traceback only under ``--debug``. Anything else is a bug and keeps its traceback.
+traceback only under ``--debug``. The machine's errors (``OSError``: a full disk, a file gone)
+print one line the same way and exit 1. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -122,3 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         sys.stderr.write(f"{PROG}: error: {one_line(err)}\n")
         return USAGE_ERROR
+    except OSError as err:  # the machine's: a full disk, a lost file, a failed command
+        if getattr(args, "debug", False):
+            raise
+        sys.stderr.write(f"{PROG}: error: {one_line(err)}\n")
+        return 1

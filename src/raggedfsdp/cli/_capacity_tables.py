@@ -7,7 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from .._console import format_bytes
+from .._console import format_bytes, write_whole
 from ..capacity.capacity import CapacityReport, SystemCost, WorldCapacity
 from ..capacity.systems import SYSTEMS
 from ..planner.quant_blocks import Compression
@@ -277,6 +277,10 @@ def plot_capacity(report: CapacityReport, path: str | Path) -> bool:
         ax.legend()
     fig.suptitle(f"{report.model} on {report.hardware.name}: {_options_text(report)}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        target = Path(path)
+        fmt = target.suffix.removeprefix(".") or "png"
+        write_whole(target, lambda partial: fig.savefig(partial, dpi=110, format=fmt))
+    finally:
+        plt.close(fig)
     return True

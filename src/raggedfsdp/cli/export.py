@@ -20,8 +20,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--out",
         required=True,
         metavar="FILE",
-        help="where to write the state dict (torch.save; also FILE.safetensors when the "
-        "safetensors package is installed)",
+        help="where to write the state dict: FILE.safetensors in that format, any other name "
+        "with torch.save (and FILE.safetensors beside it when the safetensors package is "
+        "installed)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace files that exist at --out"
     )
 
 
@@ -29,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
     """Write the checkpoint's model as a plain state dict, and say where it went."""
     from ..train.checkpoints import export_checkpoint  # DCP loads only for an export
 
-    for path in export_checkpoint(args.checkpoint, args.out):
+    for path in export_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite):
         print(f"wrote {path}")
     return 0

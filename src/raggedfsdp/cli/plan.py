@@ -15,11 +15,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from .._console import arg_type, format_bytes
+from .._console import arg_type, check_writable, format_bytes
 from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from ..capacity.hardware import HARDWARE, Hardware, hardware
 from ..capacity.report import PlanReport, WorldReport, plan_report
@@ -255,6 +256,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
         overrides["link_gbit"] = args.link_gbit
     hw = hardware(args.gpu or "h100", **overrides)
     _check_offload(args, hw)
+    if args.plot:  # before any planning
+        check_writable(Path(args.plot), "--plot")
     gpt = GPT_CONFIGS.get(args.model)
     default_dtype = "float32" if hw.name == "cpu-gloo" else "bfloat16"
     options = CapacityOptions(

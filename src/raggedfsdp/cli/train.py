@@ -14,10 +14,19 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+from .._console import USAGE_ERROR
 from ..train.config import TrainConfig, add_config_arguments, config_from_args, train_argv
-from ..train.launch import CPU_PROCESSES, LaunchOptions, check_launch, default_nproc, launch
+from ..train.launch import (
+    CPU_PROCESSES,
+    LaunchOptions,
+    agent_log,
+    check_launch,
+    default_nproc,
+    launch,
+)
 from ..train.preemption import PREEMPTED_EXIT_CODE
 from ..train.run_dir import latest_checkpoint
+from ..train.run_lock import run_lock
 
 if TYPE_CHECKING:  # torchrun's modules load when a launch needs them
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -130,13 +139,10 @@ def launch_options(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check, then launch the workers; 0 when they all succeed. A user error is a
-    ``ValueError``; a failed worker or rendezvous is reported in one line (a worker's own
-    message came before)."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous import RendezvousError
-
+    """Check, take the run folder's lock, check what needs it, then launch the workers; 0 when
+    they all succeed. A user error is a ``ValueError`` (nothing is left in ``--out``: the lock
+    goes, and the folder if this launcher made it); a failed worker or rendezvous is reported
+    in one line (a worker's own message came before)."""
     from ..train.preflight import dry_run_report
 
     cfg = config_from_args(args)
@@ -145,32 +151,61 @@ def run(args: argparse.Namespace) -> int:
     if cfg.dry_run:
         print(dry_run_report(cfg, options.max_world_size))
         return 0
-    check_launch(cfg, options)
-    worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
-    try:
-        launch(cfg, options, worker_argv)
-    except SignalException as err:  # the launcher itself was told to stop (SIGTERM, ...)
-        return _preempted(cfg, signal.Signals(err.sigval).name)
-    except RendezvousError as err:
-        sys.stderr.write(
-            f"raggedfsdp: error: the nodes did not meet at {options.rdzv_endpoint or 'localhost'}: "
-            f"{type(err).__name__}: {' '.join(str(err).split())}\n"
-        )
-        return 1
-    except ChildFailedError as err:
-        return _child_failed(err, cfg, restarts=options.max_restarts)
+    with run_lock(cfg.out, job=options.job) as lock:
+        if lock.taken_over is not None:
+            sys.stderr.write(
+                f"raggedfsdp: took over the lock {str(lock.path)!r} of a job that is gone "
+                f"({lock.taken_over.describe()})\n"
+            )
+        check_launch(cfg, options)
+        worker_argv = train_argv(args) + (["--debug"] if getattr(args, "debug", False) else [])
+        return _launch(cfg, options, worker_argv, job=lock.job)
+
+
+def _launch(cfg: TrainConfig, options: LaunchOptions, worker_argv: list[str], *, job: str) -> int:
+    """torchrun's agent for this node's workers, and the exit status its end makes; the
+    agent's own log goes to ``OUT/logs`` (:func:`agent_log`), unless the workers refused to
+    start."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    with agent_log(cfg.out) as log:
+        try:
+            launch(cfg, options, worker_argv, job=job)
+        except SignalException as err:  # the launcher itself was told to stop (SIGTERM, ...)
+            return _preempted(cfg, signal.Signals(err.sigval).name)
+        except RendezvousError as err:
+            where = options.rdzv_endpoint or "localhost"
+            sys.stderr.write(
+                f"raggedfsdp: error: the nodes did not meet at {where}: "
+                f"{type(err).__name__}: {' '.join(str(err).split())}\n"
+            )
+            return 1
+        except ChildFailedError as err:
+            status = _child_failed(err, cfg, restarts=options.max_restarts)
+            if status == USAGE_ERROR:
+                log.discard()
+            return status
     return 0
 
 
 def _child_failed(err: ChildFailedError, cfg: TrainConfig, *, restarts: int) -> int:
-    """One line: the rank that failed first on this node and why; the exit status."""
-    # The first by time, as torchrun's get_first_failure; its clock counts whole seconds, and
-    # within one a death by signal (the OOM killer, a kill) comes before the lost-peer errors
-    # it causes in the others.
-    failures = err.failures.items()
-    rank, failure = min(failures, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
-    if failure.exitcode == PREEMPTED_EXIT_CODE:  # only the workers got SIGTERM
+    """The exit status of a failed run (the first failure's, as srun gives its task's), after
+    one line naming the rank that failed first and why, unless that rank said it already.
+
+    The first failure is the earliest by torchrun's clock, which counts whole seconds: within
+    one, a death by signal (the OOM killer, a kill) comes before the lost-peer errors it causes
+    in the others. A worker that SIGTERM ended is passed over while another failed: once one
+    worker fails, the agent ends the others with SIGTERM, which is not their failure.
+    """
+    failures = list(err.failures.items())
+    own = [item for item in failures if item[1].exitcode != -signal.SIGTERM] or failures
+    rank, failure = min(own, key=lambda item: (item[1].timestamp, item[1].exitcode >= 0))
+    if failure.exitcode in (PREEMPTED_EXIT_CODE, -signal.SIGTERM):  # SIGTERM, to the workers
         return _preempted(cfg, "SIGTERM")
+    if failure.exitcode == USAGE_ERROR:  # the worker's one line named the user's error
+        return USAGE_ERROR
     how = (
         f"was killed by {failure.signal_name()}"
         if failure.exitcode < 0
@@ -183,8 +218,8 @@ def _child_failed(err: ChildFailedError, cfg: TrainConfig, *, restarts: int) -> 
         f"raggedfsdp: error: training failed: worker rank {rank} {how}"
         f"{' after all restarts' if restarts else ''}{cause}\n"
     )
-    # A user error in the workers keeps its status (2); anything else is 1.
-    return 2 if failure.exitcode == 2 else 1
+    # The shell's status of a process a signal ended (137: SIGKILL, e.g. the OOM killer).
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
 def _preempted(cfg: TrainConfig, signal_name: str) -> int:

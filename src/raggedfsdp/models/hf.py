@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,54 @@ def hf_config(spec: str) -> Any:
     name = type(config).__name__
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(f"hf_config: {spec!r} ({name}) is not a causal-LM architecture")
+    _check_shape(spec, config)
     config.vocab_size = BYTE_VOCAB
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         value = getattr(config, key, None)
         if isinstance(value, int) and not 0 <= value < BYTE_VOCAB:
             setattr(config, key, None)
     return config
+
+
+#: Sizes a model cannot be built without: each a positive integer when the config sets it.
+_POSITIVE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+#: Keys that hold a size or a count (``moe_intermediate_size``, ``num_experts``, ``n_embd``, ...):
+#: never negative.
+_SIZE_KEY = re.compile(r"(_size|_dim)$|^(num|n)_")
+
+
+def _check_shape(spec: str, config: Any) -> None:
+    """``ValueError`` for a config that describes no model, before any worker builds it: a
+    size that is not a positive integer (transformers builds a negative one into a tensor of
+    negative shape, and reads ``max_position_embeddings: 0`` as unset), or key/value heads
+    that do not divide the query heads (the attention fails at the first step)."""
+    for key in _POSITIVE:
+        value = getattr(config, key, None)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(
+                f"hf_config: {spec!r}: {key} must be a positive integer, got {value!r}"
+            )
+    for key, value in config.to_dict().items():
+        if _SIZE_KEY.search(key) and isinstance(value, int) and value < 0:
+            raise ValueError(f"hf_config: {spec!r}: {key} must not be negative, got {value}")
+    heads = getattr(config, "num_attention_heads", None)
+    groups = getattr(config, "num_key_value_heads", None)
+    if heads and groups and heads % groups:
+        raise ValueError(
+            f"hf_config: {spec!r}: num_attention_heads {heads} is not a multiple of "
+            f"num_key_value_heads {groups} (each key/value head serves a whole group of query "
+            f"heads)"
+        )
 
 
 def hf_seq_len(spec: str) -> int:

@@ -19,7 +19,9 @@ world sizes]).
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import itertools
 import json
 import os
 import random
@@ -38,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .._console import check_writable, write_whole
 from ..checkpoint import (
     expected_entries,
     init_optimizer_state,
@@ -229,11 +232,38 @@ def save_checkpoint(
             f.flush()
             os.fsync(f.fileno())
         if final.exists():  # the same step saved again (a run resumed before it)
-            shutil.rmtree(final)
+            _make_room(final, meta.get("job"))
         os.rename(tmp, final)
         _fsync_dir(final.parent)
     _barrier()  # nobody moves on (or exits) before the checkpoint is complete
     return final
+
+
+def _make_room(final: Path, job: object) -> None:
+    """Clear the way for a checkpoint of a step saved before (``job``: this job's key, as
+    ``meta`` records it). Only this job's own is replaced. Another job's is never: a damaged one
+    (which ``--resume`` skipped) is moved aside, as ``step_N.unverified``; an intact one means
+    that another job writes into this folder (past the run-folder lock: a bare torchrun, ...),
+    and the save is refused."""
+    try:
+        written_by = json.loads((final / COMPLETE).read_text()).get("job")
+    except (OSError, ValueError, AttributeError):  # no record, or not a readable one
+        written_by = None
+    if job is not None and written_by == job:
+        shutil.rmtree(final)
+        return
+    if verify_checkpoint(final) is None:
+        raise ValueError(
+            f"checkpoint {str(final)!r} exists, written by another job "
+            f"({written_by or 'unknown'}): not replacing it; is another job using this --out?"
+        )
+    aside = final.with_name(f"{final.name}.unverified")
+    for n in itertools.count(2):
+        if not aside.exists():
+            break
+        aside = final.with_name(f"{final.name}.unverified{n}")
+    os.rename(final, aside)
+    print(f"checkpoint: moved the damaged {final} aside, to {aside.name}", flush=True)
 
 
 def load_checkpoint(
@@ -327,15 +357,23 @@ def export_checkpoint(
     checkpoint: str | Path,
     out_file: str | Path,
     *,
+    overwrite: bool = False,
     log: Callable[[str], None] = _to_stderr,
 ) -> list[Path]:
     """Write the model of a checkpoint (or of a run folder's newest one that verifies) as a
-    plain ``torch.save`` state dict of the unwrapped model, plus ``.safetensors`` when the
+    plain state dict of the unwrapped model: ``out_file`` ending in ``.safetensors`` in that
+    format alone, any other name with ``torch.save`` and a ``.safetensors`` beside it when the
     package is installed. Checked by loading it into the model on the meta device. ``log`` gets
-    one line when newer checkpoints of the run folder were skipped. Returns the files."""
+    one line when newer checkpoints of the run folder were skipped. Returns the files.
+
+    Where the files go is checked before anything is read (``ValueError``: a folder, an
+    existing file unless ``overwrite``, a parent that is a file or not writable); each is
+    written to a temporary file beside it and renamed, so a failure (``OSError``: a full disk)
+    leaves no part of it, nor the other file of the two."""
     from ..models import GPT_CONFIGS
     from .build import new_model_of
 
+    targets = _export_targets(Path(out_file), overwrite=overwrite)
     path = resolve_checkpoint(checkpoint, log=lambda line: log(f"export: {line}"))
     meta = read_meta(path)
     hf_config = meta["config"].get("hf_config")
@@ -352,15 +390,50 @@ def export_checkpoint(
         raise ValueError(
             f"checkpoint {str(path)!r} does not fit model {name!r}: {' '.join(str(err).split())}"
         ) from None
-    out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state, out_file)
-    written = [out_file]
+    written: list[Path] = []
     try:
+        for target in targets:
+            _write_state(target, state)
+            written.append(target)
+    except OSError:
+        for target in written:  # all or nothing: the torch.save file without its twin
+            target.unlink(missing_ok=True)
+        raise
+    return targets
+
+
+def _export_targets(out_file: Path, *, overwrite: bool) -> list[Path]:
+    """The files an export to ``out_file`` writes, once each is known to be writable there."""
+    tensors = importlib.util.find_spec("safetensors") is not None
+    if out_file.suffix == ".safetensors":
+        if not tensors:
+            raise ValueError(
+                f"export: {str(out_file)!r} needs the safetensors package (pip install "
+                f"safetensors); or give a file name for torch.save, such as model.pt"
+            )
+        targets = [out_file]
+    else:
+        targets = [out_file, out_file.with_suffix(".safetensors")] if tensors else [out_file]
+    for target in targets:
+        check_writable(target, "export: --out")
+        if target.exists() and not overwrite:
+            raise ValueError(f"export: {str(target)!r} exists; pass --overwrite to replace it")
+    return targets
+
+
+def _write_state(target: Path, state: dict[str, torch.Tensor]) -> None:
+    """``state`` at ``target``, whole or not at all: safetensors by its suffix, else
+    torch.save."""
+    if target.suffix == ".safetensors":
         from safetensors.torch import save_file
-    except ImportError:  # optional dependency
-        return written
-    tensors_file = out_file.with_suffix(".safetensors")
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tensors_file))
-    written.append(tensors_file)
-    return written
+
+        def write(path: Path) -> None:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+
+    else:
+
+        def write(path: Path) -> None:
+            with open(path, "wb") as f:  # a file object: torch.save to a path hides ENOSPC
+                torch.save(state, f)
+
+    write_whole(target, write)

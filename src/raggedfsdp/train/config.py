@@ -233,7 +233,7 @@ class TrainConfig:
             Fault.parse(self.inject_fault)
 
     def _check_numbers(self) -> None:
-        """Every numeric option within its range, each error naming the option."""
+        """Every count, rate, timeout and ratio in its range (``ValueError`` naming it)."""
         positive = (
             "steps",
             "batch_size",
@@ -424,20 +424,40 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """The fields set by a TOML config file; ``ValueError`` naming an unknown or mistyped key."""
-    file = Path(path)
+def _read_toml(file: Path) -> dict[str, Any]:
+    """The TOML document in ``file``; ``ValueError`` naming the file when it cannot be read,
+    is not UTF-8 (as TOML must be) or is not TOML."""
     try:
-        raw = tomllib.loads(file.read_text())
+        return tomllib.loads(file.read_text(encoding="utf-8"))
     except OSError as err:
         raise ValueError(f"config file {str(file)!r}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"config file {str(file)!r} is not UTF-8 text, as TOML must be (byte "
+            f"{err.object[err.start]:#04x} at offset {err.start})"
+        ) from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"config file {str(file)!r} is not valid TOML: {err}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """The fields set by a TOML config file; ``ValueError`` naming the file and an unknown,
+    mistyped or repeated key (``batch_size`` and ``batch-size`` set one field: TOML itself
+    would let the later win in silence)."""
+    file = Path(path)
+    raw = _read_toml(file)
     values: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # field -> the key that set it
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in _FIELDS:
             raise ValueError(f"config file {str(file)!r}: unknown key {key!r}")
+        if name in keys:
+            raise ValueError(
+                f"config file {str(file)!r}: keys {keys[name]!r} and {key!r} both set {name}; "
+                f"keep one"
+            )
+        keys[name] = key
         try:
             values[name] = _coerce(name, value)
         except ValueError as err:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from .. import _lifeline
+
 __all__ = [
     "WATCHDOG_EXIT_CODE",
     "NonFiniteLossError",
@@ -130,20 +132,15 @@ def restarted(device: torch.device) -> bool:
 
 
 def die_with_agent() -> None:
-    """Under torchrun on Linux, have the kernel end this worker (SIGKILL) when its agent dies.
-
-    torchrun starts each worker in a session of its own, so a worker outlives an agent that is
-    killed (the OOM killer, ``kill -9``, a lost node's launcher): it goes on training with its
-    peers, and no one restarts it or tells the others the node is gone; the surviving agents
-    then wait at their exit barrier for one that will never come. A preemption does not end
-    the agent first: it waits for its workers' checkpoint (``--shutdown-timeout``).
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1  # <linux/prctl.h>
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    """Under a bare ``torchrun``, have this worker die with its agent (:mod:`raggedfsdp._lifeline`),
+    as ``raggedfsdp train``'s workers do from their first instruction. torchrun starts each
+    worker in a session of its own, so a worker would outlive an agent that is killed (the OOM
+    killer, ``kill -9``, a lost node's launcher) and go on training with its peers, unnoticed,
+    while the surviving agents wait at their exit barrier. Armed this late (torchrun names no
+    agent PID), a worker whose agent died before it cannot tell; a preemption does not end the
+    agent first: it waits for its workers' checkpoint (``--shutdown-timeout``)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and not _lifeline.holding():
+        _lifeline.hold(os.getppid())
 
 
 class StepWatchdog:

@@ -23,22 +23,18 @@ Errors: a user error (bad option, missing data, incompatible checkpoint, ...) is
 every rank meets it alike, so rank 0 reports it, in one line, and exits with status 2 (``--debug``
 shows the traceback); another rank reports only an error rank 0 did not have. Any other failure
 (a full disk, a lost peer, a bug) is one line per rank naming the cause, status 1, its traceback
-in ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher.
+in ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher
+(:mod:`.failures`).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
 import os
-import signal
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,25 +45,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .._console import USAGE_ERROR, format_bytes
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..layout import global_shape
 from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, optimizer_bytes
-from .checkpoints import describe_failure, load_checkpoint, save_checkpoint
+from .checkpoints import load_checkpoint, save_checkpoint
 from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
+from .failures import report_error, report_failure
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
-from .run_dir import free_space, prepare_out_dir, remove_partial, resume_checkpoint
+from .run_dir import current_job, prepare_out_dir, remove_partial, resume_checkpoint
 from .step import train_step
 
 __all__ = ["build_parser", "evaluate", "main", "train"]
-
-#: Seconds a rank other than 0 waits before reporting a user error (see main()).
-ERROR_GRACE_S = 3.0
 
 T = TypeVar("T")
 
@@ -187,9 +180,13 @@ class _Run:
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What ``COMPLETE.json`` records beside the files: the run's config and data position,
-        and a Hugging Face model's config itself, so export needs no file outside the
-        checkpoint."""
-        meta = {"config": self.cfg.to_dict(), "data": self.sampler.state_dict()}
+        the job that wrote it, and a Hugging Face model's config itself, so export needs no
+        file outside the checkpoint."""
+        meta = {
+            "config": self.cfg.to_dict(),
+            "data": self.sampler.state_dict(),
+            "job": current_job(),  # a save never replaces another job's step folder
+        }
         if self.cfg.hf_config is not None:
             meta["hf_config_record"] = hf.config_record(self.cfg.hf_config)
         return meta
@@ -273,11 +270,16 @@ def _open_out_dir(cfg: TrainConfig, out: Path, world: _World) -> str | None:
     ckpt = _rank0_decides(claim)
     if world.rank == 0 and resume and ckpt is None:
         print(f"no complete checkpoint in {out}: starting from step 0", flush=True)
+    return ckpt
+
+
+def _write_config(cfg: TrainConfig, out: Path, world: _World) -> None:
+    """``OUT/config.json``, once the run has started for good (built and resumed): a start
+    that fails before, on a user's error, leaves the folder as it found it."""
     if world.rank == 0:
         (out / "config.json").write_text(
             json.dumps({**cfg.to_dict(), "world_size": world.size}, indent=2) + "\n"
         )
-    return ckpt
 
 
 def _build_data(
@@ -314,20 +316,30 @@ def _resume(
     sampler: BatchSampler,
 ) -> int:
     """Load ``ckpt`` into the model, the optimizer and the sampler; the step to continue from.
-    Says so on rank 0, and warns when an option that decides the data order has changed."""
+    Says so on rank 0, with what the options changed (:func:`_resume_notes`)."""
     meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
     sampler.load_state_dict(meta["data"])
     start_step: int = meta["step"]
-    saved = meta["config"]
-    changed = [k for k in ("seed", "batch_size", "seq_len") if saved.get(k) != getattr(cfg, k)]
     if world.rank == 0:
+        notes = "".join(f"; {note}" for note in _resume_notes(meta["config"], cfg))
         print(
             f"resumed from {ckpt} (step {start_step}, saved on {meta['world_size']} "
-            f"rank(s), now {world.size})"
-            + (f"; changed {', '.join(changed)}: the data order differs" if changed else ""),
+            f"rank(s), now {world.size}){notes}",
             flush=True,
         )
     return start_step
+
+
+def _resume_notes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """What resuming a checkpoint saved with the options ``saved`` under ``cfg`` changes: the
+    data order (seed, batch, sequence), or the error-feedback residuals it holds, dropped."""
+    changed = [k for k in ("seed", "batch_size", "seq_len") if saved.get(k) != getattr(cfg, k)]
+    notes = [f"changed {', '.join(changed)}: the data order differs"] if changed else []
+    if saved.get("error_feedback") and not cfg.error_feedback:
+        notes.append(
+            "saved with --error-feedback, resumed without: its error-feedback residuals are dropped"
+        )
+    return notes
 
 
 def _banner(
@@ -482,6 +494,7 @@ def _run_job(
 
     # -- resume ----------------------------------------------------------------------------------
     start_step = 0 if ckpt is None else _resume(ckpt, cfg, world, model, optimizer, sampler)
+    _write_config(cfg, out, world)
 
     # -- monitoring and health -------------------------------------------------------------------
     monitor = Monitor(
@@ -501,7 +514,8 @@ def _run_job(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the options and train; the exit status (user errors: one line, status 2)."""
+    """Parse the options and train; the exit status (:mod:`.failures`: user errors are one
+    line and status 2)."""
     args = build_parser().parse_args(argv)
     out: str | None = None
     try:
@@ -513,76 +527,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, health.NonFiniteLossError) as err:
         if args.debug:
             raise
-        message = " ".join(str(err).split())
-        rank = int(os.environ.get("RANK", "0"))
-        if rank != 0:
-            # torchrun's SIGTERM must end this rank during the wait, as it did before the job
-            # handled SIGTERM (Preemption): the default action again.
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            # Ranks meet user errors alike: rank 0 reports it, and its exit makes torchrun stop
-            # this worker during the wait. A rank still alive after the wait met an error of
-            # its own, and reports it.
-            time.sleep(ERROR_GRACE_S)
-            message = f"rank {rank}: {message}"
-        sys.stderr.write(f"raggedfsdp: error: {message}\n")
-        return USAGE_ERROR if isinstance(err, ValueError) else 1
+        return report_error(err)
     # The machine's fault (disk, files, a lost peer) or a bug. DCP's CheckpointException is a
     # BaseException, not an Exception.
     except (Exception, dcp.CheckpointException) as err:
         if args.debug:
             raise
-        return _report_failure(err, out)
+        return report_failure(err, out)
     return 0
-
-
-def _report_failure(err: BaseException, out: str | None) -> int:
-    """One line naming the cause (e.g. ``OSError: [Errno 28] No space left on device``, a
-    peer's lost connection) and this rank; the traceback goes to ``OUT/logs/rank_N.log`` rather
-    than the terminal, and the line to torchrun's error file, whence the launcher names the
-    rank that failed first and why."""
-    rank = int(os.environ.get("RANK", "0"))
-    # Into the run's folder once it exists; before, a file there would make the corrected
-    # command's folder "not empty", so the temporary folder instead.
-    logs = Path(out) / "logs" if out is not None and Path(out).is_dir() else None
-    logs = logs or Path(tempfile.gettempdir()) / f"raggedfsdp-{os.getpid()}"
-    where = ""
-    try:
-        log = logs / f"rank_{rank:05d}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text("".join(traceback.format_exception(err)))
-        where = f" (traceback in {log})"
-    except OSError:  # the disk that is full may be this one: the line alone, then
-        pass
-    # DCP's failures name the rank that failed first already.
-    cause = describe_failure(err)
-    full = _full_disk(out)
-    if full is not None and "No space left" not in cause:
-        # torch.save (inside DCP too) reports a full disk as "unexpected pos": say what it is.
-        cause = f"No space left on device ({full}): {cause}"
-    who = "" if isinstance(err, dcp.CheckpointException) else f"rank {rank}: "
-    sys.stderr.write(f"raggedfsdp: error: {who}{cause}{where}\n")
-    _tell_agent(f"{who}{cause}", err)
-    return 1
-
-
-def _tell_agent(cause: str, err: BaseException) -> None:
-    """Write torchrun's error file (``TORCHELASTIC_ERROR_FILE``, in the format of its
-    ``ErrorHandler.record_exception``, with the cause as said here rather than ``Type: str``):
-    the agent reads it into the launcher's ``ChildFailedError``, which names it."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path is None:
-        return
-    extra = {
-        "py_callstack": "".join(traceback.format_exception(err)),
-        "timestamp": str(int(time.time())),
-    }
-    with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps({"message": {"message": cause, "extraInfo": extra}}))
-
-
-def _full_disk(out: str | None) -> str | None:
-    """``"N bytes free on PATH"`` when the file system of ``out`` is (nearly) full, else None."""
-    if out is None:
-        return None
-    where, free = free_space(out)
-    return f"{format_bytes(free)} free on {where}" if free < 1 << 20 else None

@@ -31,10 +31,13 @@ from pathlib import Path
 
 import torch
 
+from .._lifeline import LAUNCHER_PID
 from .config import TrainConfig
+from .run_dir import JOB_ENV, has_outputs
 
 __all__ = [
     "CPU_PROCESSES",
+    "AgentLog",
     "LaunchOptions",
     "agent_log",
     "check_launch",
@@ -100,6 +103,13 @@ class LaunchOptions:
         return self.min_nodes < self.max_nodes
 
     @property
+    def job(self) -> str | None:
+        """The key every node's launcher of this job shares (its run-folder lock names it):
+        the rendezvous and the job id of a multi-node job; None for one node, whose launcher
+        is the job."""
+        return f"{self.rdzv_endpoint}/{self.rdzv_id}" if self.max_nodes > 1 else None
+
+    @property
     def max_world_size(self) -> int:
         """Ranks of the job at its largest."""
         return self.max_nodes * self.nproc
@@ -126,9 +136,12 @@ def check_launch(cfg: TrainConfig, options: LaunchOptions) -> None:
         check_plan(cfg, options.min_nodes * options.nproc)
 
 
-def launch(cfg: TrainConfig, options: LaunchOptions, worker_argv: Sequence[str]) -> None:
+def launch(
+    cfg: TrainConfig, options: LaunchOptions, worker_argv: Sequence[str], *, job: str
+) -> None:
     """Run torchrun's agent for this node's workers (each ``python -m raggedfsdp.train
-    WORKER_ARGV``) until they finish. torchrun's own errors pass through: ``SignalException``
+    WORKER_ARGV``, working for ``job``: what their checkpoints record) until they finish.
+    torchrun's own errors pass through: ``SignalException``
     (the launcher itself was told to stop), ``RendezvousError`` (the nodes did not meet),
     ``ChildFailedError`` (a worker failed after all restarts)."""
     from torch.distributed.run import get_args_parser, run
@@ -140,8 +153,11 @@ def launch(cfg: TrainConfig, options: LaunchOptions, worker_argv: Sequence[str])
     # the agents' shared store, two agents deadlock in the rendezvous and restarted workers
     # cannot agree on their attempt.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    with agent_log(cfg.out):
-        run(get_args_parser().parse_args(argv))
+    # The workers die with this process from their first instruction, even if it is SIGKILLed
+    # while they start (raggedfsdp._lifeline); torchrun's agent runs here, so it is their parent.
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    os.environ[JOB_ENV] = job
+    run(get_args_parser().parse_args(argv))
 
 
 def torchrun_argv(options: LaunchOptions, worker_argv: list[str], *, cfg: TrainConfig) -> list[str]:
@@ -188,22 +204,23 @@ def rdzv_conf(text: str, *, startup_timeout_s: float) -> str:
 
 
 @contextlib.contextmanager
-def agent_log(out: str) -> Iterator[None]:
+def agent_log(out: str) -> Iterator[AgentLog]:
     """Keep torchrun's own log lines off the terminal while the block runs: its warnings and
     errors repeat, in a dozen lines, what the workers and the ``train`` command say in one. They go
-    to ``OUT/logs/agent_HOST_PID.log`` at the end (once the workers have made ``OUT``; before,
-    a file there would make a corrected rerun's folder "not empty")."""
+    to ``OUT/logs/agent_HOST_PID.log`` at the end, unless :meth:`AgentLog.discard` was called
+    (a start the workers refused leaves nothing) or the workers never wrote there (a file
+    there would make a corrected rerun's folder "not empty")."""
     logger = logging.getLogger("torch.distributed")
-    handler = _Kept()
+    handler = AgentLog()
     # torch's own handler sits on this logger (torch._logging): replaced, not joined.
     saved = logger.handlers, logger.propagate, logger.level
     logger.handlers, logger.propagate = [handler], False
     logger.setLevel(logging.INFO)  # the rendezvous rounds too: what a recovery took
     try:
-        yield
+        yield handler
     finally:
         logger.handlers, logger.propagate, logger.level = saved
-        if handler.lines and Path(out).is_dir():
+        if handler.lines and has_outputs(out):
             log = Path(out) / "logs" / f"agent_{socket.gethostname()}_{os.getpid()}.log"
             with contextlib.suppress(OSError):  # a full disk: the lines are the least loss
                 log.parent.mkdir(exist_ok=True)
@@ -211,8 +228,8 @@ def agent_log(out: str) -> Iterator[None]:
                     f.write("\n".join(handler.lines) + "\n")
 
 
-class _Kept(logging.Handler):
-    """Log records kept as formatted lines, in memory."""
+class AgentLog(logging.Handler):
+    """torchrun's log records, kept as formatted lines in memory (:func:`agent_log`)."""
 
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -221,6 +238,10 @@ class _Kept(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))
+
+    def discard(self) -> None:
+        """Write none of the lines kept so far."""
+        self.lines.clear()
 
 
 def _torchrun_has(flag: str) -> bool:

@@ -19,6 +19,7 @@ from ..capacity.cost import (
 from ..capacity.shapes import model_shape
 from ..data import load_corpus
 from ..models import hf
+from ..planner import wrap_units
 from .build import build_planner, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
@@ -31,6 +32,7 @@ __all__ = [
     "check_disk",
     "check_memory",
     "check_plan",
+    "check_ties",
     "dry_run_report",
     "preflight",
 ]
@@ -94,11 +96,33 @@ def check_disk(cfg: TrainConfig) -> None:
         )
 
 
+def check_ties(model: torch.nn.Module, name: str) -> None:
+    """No parameter is tied across FSDP units (a Hugging Face model's decoder layers, or BERT's
+    embeddings, beside the root): each unit shards its parameters on its own, so the workers
+    would refuse the second place one is registered in (``name``: the model, for the
+    message)."""
+    units = {path for path, _ in wrap_units(model, wrap_policy(model)) if path}
+    first: dict[int, tuple[str, str]] = {}  # id -> (fqn, unit) where a parameter was first met
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        parts = fqn.split(".")[:-1]
+        prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+        unit = next((p for p in prefixes if p in units), "")  # the innermost; "": the root
+        seen, seen_unit = first.setdefault(id(param), (fqn, unit))
+        if seen_unit != unit:
+            raise ValueError(
+                f"{name}: parameter {fqn!r} is tied to {seen!r} across FSDP units "
+                f"({unit or 'the root'} and {seen_unit or 'the root'}), but each unit shards its "
+                f'own parameters; untie them (a Hugging Face config: "tie_word_embeddings": '
+                f"false)"
+            )
+
+
 def check_plan(cfg: TrainConfig, world_size: int) -> None:
     """The model can be sharded with ``--block-size`` and the optimizer's blocks (planned on
-    the meta device, exactly as the workers will)."""
+    the meta device, exactly as the workers will), with no parameter tied across units."""
     policy = mp_policy(cfg)
     model = meta_model(cfg)
+    check_ties(model, f"hf_config: {cfg.hf_config!r}" if cfg.hf_config else f"model {cfg.model}")
     try:
         build_planner(cfg).plan_model(
             model, world_size, dtype=policy.param_dtype if policy else None, wrap=wrap_policy(model)
@@ -198,8 +222,10 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
     """Each rank's predicted peak fits its memory with 10% in reserve, unless ``--force``."""
     if cfg.force:
         return
-    memory = predicted_memory(cfg, world_size)
     budget, source = _memory_per_rank(ranks_per_node)
+    if budget <= 0:  # the processes alone take it all: say so before any planning
+        raise ValueError(f"memory: nothing is left for tensors: {source}; use fewer --nproc")
+    memory = predicted_memory(cfg, world_size)
     usable = int(budget * (1 - DEFAULT_RESERVE))
     if memory.peak <= usable:
         return

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -31,12 +33,16 @@ __all__ = [
     "CHECKSUM",
     "COMPLETE",
     "COMPLETE_KEYS",
+    "JOB_ENV",
+    "LOCK",
     "OUTPUTS",
     "check_out_dir",
     "checkpoint_files",
     "checkpoint_path",
+    "current_job",
     "describe_fallback",
     "free_space",
+    "has_outputs",
     "latest_checkpoint",
     "prepare_out_dir",
     "remove_partial",
@@ -65,7 +71,31 @@ OUTPUTS = (
     ".faults",
 )
 
+#: The run-folder lock (:mod:`.run_lock`): no output of a run, never deleted by ``--overwrite``.
+LOCK = ".lock"
+#: The environment variable in which the launcher names the job to its workers
+#: (:func:`current_job`).
+JOB_ENV = "RAGGEDFSDP_JOB"
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def current_job() -> str:
+    """The job this process works for, as its checkpoints record it: what ``raggedfsdp train``'s
+    launcher names (:data:`JOB_ENV`: the same on every node and through every restart), else
+    torchrun's run id, else this process."""
+    return (
+        os.environ.get(JOB_ENV)
+        or os.environ.get("TORCHELASTIC_RUN_ID")
+        or f"{socket.gethostname()}:{os.getpid()}"
+    )
+
+
+def has_outputs(out: str | Path) -> bool:
+    """Whether ``out`` is a folder holding anything but the lock: a run has begun writing there
+    (before, a file there would make a corrected command's folder "not empty")."""
+    out = Path(out)
+    return out.is_dir() and any(entry.name != LOCK for entry in out.iterdir())
 
 
 def checkpoint_path(out: str | Path, step: int) -> Path:
@@ -73,16 +103,20 @@ def checkpoint_path(out: str | Path, step: int) -> Path:
     return Path(out) / CHECKPOINTS / f"step_{step:06d}"
 
 
-def _complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
+def _step_folders(out: Path) -> list[tuple[int, Path]]:
+    """Every ``step_N`` folder under ``OUT/checkpoints`` with its step, complete or not
+    (``.tmp`` folders aside), by step."""
     root = out / CHECKPOINTS
-    if not root.is_dir():
-        return []
     found = []
-    for path in root.iterdir():
+    for path in root.iterdir() if root.is_dir() else ():
         match = _STEP_DIR.match(path.name)
-        if match and path.is_dir() and (path / COMPLETE).is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _complete_checkpoints(out: Path) -> list[tuple[int, Path]]:
+    return [(step, path) for step, path in _step_folders(out) if (path / COMPLETE).is_file()]
 
 
 def latest_checkpoint(out: str | Path) -> Path | None:
@@ -178,6 +212,9 @@ def verify_checkpoint(path: str | Path) -> str | None:
     missing = [key for key in COMPLETE_KEYS if key not in meta]
     if missing:
         return f"{COMPLETE} lacks {', '.join(missing)}"
+    named = _STEP_DIR.match(root.name)
+    if named and meta["step"] != int(named.group(1)):
+        return f"{COMPLETE} records step {meta['step']}, not {int(named.group(1))}"
     if "files" not in meta:
         return None  # written before the files were recorded
     records = _file_records(meta["files"])
@@ -214,7 +251,9 @@ def verified_checkpoint(
     first. Without ``fallback`` only the newest is tried: the result is it or ``(None, [(it,
     why)])``."""
     skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(_complete_checkpoints(Path(out))):
+    # A step folder without COMPLETE.json is skipped too, and named: it should not exist (a
+    # save renames its folder only once complete), so someone took the marker away.
+    for _, path in reversed(_step_folders(Path(out))):
         reason = verify_checkpoint(path)
         if reason is None:
             return path, skipped
@@ -245,7 +284,7 @@ def resume_checkpoint(out: str | Path, *, strict: bool) -> tuple[Path | None, st
     """The checkpoint a ``--resume`` of ``out`` starts from (None: there is none, start at step
     0) and the one line to print when newer ones were skipped. ``ValueError`` when ``strict``
     and the newest does not verify, or when none does."""
-    if latest_checkpoint(out) is None:
+    if not _step_folders(Path(out)):
         return None, None
     ckpt, skipped = verified_checkpoint(out, fallback=not strict)
     if ckpt is None:
@@ -255,9 +294,11 @@ def resume_checkpoint(out: str | Path, *, strict: bool) -> tuple[Path | None, st
                 f"--strict-resume: checkpoint {str(path)!r} does not verify ({reason}); "
                 f"without --strict-resume the run falls back to the newest one that does"
             )
+        named = "; ".join(f"{str(path)!r} could not be read ({why})" for path, why in skipped[:3])
+        more = f"; and {len(skipped) - 3} older" if len(skipped) > 3 else ""
         raise ValueError(
-            f"cannot resume: no checkpoint in {str(out)!r} verifies: "
-            + "; ".join(f"{str(path)!r} could not be read ({why})" for path, why in skipped)
+            f"cannot resume: no checkpoint in {str(out)!r} verifies: {named}{more}; restore "
+            f"them, or move them away to start from step 0"
         )
     line = f"resume: {describe_fallback(out, skipped, ckpt, 'resuming from')}" if skipped else None
     return ckpt, line
@@ -309,7 +350,8 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Pat
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out: {str(out)!r} exists and is not a folder")
-    entries = sorted(out.iterdir()) if out.is_dir() else []
+    # The lock is this job's (the launcher took it before this check), never a run's output.
+    entries = sorted(p for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
     if not entries or resume:
         return []
     if not overwrite:
