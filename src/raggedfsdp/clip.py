@@ -14,10 +14,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from .layout import comm_group
+from .layout import comm_group, local_piece
 
 __all__ = ["clip_grad_norm_"]
 
@@ -80,7 +79,7 @@ def _split_by_group(
     for p in params:
         group = comm_group(p)
         # The local pieces: the norms here are reduced by hand, not as DTensors.
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        grad = local_piece(p.grad)
         if group is None:
             if grad.numel() > 0:
                 plain.append(grad)

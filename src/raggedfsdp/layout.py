@@ -39,6 +39,7 @@ __all__ = [
     "comm_group",
     "global_shape",
     "layout_of",
+    "local_piece",
     "local_range",
     "mark_sharded",
     "parse_block_size",
@@ -362,6 +363,12 @@ def ragged_dim(tensor: DTensor) -> int | None:
         if isinstance(placement, RaggedShardPlacement):
             return dim
     return None
+
+
+def local_piece(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``tensor``: a DTensor's local tensor, a plain tensor itself (what a
+    rank's own bytes and values are counted from)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 _SHARD_ATTR = "_raggedfsdp_shard"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import optim
-from ..layout import RaggedShard, global_shape
+from ..layout import RaggedShard, global_shape, local_piece
 from ..models import GPT, GPT_CONFIGS, hf
 from ..planner import StructAwarePlanner, WrapPolicy
 from ..runtime import FSDPBackend, MixedPrecisionPolicy
@@ -191,5 +191,6 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for value in state.values():
             values = value if isinstance(value, (list, tuple)) else [value]
-            total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
+            pieces = [local_piece(v) for v in values if torch.is_tensor(v)]  # this rank's bytes
+            total += sum(v.numel() * v.element_size() for v in pieces)
     return total

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _lifeline
+from ..layout import local_piece
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -215,7 +216,8 @@ class StepWatchdog:
 def all_finite(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None) -> bool:
     """Whether every element of ``tensors`` is finite on every rank of ``group`` (a
     collective: one all-reduce of a flag)."""
-    tensors = [t.detach() for t in tensors if t.numel()]
+    tensors = [local_piece(t.detach()) for t in tensors]  # this rank's pieces; one all-reduce
+    tensors = [t for t in tensors if t.numel()]
     local = all(bool(t.isfinite().all()) for t in tensors)
     device = tensors[0].device if tensors else torch.device("cpu")  # NCCL needs the GPU's
     flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
