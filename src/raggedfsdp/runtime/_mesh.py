@@ -35,21 +35,23 @@ class MeshInfo:
 
 
 def mesh_info(mesh: DeviceMesh | None, device: torch.device) -> MeshInfo:
-    """The groups of a 1-D (shard) or 2-D (replicate, shard) mesh; ``None``: a 1-D mesh of the
-    whole default group on ``device``'s type (as FSDP2 makes one)."""
+    """The groups of a 1-D (shard) or 2-D (replicate, shard) mesh -- the whole world, or the
+    data-parallel dimensions of a larger mesh (``mesh["dp"]`` beside tensor parallelism), over
+    which parameters are then replicated; ``None``: a 1-D mesh of the whole default group on
+    ``device``'s type (as FSDP2 makes one)."""
     if not dist.is_initialized():
         raise RuntimeError(
             "raggedfsdp: torch.distributed is not initialised; call "
             "torch.distributed.init_process_group() (also for a single process) before "
             "fully_shard"
         )
-    world = dist.get_world_size()
     if mesh is None:
         mesh = _world_mesh(device.type)
-    if mesh.size() != world:
+    if mesh.get_coordinate() is None:
         raise ValueError(
-            f"mesh of shape {tuple(mesh.shape)} has {mesh.size()} ranks but the process group "
-            f"has {world}; the mesh must cover every rank"
+            f"rank {dist.get_rank()} is not in the mesh of shape {tuple(mesh.shape)} it shards "
+            f"over; every rank that calls fully_shard must belong to its mesh (a sub-mesh such "
+            f"as mesh['dp'] of a larger one is fine)"
         )
     if mesh.ndim == 1:
         return MeshInfo(mesh, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
