@@ -138,6 +138,8 @@ def _case_grid(rank: int, world: int) -> dict[str, Any]:
         double.to(torch.float64)
         res["float64"] = {k: v.float() for k, v in _train_double(double, rank).items()}
     out["rf"]["local_init"] = _local_init(rank)
+    out["rf"]["interrupted"] = _interrupted(base, rank, reset=True)
+    out["rf"]["not_reset"] = _interrupted(base, rank, reset=False)
     out["errors"] = _errors(base)
     return out
 
@@ -195,6 +197,42 @@ def _local_init(rank: int) -> dict[str, torch.Tensor]:
         for p in model.parameters():
             p.to_local().normal_()
     return _full(model)
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time (a failure half way through backward)."""
+
+    armed = True
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("planted failure")
+        return grad
+
+
+def _interrupted(base: Net, rank: int, *, reset: bool) -> Any:
+    """A backward that raises half way (after block 1's, before block 0's), then FSDP2's
+    ``reset_iter_state()`` and training on: as if the failed batch had never been (``reset``);
+    without the reset, the next forward's error (the negative control)."""
+    model = _shard("rf", copy.deepcopy(base))
+    _FailOnce.armed = True
+    hook = model.blocks[0].register_forward_hook(lambda m, i, o: _FailOnce.apply(o))
+    try:
+        model(_mine(_batches(1)[0], rank)).backward()
+    except RuntimeError:
+        pass
+    hook.remove()
+    model.zero_grad(set_to_none=True)
+    if not reset:
+        return error_message(lambda: model(_mine(_batches(1)[0], rank)))
+    model.reset_iter_state()
+    return _train(model, rank)
 
 
 def _errors(base: Net) -> dict[str, str]:
@@ -285,3 +323,9 @@ def test_bad_input_is_one_clear_error(grid):
     assert "still on the meta device" in errors["meta"] and "blocks.0.fc.weight" in errors["meta"]
     assert "Shard(dim=1)" in errors["column"]
     assert errors["one_d"] == "accepted"
+
+
+def test_reset_iter_state_after_an_interrupted_backward(grid):
+    for rank in grid:
+        _close(rank["rf"]["interrupted"], rank["reference"])
+        assert "call model.reset_iter_state() first" in rank["rf"]["not_reset"]  # not silent

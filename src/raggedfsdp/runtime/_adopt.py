@@ -24,22 +24,44 @@ post-hook and every unshard adopt, so nothing computes with a parameter the unit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from ..planner import ShardPlan
 from ._dbuffer import DBuffer
+from ._mesh import MeshInfo
+from ._offload import HostOffload
 from ._param import FSDPParam
 from ._ragged_tensor import RaggedTensor
+from .api import MixedPrecisionPolicy
 
-if TYPE_CHECKING:
-    from ._param_group import FSDPParamGroup
+
+class Unit(Protocol):
+    """What adopting needs of a unit's parameter group (``Unit``, which calls
+    :func:`adopt` itself, hence a protocol rather than an import)."""
+
+    buckets: list[DBuffer]
+    mesh_info: MeshInfo
+    mp_policy: MixedPrecisionPolicy
+    offload: HostOffload | None
+    device: torch.device
+
+    @property
+    def label(self) -> str: ...
+
+    def qualify(self, name: str) -> str: ...
+
+    def named_plans(self, paths: list[str] | None = None) -> list[ShardPlan]: ...
+
+    def rebind(self) -> None: ...
+
 
 __all__ = ["adopt", "materialize", "meta_parameters"]
 
 
-def adopt(group: FSDPParamGroup) -> None:
+def adopt(group: Unit) -> None:
     """Take back every parameter of ``group`` that changed (see the Note); a no-op, costing
     one identity check per parameter, when none did. The unit must be sharded."""
     relocated = False
@@ -66,7 +88,7 @@ def _in_buffer(param: FSDPParam, bucket: DBuffer) -> bool:
     )
 
 
-def _adopt_bucket(group: FSDPParamGroup, bucket: DBuffer) -> bool:
+def _adopt_bucket(group: Unit, bucket: DBuffer) -> bool:
     """Adopt one bucket's parameters; returns whether its buffer moved to another dtype or
     device (the unit's storages and strategies must then be made anew)."""
     swapped = [p for p in bucket.params if not _in_buffer(p, bucket)]
@@ -98,9 +120,7 @@ def _moves(kinds: set[tuple[torch.dtype, torch.device]], bucket: DBuffer) -> boo
     return any(kind != (bucket.local.dtype, bucket.local.device) for kind in kinds)
 
 
-def _relocate(
-    group: FSDPParamGroup, bucket: DBuffer, dtype: torch.dtype, device: torch.device
-) -> None:
+def _relocate(group: Unit, bucket: DBuffer, dtype: torch.dtype, device: torch.device) -> None:
     """A new shard buffer of ``dtype`` on ``device`` with every parameter's current values
     (none to copy from meta), each sharded parameter's local tensor a view of it."""
     if group.offload is not None and device.type != "cpu":
@@ -135,7 +155,7 @@ def _view_of_buffer(param: FSDPParam, bucket: DBuffer) -> torch.Tensor:
     return bucket.local[param.local_start : param.local_end]
 
 
-def meta_parameters(group: FSDPParamGroup, paths: list[str]) -> list[str]:
+def meta_parameters(group: Unit, paths: list[str]) -> list[str]:
     """The names of ``group``'s parameters still on the meta device (nothing can run on them),
     its modules being at ``paths``."""
     plans = group.named_plans(paths)
@@ -147,7 +167,7 @@ def meta_parameters(group: FSDPParamGroup, paths: list[str]) -> list[str]:
     ]
 
 
-def materialize(group: FSDPParamGroup) -> None:
+def materialize(group: Unit) -> None:
     """Give every bucket of ``group`` still on meta a shard buffer of zeros on the unit's device
     (the values are the caller's to fill: ``rf.init_sharded_``)."""
     moved = False

@@ -60,6 +60,17 @@ class FSDPModule(TorchFSDPModule):
             "hooks belong to one root; copy the model before fully_shard and shard the copy",
         )
 
+    def reset_iter_state(self) -> None:
+        """After an exception interrupted a forward or backward: every unit under this module
+        back to idle and sharded -- the collectives in flight waited for, the interrupted
+        backward's gradients dropped -- so the next forward starts a clean iteration (FSDP2's
+        method). Gradients already reduced into the sharded parameters are kept."""
+        states = self._all_states()
+        for state in states:
+            state.reset()
+        for ctx in {id(s.ctx): s.ctx for s in states if s.ctx is not None}.values():
+            ctx.reset()
+
     def _get_fsdp_state(self) -> Any:
         unsupported(
             "FSDPModule._get_fsdp_state()",
@@ -265,10 +276,6 @@ _NOT_SUPPORTED = {
     "set_reduce_scatter_max_input_buffers": _BUFFERS,
     "set_allocate_memory_from_process_group_for_comm": _BUFFERS,
     "set_symm_mem_for_comm": _BUFFERS,
-    "reset_iter_state": (
-        "a raggedfsdp iteration leaves nothing to reset when it completes, and a forward or "
-        "backward that raised leaves its units mid-step; resume from a checkpoint instead"
-    ),
 }
 
 

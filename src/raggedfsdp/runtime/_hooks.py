@@ -36,7 +36,8 @@ from ..planner import ShardPlan, post_order
 from ._adopt import adopt, meta_parameters
 from ._collectives import all_gather
 from ._metrics import RuntimeStats
-from ._param_group import FSDPParamGroup, SharedResources
+from ._param_group import FSDPParamGroup
+from ._shared import SharedResources
 from ._state_dict import state_dict_post_hook
 from ._state_machine import RootPhase, TrainingState, check_state
 
@@ -102,6 +103,13 @@ class RootContext:
         check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
         self.phase = RootPhase.BACKWARD
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def reset(self) -> None:
+        """After an interrupted iteration (FSDPModule.reset_iter_state): nothing in flight,
+        ready for a forward; the unit order, once recorded, is kept."""
+        self.shared.reduce_queue.clear()
+        self.shared.pool.clear()
+        self.phase = RootPhase.READY if self.forward_order else RootPhase.FIRST_FORWARD
 
     def finish_backward(self) -> None:
         """End-of-backward callback (queued on the autograd engine)."""
@@ -173,6 +181,12 @@ class FSDPState:
         module.register_load_state_dict_pre_hook(functools.partial(FSDPState._hold_sharded, self))
         module.register_load_state_dict_post_hook(self._load_state_dict_post_hook)
 
+    def reset(self) -> None:
+        """The unit back to idle and sharded after an interrupted iteration."""
+        self._to_run.clear()
+        self._outputs.clear()
+        self.group.reset()
+
     @property
     def is_root(self) -> bool:
         return self.ctx is not None and self.ctx.root is self
@@ -221,8 +235,14 @@ class FSDPState:
                 "exist (was it destroyed?)"
             )
         ctx = self.lazy_init()
-        if ctx.phase is RootPhase.BACKWARD:  # recomputation under activation checkpointing
-            self.group.wait_for_unshard()
+        if ctx.phase is RootPhase.BACKWARD:
+            if torch._C._current_graph_task_id() == -1:  # not inside the autograd engine
+                raise RuntimeError(
+                    f"raggedfsdp: {self.group.label} runs forward while the previous backward "
+                    f"never finished (it raised?); call model.reset_iter_state() first, as with "
+                    f"FSDP2, or its gradients would not be reduced"
+                )
+            self.group.wait_for_unshard()  # recomputation under activation checkpointing
             return None
         if self._to_run:  # a later module of this unit: its forward is under way
             return self._cast_inputs(args, kwargs)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["FSDPParam", "Registration"]
+__all__ = ["FSDPParam", "Registration", "bucket_name", "qualified_name"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,20 @@ class FSDPParam:
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={list(self.shape)}, offset={self.offset})"
+
+
+def qualified_name(name: str, paths: list[str]) -> str:
+    """A parameter's name below its unit (``i.rest`` for the ``i``-th module of a unit of
+    several) as the model names it, the unit's modules being at ``paths``."""
+    if len(paths) > 1:
+        index, name = name.split(".", 1)
+        path = paths[int(index)]
+    else:
+        path = paths[0]
+    return f"{path}.{name}" if path else name
+
+
+def bucket_name(name: str, path: str) -> str:
+    """A unit's bucket ``<root>/<dtype>[/frozen]/<i>`` named for the unit at ``path`` (as
+    ``unit_buckets`` names it there)."""
+    return f"{path or '<root>'}/{name.split('/', 1)[1]}"

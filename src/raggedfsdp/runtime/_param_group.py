@@ -8,8 +8,6 @@ reductions in flight; the hooks only decide *when* to call it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
@@ -33,49 +31,15 @@ from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
-from ._param import FSDPParam, Registration
+from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
 from ._ragged_tensor import placed_like
-from ._reduce import ReduceQueue
+from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import BucketCodec, QuantizedAllGather, QuantizedReduceScatter, Residual
 
-__all__ = ["FSDPParamGroup", "SharedResources"]
-
-
-@dataclass
-class Knobs:
-    """What FSDP2's ``FSDPModule.set_*`` methods set on one unit."""
-
-    #: reduce the gradients in the next backward (off: accumulate them unsharded, no_sync)
-    requires_gradient_sync: bool = True
-    #: free the unsharded parameters at the end of backward
-    reshard_after_backward: bool = True
-    #: HSDP: all-reduce the reduced shards over the replicas in this backward (off: they
-    #: accumulate until a backward with it on adds them in)
-    requires_all_reduce: bool = True
-    #: the reduced gradient is the sum over the data-parallel ranks divided by this (``None``:
-    #: their number, a mean)
-    gradient_divide_factor: float | None = None
-    #: gather the parameters for backward (off: the unit's backward needs none, e.g. an
-    #: embedding, whose weight gradient comes from its inputs and output gradient alone)
-    unshard_in_backward: bool = True
-
-
-@dataclass(frozen=True)
-class SharedResources:
-    """What every unit under one root shares, made once by the root at lazy init."""
-
-    stats: RuntimeStats  # counters of every unit, reset by model.reset_stats()
-    reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
-    pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
-    unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
-
-    @classmethod
-    def new(cls) -> SharedResources:
-        stats = RuntimeStats()
-        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
+__all__ = ["FSDPParamGroup"]
 
 
 class FSDPParamGroup:
@@ -250,7 +214,7 @@ class FSDPParamGroup:
     def qualify(self, name: str) -> str:
         """A parameter's name in this unit's plans (below the unit's module) as the model
         names it: with the unit's path once the root has named the unit."""
-        return name if self.paths is None else _qualified(name, self.paths)
+        return name if self.paths is None else qualified_name(name, self.paths)
 
     def named_plans(self, paths: list[str] | None = None) -> list[ShardPlan]:
         """The unit's plans with the names ``StructAwarePlanner.plan_model`` gives them when
@@ -260,8 +224,8 @@ class FSDPParamGroup:
             return [bucket.plan for bucket in self.buckets]
         return [
             bucket.plan.renamed(
-                [_qualified(name, paths) for name in bucket.plan.model_order],
-                _bucket_name(bucket.plan.name, paths[0]),
+                [qualified_name(name, paths) for name in bucket.plan.model_order],
+                bucket_name(bucket.plan.name, paths[0]),
             )
             for bucket in self.buckets
         ]
@@ -524,6 +488,28 @@ class FSDPParamGroup:
                 self.stats.add_copy(output)
             bucket.attach_sharded_grads(output)
 
+    def reset(self) -> None:
+        """After an interrupted iteration: wait for whatever is in flight and drop it (the
+        unsharded gradients and reductions of the interrupted backward), then idle and
+        sharded."""
+        for pending in self._pending_unshard:
+            pending.wait()
+        self._pending_unshard.clear()
+        for item in self._reduces:
+            item.scatter.wait()
+            if item.replicate is not None:
+                item.replicate.wait()
+        self._reduces.clear()
+        for bucket in self._trainable:
+            bucket.detach_unsharded_grads()
+        if self._grad_block is not None:
+            self._pool.give(self._grad_block)
+            self._grad_block = None
+        if self.sharded_state is ShardedState.UNSHARDING:
+            self.sharded_state = ShardedState.UNSHARDED  # its gathers are done: free them
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
     def finish_iteration(self) -> None:
         """End of backward: this unit back to idle and sharded (unless it keeps its unsharded
         parameters: ``reshard_after_backward`` off). Under no_sync the unsharded gradient
@@ -563,7 +549,7 @@ class FSDPParamGroup:
         for bucket in self._trainable:
             residual = _reducer(bucket).error_feedback_state()
             if residual is not None:
-                out[_bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
+                out[bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
         return out
 
     def persistent_bytes(self) -> int:
@@ -595,20 +581,3 @@ def _reducer(bucket: DBuffer) -> ReduceScatter:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
-
-
-def _qualified(name: str, paths: list[str]) -> str:
-    """A parameter's name below its unit (``i.rest`` for the ``i``-th module of a unit of
-    several) as the model names it, the unit's modules being at ``paths``."""
-    if len(paths) > 1:
-        index, name = name.split(".", 1)
-        path = paths[int(index)]
-    else:
-        path = paths[0]
-    return f"{path}.{name}" if path else name
-
-
-def _bucket_name(name: str, path: str) -> str:
-    """A unit's bucket ``<root>/<dtype>[/frozen]/<i>`` named for the unit at ``path`` (as
-    ``unit_buckets`` names it there)."""
-    return f"{path or '<root>'}/{name.split('/', 1)[1]}"

@@ -58,6 +58,12 @@ class ReduceQueue:
         while group in self._replicating:
             self._replicating.popleft().finish_reduce()
 
+    def clear(self) -> None:
+        """Forget every unit (their reductions were waited for and dropped by their groups:
+        ``FSDPParamGroup.reset``)."""
+        self._scattering.clear()
+        self._replicating.clear()
+
     def drain(self) -> None:
         """Finish every reduction (end of backward)."""
         while self._scattering:

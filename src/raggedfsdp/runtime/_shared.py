@@ -1,0 +1,45 @@
+"""What FSDP2's ``set_*`` methods set on one unit, and what every unit under one root shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._metrics import RuntimeStats
+from ._pool import BufferPool
+from ._reduce import ReduceQueue
+
+__all__ = ["Knobs", "SharedResources"]
+
+
+@dataclass
+class Knobs:
+    """What FSDP2's ``FSDPModule.set_*`` methods set on one unit."""
+
+    #: reduce the gradients in the next backward (off: accumulate them unsharded, no_sync)
+    requires_gradient_sync: bool = True
+    #: free the unsharded parameters at the end of backward
+    reshard_after_backward: bool = True
+    #: HSDP: all-reduce the reduced shards over the replicas in this backward (off: they
+    #: accumulate until a backward with it on adds them in)
+    requires_all_reduce: bool = True
+    #: the reduced gradient is the sum over the data-parallel ranks divided by this (``None``:
+    #: their number, a mean)
+    gradient_divide_factor: float | None = None
+    #: gather the parameters for backward (off: the unit's backward needs none, e.g. an
+    #: embedding, whose weight gradient comes from its inputs and output gradient alone)
+    unshard_in_backward: bool = True
+
+
+@dataclass(frozen=True)
+class SharedResources:
+    """What every unit under one root shares, made once by the root at lazy init."""
+
+    stats: RuntimeStats  # counters of every unit, reset by model.reset_stats()
+    reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
+    pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
+    unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
+
+    @classmethod
+    def new(cls) -> SharedResources:
+        stats = RuntimeStats()
+        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
