@@ -256,8 +256,8 @@ class RowBlockMomentum(torch.optim.Optimizer):
                     state["step"] = torch.zeros(())
                     state["count"] = 0
                     state["momentum"] = torch.zeros_like(p)
-                    if self._matrix(p):
-                        rows = p.numel() // self._cols(p)
+                    if self._matrix(p):  # this rank's rows: of its piece (a DTensor's local)
+                        rows = p.to_local().numel() // self._cols(p)
                         state["row_sq"] = [
                             torch.zeros(min(self.ROWS, rows - r)) for r in range(0, rows, self.ROWS)
                         ]
@@ -265,7 +265,7 @@ class RowBlockMomentum(torch.optim.Optimizer):
                 state["count"] += 2
                 state["momentum"].mul_(0.9).add_(p.grad)
                 if self._matrix(p):
-                    sq = p.grad.reshape(-1, self._cols(p)).square().sum(1)
+                    sq = p.grad.to_local().reshape(-1, self._cols(p)).square().sum(1)
                     for i, block in enumerate(state["row_sq"]):
                         block.add_(sq[i * self.ROWS : i * self.ROWS + block.numel()])
                 p.add_(state["momentum"], alpha=-group["lr"])
