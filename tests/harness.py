@@ -73,10 +73,11 @@ def assert_no_failures(grid: Grid, world: int) -> None:
 
 
 def error_message(fn: Callable[[], object]) -> str:
-    """The message of the ``ValueError`` or ``RuntimeError`` that ``fn()`` raises on this rank,
-    or ``"no error"`` (ranks collect these for the tests of bad input)."""
+    """The message of the ``ValueError`` or ``RuntimeError`` that ``fn()`` raises on this rank
+    (or ``AssertionError``, where FSDP2's callers expect one: applying fully_shard twice,
+    deepcopy), or ``"no error"`` (ranks collect these for the tests of bad input)."""
     try:
         fn()
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, AssertionError) as e:
         return str(e)
     return "no error"

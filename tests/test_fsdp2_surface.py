@@ -307,7 +307,7 @@ EXPECTED = {
     "raf_int": ("ValueError", "reshard_after_forward=2", "True, False or None"),
     "set_raf_int": ("ValueError", "reshard_after_forward=2", "2-D mesh"),
     "placement": ("ValueError", "Shard(dim=1)", "shard_policy=rf.RaggedShard"),
-    "module_list": ("ValueError", "container without a forward", "ModuleList"),
+    "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),

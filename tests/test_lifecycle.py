@@ -125,6 +125,7 @@ def _case_grid(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
     base = Net()
     out["reference"] = _train(copy.deepcopy(base), -1)
+    out["reference_base_norms"] = torch.linalg.norm(base.blocks[0].fc.weight.detach(), dim=1)
     out["reference_twice"] = _train(copy.deepcopy(base), -1, twice=True)
     torch.manual_seed(1)
     out["reference_init"] = Net().state_dict()
@@ -133,6 +134,7 @@ def _case_grid(rank: int, world: int) -> dict[str, Any]:
         res["grouped"] = _train(_shard(impl, copy.deepcopy(base)), rank)
         res["twice"] = _train(_shard(impl, copy.deepcopy(base)), rank, twice=True)
         res["meta"] = _meta_recipe(impl, rank)
+        res["row_norms"] = _row_norms(_shard(impl, copy.deepcopy(base)))
         res["divide"] = _summed_gradient_norm(impl, base, rank)
         res["wrapped"] = _checkpoint_wrapped(impl, base, rank)
         double = _shard(impl, copy.deepcopy(base))
@@ -143,6 +145,14 @@ def _case_grid(rank: int, world: int) -> dict[str, Any]:
     out["rf"]["not_reset"] = _interrupted(base, rank, reset=False)
     out["errors"] = _errors(base)
     return out
+
+
+def _row_norms(model: Net) -> torch.Tensor:
+    """An op with no piece-wise form (a norm along rows of a weight cut anywhere, as weight-norm
+    initialisations compute): done on the whole tensor, its result replicated."""
+    with torch.no_grad():
+        norms = torch.linalg.norm(model.blocks[0].fc.weight, dim=1)
+    return norms.full_tensor() if isinstance(norms, DTensor) else norms
 
 
 def _train_double(model: Net, rank: int) -> dict[str, torch.Tensor]:
@@ -317,8 +327,8 @@ def test_dtype_change_after_sharding_trains(grid):
 
 def test_bad_input_is_one_clear_error(grid):
     errors = grid[0]["errors"]
-    assert "container without a forward (ModuleList)" in errors["module_list"]
-    assert "copy.deepcopy of a module sharded by raggedfsdp" in errors["deepcopy"]
+    assert "containers that do not implement forward (ModuleList)" in errors["module_list"]
+    assert "FSDP does not support deepcopy" in errors["deepcopy"]
     assert "still on the meta device" in errors["meta"] and "blocks.0.fc.weight" in errors["meta"]
     assert "Shard(dim=1)" in errors["column"]
     assert errors["one_d"] == "accepted"
@@ -328,3 +338,10 @@ def test_reset_iter_state_after_an_interrupted_backward(grid):
     for rank in grid:
         _close(rank["rf"]["interrupted"], rank["reference"])
         assert "call model.reset_iter_state() first" in rank["rf"]["not_reset"]  # not silent
+
+
+def test_an_op_without_a_piecewise_form_runs_on_the_whole_tensor(grid):
+    base = grid[0]["reference_base_norms"]
+    for rank in grid:
+        for impl in IMPLS:
+            torch.testing.assert_close(rank[impl]["row_norms"], base)

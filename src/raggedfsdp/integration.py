@@ -9,6 +9,7 @@ plain parameters).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,9 +43,10 @@ def install() -> None:
        ``clip_grad_norm_`` and the norm utilities take their fused paths over it, as over
        DTensor (torch/distributed/tensor/__init__.py registers DTensor the same way; the list
        is checked by exact type).
-    3. ``torch.distributed.tensor.distribute_tensor`` (where torch exports it and where DSD
-       bound it) hands a whole tensor to be placed by a ragged placement to
-       :func:`raggedfsdp.runtime.distribute`, where torch's would refuse the placement: DSD's
+    3. ``torch.distributed.tensor.distribute_tensor`` (where torch exports it, and in every
+       module already imported that bound it by name, DSD's among them) hands a whole tensor
+       to be placed by a ragged placement to :func:`raggedfsdp.runtime.distribute`, where
+       torch's would refuse the placement: DSD's
        full-state loads and accelerate's ``cpu_ram_efficient_loading`` call it with the
        parameters' own placements. Other placements go to torch's, unchanged.
     4. ``torch.distributed.checkpoint.state_dict`` over ragged shards: DSD's
@@ -100,3 +102,9 @@ def _route_distribute_tensor() -> None:
     route._raggedfsdp = True  # type: ignore[attr-defined]
     for exporter in (dtensor_api, torch.distributed.tensor, state_dict_utils):
         exporter.distribute_tensor = route  # type: ignore[attr-defined]
+    # Modules imported before raggedfsdp that bound torch's function by name (``from
+    # torch.distributed.tensor import distribute_tensor``: torch's test utilities, a framework)
+    # get the route too; only that exact function object is replaced.
+    for module in list(sys.modules.values()):
+        if getattr(module, "distribute_tensor", None) is torch_distribute:
+            module.distribute_tensor = route  # type: ignore[attr-defined]

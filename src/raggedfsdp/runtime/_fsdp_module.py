@@ -54,11 +54,16 @@ class FSDPModule(TorchFSDPModule):
         return self
 
     def __deepcopy__(self, memo: dict) -> Any:
-        unsupported(
-            f"copy.deepcopy of a module sharded by raggedfsdp ({type(self).__name__})",
-            "its parameters are views of buffers shared with the rest of the model and its "
-            "hooks belong to one root; copy the model before fully_shard and shard the copy",
+        # AssertionError, with FSDP2's words: what FSDP2's callers expect
+        raise AssertionError(
+            f"FSDP does not support deepcopy. Please use state dict for serialization: "
+            f"{type(self).__name__}'s parameters are views of buffers shared with the rest of "
+            f"the model and its hooks belong to one root; copy the model before fully_shard"
         )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted: raggedfsdp's all-gathers are always issued asynchronously and waited for
+        when the unit's forward starts (FSDP2's ``True``)."""
 
     def reset_iter_state(self) -> None:
         """After an exception interrupted a forward or backward: every unit under this module

@@ -64,7 +64,10 @@ def mesh_info(mesh: DeviceMesh | None, device: torch.device) -> MeshInfo:
             replicate_group=mesh.get_group(0),
             replicate_size=mesh.size(0),
         )
-    raise ValueError(f"mesh must be 1-D (shard) or 2-D (replicate, shard), got {mesh.ndim}-D")
+    raise ValueError(
+        f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: 1-D (shard) or 2-D "
+        f"(replicate, shard); slice a larger mesh to its data-parallel dims (mesh['dp'])"
+    )
 
 
 #: The 1-D mesh of the default group per device type, with the group it was made for (a new

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -261,10 +262,8 @@ def _vector_norm(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
     x, p = args[0], float(args[1] if len(args) > 1 else kwargs.get("ord", 2))
     dim = args[2] if len(args) > 2 else kwargs.get("dim")
     keepdim = args[3] if len(args) > 3 else kwargs.get("keepdim", False)
-    if dim not in (None, [], ()) or keepdim:
-        raise NotImplementedError(
-            f"raggedfsdp: a norm along dimensions {dim} of a sharded tensor; use .full_tensor()"
-        )
+    if dim not in (None, [], ()) or keepdim:  # along some dims: on the whole tensor
+        return _whole(cls, func, args, kwargs)
     local = _local_norm(x._local_tensor, p, kwargs.get("dtype"))
     return _partial(local, x._spec, _norm_placement(p))
 
@@ -390,9 +389,56 @@ _SPECIAL: dict[Any, Handler] = {
 }
 
 
+def _whole(cls: type, func: Any, args: tuple, kwargs: dict) -> Any:
+    """Any other op that neither writes its inputs nor returns a view of them (``mm``, a norm
+    along some dims, ``softmax``): on the whole tensors -- each sharded argument gathered, a
+    collective -- its tensor results replicated DTensors. Exact, as DTensor's redistributing
+    strategies are, and as slow; said once per op. (A view could not be: a write through it
+    would not reach the shard.)"""
+    spec = _first_spec((*args, *kwargs.values()))
+    assert spec is not None
+    _say_gathered(func)
+
+    def whole(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if isinstance(value, (list, tuple)):
+            return type(value)(whole(v) for v in value)
+        return value
+
+    out = func(*whole(args), **{k: whole(v) for k, v in kwargs.items()})
+    mesh = spec.mesh
+
+    def replicated(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            meta = TensorMeta(value.shape, value.stride(), value.dtype)
+            placements = (Replicate(),) * mesh.ndim
+            return DTensor(value, DTensorSpec(mesh, placements, meta), requires_grad=False)
+        if isinstance(value, (list, tuple)):
+            return type(value)(replicated(v) for v in value)
+        return value
+
+    return replicated(out)
+
+
+@functools.cache
+def _say_gathered(func: Any) -> None:
+    warnings.warn(
+        f"raggedfsdp: {func} on a sharded tensor gathers it whole first (a collective per "
+        f"call): fine for initialisation or a check, slow inside a training step",
+        stacklevel=4,
+    )
+
+
+def _views_or_writes(func: Any) -> bool:
+    schema = func._schema
+    return schema.is_mutable or any(r.alias_info is not None for r in schema.returns)
+
+
 @functools.cache
 def handler(func: Any) -> Handler | None:
-    """How ``func`` runs on sharded tensors (``None``: refused). Cached per op overload."""
+    """How ``func`` runs on sharded tensors (``None``: refused: it would write through, or
+    return, a view that a ragged piece cannot be). Cached per op overload."""
     if func in _SPECIAL:
         return _SPECIAL[func]
     if func in _RANDOM_FILLS:
@@ -405,4 +451,4 @@ def handler(func: Any) -> Handler | None:
         return _foreach
     if func in _LIKE_OPS or torch.Tag.pointwise in func.tags:
         return _elementwise
-    return None
+    return None if _views_or_writes(func) else _whole

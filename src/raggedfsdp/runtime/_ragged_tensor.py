@@ -205,9 +205,9 @@ class RaggedTensor(DTensor):
         if run is None:
             raise NotImplementedError(
                 f"raggedfsdp: {func} is not supported on a sharded tensor (a RaggedTensor: this "
-                f"rank holds a ragged range of its elements); use .to_local() for this rank's "
-                f"piece or .full_tensor() for the whole tensor, and raggedfsdp's optimizers "
-                f"(rf.optim) for updates that need whole matrices"
+                f"rank holds a ragged range of its elements, so a view of it or a write through "
+                f"one cannot be the whole tensor's); use .to_local() for this rank's piece or "
+                f".full_tensor() for the whole tensor"
             )
         return run(cls, func, args, kwargs or {})
 

@@ -128,14 +128,16 @@ def _check_fsdp2_arguments(
             )
         if isinstance(item, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
-                f"fully_shard does not take a container without a forward "
+                f"fully_shard does not support containers that do not implement forward "
                 f"({type(item).__name__}): its hooks would never run, so its parameters would "
                 f"never be gathered; shard each of its modules, pass them as a list, or shard "
-                f"the module that calls them (FSDP2 refuses it too)"
+                f"the module that calls them"
             )
         if state_of(item) is not None:
-            raise ValueError(
-                f"{type(item).__name__} is already sharded by raggedfsdp (fully_shard was "
+            # AssertionError, with FSDP2's words: what FSDP2's callers expect
+            raise AssertionError(
+                f"Each distinct composable distributed API can only be applied to a module "
+                f"once: {type(item).__name__} is already sharded by raggedfsdp (fully_shard was "
                 f"applied to it twice)"
             )
     check_reshard_after_forward(reshard_after_forward)
@@ -281,9 +283,9 @@ def _check_parameter(fqn: str, param: nn.Parameter, modules: list[nn.Module]) ->
             f"parallelism): raggedfsdp shards plain parameters only, so far"
         )
     if not param.is_contiguous():
-        raise ValueError(
-            f"parameter {fqn!r} of shape {list(param.shape)} is not contiguous; make it "
-            f"contiguous before fully_shard"
+        raise NotImplementedError(  # FSDP2's type and words
+            f"FSDP does not support non-contiguous parameters yet: parameter {fqn!r} of shape "
+            f"{list(param.shape)} is not contiguous; make it contiguous before fully_shard"
         )
 
 
