@@ -51,10 +51,12 @@ class Net(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, hidden_only: bool = False) -> torch.Tensor:
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
+        if hidden_only:  # the normed hidden state, for a loss that runs the output itself
+            return self.norm(h)
         return self.output(self.norm(h)).pow(2).mean()
 
     def init_weights(self) -> None:
@@ -140,11 +142,36 @@ def _case_grid(rank: int, world: int) -> dict[str, Any]:
         double = _shard(impl, copy.deepcopy(base))
         double.to(torch.float64)
         res["float64"] = {k: v.float() for k, v in _train_double(double, rank).items()}
+    out["reference_chunked"] = _chunked(copy.deepcopy(base), -1)
+    out["rf"]["chunked"] = _chunked(_shard("rf", copy.deepcopy(base)), rank)
     out["rf"]["local_init"] = _local_init(rank)
     out["rf"]["interrupted"] = _interrupted(base, rank, reset=True)
     out["rf"]["not_reset"] = _interrupted(base, rank, reset=False)
     out["errors"] = _errors(base)
     return out
+
+
+def _chunked_loss(model: Net, x: torch.Tensor) -> torch.Tensor:
+    hidden = model(x, hidden_only=True)
+    return sum(model.output(chunk).pow(2).mean() for chunk in hidden.chunk(4)) / 4
+
+
+def _chunked(model: Net, rank: int) -> dict[str, torch.Tensor]:
+    """The chunked-loss pattern (torchtitan's): the model's forward stops before the output
+    layer, a member of the grouped unit [norm, output], which then runs once per chunk. One
+    process averages the ranks' losses."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in _batches(2):
+        if rank >= 0:
+            loss = _chunked_loss(model, _mine(x, rank))
+        else:
+            loss = sum(_chunked_loss(model, _mine(x, r)) for r in range(WORLD)) / WORLD
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank < 0:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return _full(model)
 
 
 def _row_norms(model: Net) -> torch.Tensor:
@@ -345,3 +372,8 @@ def test_an_op_without_a_piecewise_form_runs_on_the_whole_tensor(grid):
     for rank in grid:
         for impl in IMPLS:
             torch.testing.assert_close(rank[impl]["row_norms"], base)
+
+
+def test_chunked_loss_calls_a_grouped_module_on_its_own(grid):
+    for rank in grid:
+        _close(rank["rf"]["chunked"], rank["reference_chunked"])

@@ -84,6 +84,9 @@ class RootContext:
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration (prefetch order)
         self.forward_order: list[FSDPState] = []
+        #: whether the root's forward is under way (a unit's modules called outside it are
+        #: each a forward of their own)
+        self.in_forward = False
 
     @property
     def order_recorded(self) -> bool:
@@ -244,9 +247,17 @@ class FSDPState:
                 )
             self.group.wait_for_unshard()  # recomputation under activation checkpointing
             return None
-        if self._to_run:  # a later module of this unit: its forward is under way
+        if self._to_run and id(module) in self._to_run:  # a later module of this unit
             return self._cast_inputs(args, kwargs)
-        self._to_run = {id(m) for m in self.modules}
+        if self._to_run:  # one of its modules runs again: the unit's last forward is over
+            self._to_run.clear()
+            self._end_forward(ctx)
+        if self.is_root:
+            ctx.in_forward = True
+        # Inside the root's forward the unit's forward spans all its modules; outside it (a
+        # module of the unit called on its own, as chunked losses call the output layer once
+        # per chunk) one call is a whole forward of the unit.
+        self._to_run = {id(m) for m in (self.modules if ctx.in_forward else [module])}
         self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
@@ -294,6 +305,7 @@ class FSDPState:
                 if state._to_run:
                     state._to_run.clear()
                     state._end_forward(ctx)
+            ctx.in_forward = False
             ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
         self._end_forward(ctx)
         return output
