@@ -43,6 +43,7 @@ __all__ = [
     "Record",
     "Recorder",
     "emulated_asynchrony",
+    "emulated_when",
     "first_difference",
     "poison_",
     "recording",
@@ -368,3 +369,9 @@ def emulated_asynchrony(use_before_wait: Sequence[str] = ()) -> Iterator[AsyncEm
     emulation = AsyncEmulation(use_before_wait=frozenset(use_before_wait))
     with wrapped_collectives(emulation), emulation.poisoning_pool():
         yield emulation
+
+
+def emulated_when(enabled: bool) -> contextlib.AbstractContextManager[AsyncEmulation | None]:
+    """:func:`emulated_asynchrony` when ``enabled`` (a case on the NCCL branch), else a block
+    that changes nothing and yields ``None``."""
+    return emulated_asynchrony() if enabled else contextlib.nullcontext()

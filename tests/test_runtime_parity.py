@@ -8,14 +8,13 @@ asynchrony emulated (``collective_wrap.emulated_asynchrony``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import pytest
 import torch
 
 import raggedfsdp as rf
-from collective_wrap import emulated_asynchrony
+from collective_wrap import emulated_asynchrony, emulated_when
 from harness import run_distributed
 from parity_models import OddModel, make_batches, train_reference
 
@@ -118,19 +117,13 @@ def _grid(rank: int, world: int) -> dict[str, float | str]:
     for name, case in (CASES | NATIVE_CASES).items():
         base = OddModel(activation_checkpointing=case.get("activation_checkpointing", False))
         batches = make_batches(STEPS, GLOBAL_BATCH)
-        with _emulated(case) as emulation:
+        with emulated_when(case.get("native", False)) as emulation:
             got, _ = _train_sharded(case, rank, world, base, batches)
         micro = case.get("micro_batches", 1)
         want = _reference(case, base, _rank_major(batches, world, micro))
         failure = emulation.failure() if emulation is not None else None
         errors[name] = failure or _max_relative_error(got, want)
     return errors
-
-
-def _emulated(case: dict) -> contextlib.AbstractContextManager:
-    """NCCL's asynchrony emulated for a native case (its emulation as the value), else
-    nothing (``None``)."""
-    return emulated_asynchrony() if case.get("native") else contextlib.nullcontext()
 
 
 def _rank_major(batches, world: int, micro: int):
