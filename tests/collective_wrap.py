@@ -7,10 +7,10 @@ those attributes for the length of a ``with`` block (:func:`wrapped_collectives`
 call: ``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``, ``all_reduce``,
 ``isend`` and ``irecv``, whoever issues them (the runtime, an optimizer, the test itself).
 
-- :class:`Recorder` keeps, per call, what NCCL needs every rank to agree on: the kind, the
-  group's ranks, the dtype and the sizes. NCCL matches collectives by their order alone (it
-  has no tags), so a rank whose sequence differs hangs or corrupts: tests compare the
-  sequences of all ranks (:func:`first_difference`).
+- :class:`Recorder` keeps, per call, what NCCL needs every member of the communicator to agree
+  on: the kind, the dtype and the sizes (and the group, where the buffers start). NCCL matches
+  collectives by their order alone (it has no tags), so a member whose sequence differs hangs
+  or corrupts: tests compare the members' sequences group by group (:func:`first_difference`).
 - :class:`AsyncEmulation` gives Gloo NCCL's contract for an asynchronous collective: its
   outputs hold garbage (poison: every byte 0xFF, a NaN in every float dtype) until its
   ``Work.wait()`` returns, and its inputs must stay unchanged until then; and it poisons every
@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -154,15 +154,27 @@ def _wrapper(
 
 @dataclass(frozen=True)
 class Record:
-    """What NCCL needs every rank of ``group`` to agree on, for one call."""
+    """What NCCL needs every member of a communicator to agree on, for one call."""
 
     kind: str
-    group: tuple[int, ...]  # the group's global ranks
+    group: str  # the group's name: the same on every member (groups are made in one order)
+    ranks: tuple[int, ...]  # the group's global ranks
     dtype: str
     input_numel: int
     output_numel: int
     #: the byte offset of each buffer's start modulo 16 (NCCL's vector loads want 0)
     misalignment: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[str, str, int, int]:
+        """What every member must issue alike: kind, dtype and sizes."""
+        return (self.kind, self.dtype, self.input_numel, self.output_numel)
+
+    @property
+    def nbytes(self) -> tuple[int, int]:
+        """The input's and the output's bytes."""
+        itemsize = getattr(torch, self.dtype.removeprefix("torch.")).itemsize
+        return (self.input_numel * itemsize, self.output_numel * itemsize)
 
 
 @dataclass
@@ -189,7 +201,8 @@ def _record(call: Call) -> Record:
     buffers = [t for t in (call.input, call.output) if t is not None]
     return Record(
         kind=call.kind,
-        group=tuple(dist.get_process_group_ranks(group)),
+        group=group.group_name,
+        ranks=tuple(dist.get_process_group_ranks(group)),
         dtype=str(buffers[0].dtype),
         input_numel=0 if call.input is None else call.input.numel(),
         output_numel=0 if call.output is None else call.output.numel(),
@@ -205,28 +218,41 @@ def recording() -> Iterator[Recorder]:
         yield recorder
 
 
-def first_difference(sequences: Sequence[Sequence[Record]]) -> str | None:
-    """``None`` when every rank's sequence is the same (kind, group, dtype and sizes; where a
-    buffer starts may differ), else the first difference, naming the ranks and the call."""
-
-    def key(record: Record) -> tuple:
-        return (record.kind, record.group, record.dtype, record.input_numel, record.output_numel)
-
-    reference = [key(r) for r in sequences[0]]
-    for rank, sequence in enumerate(sequences[1:], start=1):
-        keys = [key(r) for r in sequence]
-        for i, (want, got) in enumerate(zip(reference, keys, strict=False)):
-            if want != got:
-                return f"call {i}: rank 0 issued {_short(want)}, rank {rank} {_short(got)}"
-        if len(keys) != len(reference):
-            return f"rank 0 issued {len(reference)} calls, rank {rank} {len(keys)}"
+def first_difference(per_rank: Mapping[int, Sequence[Record]]) -> str | None:
+    """``None`` when, on every communicator, its members among ``per_rank`` (global rank ->
+    its records) issued the same sequence of calls (:attr:`Record.key`), else the first
+    difference, naming the group, the ranks and the call. NCCL matches calls by their order
+    on a communicator alone, so any difference there hangs or corrupts a run."""
+    on_group: dict[str, dict[int, list[Record]]] = {}
+    for rank, records in per_rank.items():
+        for record in records:
+            members = on_group.setdefault(record.group, {r: [] for r in record.ranks})
+            members[rank].append(record)
+    for name, members in on_group.items():
+        seen = {rank: calls for rank, calls in members.items() if rank in per_rank}
+        (first, reference), *others = seen.items()
+        for rank, calls in others:
+            for i, (want, got) in enumerate(zip(reference, calls, strict=False)):
+                if want.key != got.key:
+                    return (
+                        f"group {name} {_ranks(want.ranks)}, call {i}: rank {first} issued "
+                        f"{_short(want)}, rank {rank} {_short(got)}"
+                    )
+            if len(calls) != len(reference):
+                return (
+                    f"group {name} {_ranks(reference[0].ranks if reference else calls[0].ranks)}:"
+                    f" rank {first} issued {len(reference)} calls, rank {rank} {len(calls)}"
+                )
     return None
 
 
-def _short(key: tuple) -> str:
-    kind, group, dtype, numel, out = key
-    ranks = f"{len(group)} ranks from {group[0]}" if len(group) > 4 else str(list(group))
-    return f"{kind}({dtype}, {numel} -> {out} over {ranks})"
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)" if len(ranks) > 4 else str(list(ranks))
+
+
+def _short(record: Record) -> str:
+    kind, dtype, numel, out = record.key
+    return f"{kind}({dtype}, {numel} -> {out})"
 
 
 # -- the asynchrony emulation --------------------------------------------------------------------
@@ -268,6 +294,7 @@ class AsyncEmulation:
     violations: list[str] = field(default_factory=list)
     issued: int = 0  # asynchronous calls emulated
     waited: int = 0  # of those, how many were waited for
+    planted: int = 0  # of those, how many returned with the output poisoned (use_before_wait)
 
     @property
     def unwaited(self) -> int:
@@ -331,7 +358,11 @@ class _EmulatedWork:
             self._violation("its input changed before wait()")
         if self.frozen_output is not None and not _same_bytes(call.output, self.frozen_output):
             self._violation("its output was written before wait()")
-        if call.output is not None and call.kind not in self.emulation.use_before_wait:
+        if call.output is None:
+            return True
+        if call.kind in self.emulation.use_before_wait:
+            self.emulation.planted += 1
+        else:
             call.output.copy_(self.real_output)
         return True
 
