@@ -1,6 +1,8 @@
 """Compressed communication everywhere it should work, run on 4 ranks (``test_compression.py``
 judges it): HSDP (the replicate all-reduce in full precision), no_sync accumulation, bf16 mixed
-precision, error feedback, meta-device init, rf.optim; and bad input, before any collective."""
+precision, error feedback, meta-device init, rf.optim; and bad input, before any collective.
+``-native`` cases run NCCL's calls on Gloo (``gloo_point_to_point=False``) under its asynchrony
+emulated (``collective_wrap``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from torch import nn
 
 import raggedfsdp as rf
+from collective_wrap import emulated_when
 from compression_gather import _unsharded_parameters, quant_dequant
 from compression_reduce import SHAPES, Probe
 from harness import error_message
@@ -22,7 +25,9 @@ BOTH = rf.CommCompression(all_gather=INT8, reduce_scatter=INT8)
 STEPS, GLOBAL_BATCH = 3, 16
 
 
-def _losses(rank, world, compression, *, mesh=None, mp=None, micro=1, optimizer="adamw"):
+def _losses(
+    rank, world, compression, *, mesh=None, mp=None, micro=1, optimizer="adamw", native=False
+):
     """Per-step losses (averaged over ranks) of OddModel trained sharded, and its stats."""
     torch.manual_seed(0)
     model = OddModel()
@@ -31,7 +36,14 @@ def _losses(rank, world, compression, *, mesh=None, mp=None, micro=1, optimizer=
         shard_policy=rf.RaggedShard(block_size=4),
         compression=compression,
     )
-    rf.FSDPBackend(model, planner=planner, mesh=mesh, mp_policy=mp, compression=compression)
+    rf.FSDPBackend(
+        model,
+        planner=planner,
+        mesh=mesh,
+        mp_policy=mp,
+        compression=compression,
+        dbuffer_config=rf.DBufferConfig(gloo_point_to_point=not native),
+    )
     params = [p for p in model.parameters() if p.requires_grad]
     opt = rf.optim.AdamW8bit(params, lr=1e-2) if optimizer == "adamw8bit" else None
     opt = opt or torch.optim.AdamW(params, lr=1e-2)
@@ -75,17 +87,30 @@ def _training(rank: int, world: int) -> dict:
             "compression": rf.CommCompression(reduce_scatter=INT8, error_feedback=True)
         },
         "adamw8bit": {"compression": BOTH, "optimizer": "adamw8bit"},
+        # NCCL's calls on Gloo, under its asynchrony emulated
+        "flat-native": {"compression": BOTH, "native": True},
+        "no_sync-native": {"compression": BOTH, "micro": 2, "native": True},
     }.items():
-        losses, stats, _, _ = _losses(rank, world, **kwargs)
-        out[name] = (_close(losses, plain), losses, plain, stats["reduce_scatter_calls"])
+        with emulated_when(kwargs.get("native", False)) as emulation:
+            losses, stats, _, _ = _losses(rank, world, **kwargs)
+        failure = None if emulation is None else emulation.failure()
+        close = _close(losses, plain) and failure is None
+        out[name] = (close, failure or losses, plain, stats["reduce_scatter_calls"])
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    losses, stats, model, _ = _losses(rank, world, BOTH, mesh=mesh)
-    trainable = {n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
-    full_precision = sum(
-        4 * plan.shard_numel for plan in model.shard_plans() if set(plan.entries) <= trainable
-    )
-    out["hsdp"] = (_close(losses, plain), stats["all_reduce_bytes"], full_precision)
-    out["hsdp_forward"] = _forward_is_quantize_dequantize(model, rf.RaggedShard(block_size=4))
+    for name, native in (("hsdp", False), ("hsdp-native", True)):
+        with emulated_when(native) as emulation:
+            losses, stats, model, _ = _losses(rank, world, BOTH, mesh=mesh, native=native)
+        trainable = {
+            n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+        }
+        full_precision = sum(
+            4 * plan.shard_numel for plan in model.shard_plans() if set(plan.entries) <= trainable
+        )
+        close = _close(losses, plain) and (emulation is None or emulation.failure() is None)
+        out[name] = (close, stats["all_reduce_bytes"], full_precision)
+        if not native:
+            policy = rf.RaggedShard(block_size=4)
+            out["hsdp_forward"] = _forward_is_quantize_dequantize(model, policy)
     return out
 
 

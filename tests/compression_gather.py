@@ -1,6 +1,7 @@
 """Compressed all-gather cases run on every rank (``test_compression.py`` judges them): the
 parameters forward sees, the single-process quantize-dequantize they must equal, and each rank's
-codes and scales."""
+codes and scales. ``native-`` cases run NCCL's all-gather of the messages on Gloo
+(``gloo_point_to_point=False``) under its asynchrony emulated (``collective_wrap``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 import raggedfsdp as rf
+from collective_wrap import emulated_when
 from parity_models import OddModel
 from raggedfsdp.planner import QuantBlock, quant_block
 from raggedfsdp.runtime.compression._quant import dequantize, quantize
@@ -66,7 +68,7 @@ def _messages(model: nn.Module) -> dict[str, tuple[bytes, list[float]]]:
     return out
 
 
-def _all_gather_case(rank, world, policy, dtype, mp, zero_copy=True):
+def _all_gather_case(rank, world, policy, dtype, mp, zero_copy=True, native=False):
     torch.manual_seed(0)
     base = OddModel()
     model = copy.deepcopy(base)
@@ -76,9 +78,12 @@ def _all_gather_case(rank, world, policy, dtype, mp, zero_copy=True):
         shard_policy=rf.RaggedShard(block_size=policy),
         compression=comp,
         mp_policy=mp,
-        dbuffer_config=rf.DBufferConfig(zero_copy=zero_copy, group_level=zero_copy),
+        dbuffer_config=rf.DBufferConfig(
+            zero_copy=zero_copy, group_level=zero_copy, gloo_point_to_point=not native
+        ),
     )
-    seen = _unsharded_parameters(model)
+    with emulated_when(native) as emulation:
+        seen = _unsharded_parameters(model)
     messages = _messages(model)
     failures = []
     if _messages(model) is None or messages.keys() != _messages(model).keys():
@@ -87,6 +92,8 @@ def _all_gather_case(rank, world, policy, dtype, mp, zero_copy=True):
     _unsharded_parameters(model)  # gathers again: the quantized shards are reused, not remade
     if any(a is not c._quantized for a, c in zip(kept, _compressions(model), strict=True)):
         failures.append("quantized again within one iteration")
+    if emulation is not None and emulation.failure():
+        failures.append(emulation.failure())
     full = rf.full_state_dict(model)
     for name, got in seen.items():
         block = quant_block(name, got.shape, rf.RaggedShard(block_size=policy))
@@ -107,4 +114,12 @@ def gather_grid(rank: int, world: int):
     results[("tiles4x8-bf16", "e4m3")] = _all_gather_case(rank, world, (4, 8), E4M3, bf16)
     # The FSDP2-style copy path with a storage per bucket (scratch blocks not pooled).
     results[("rows4-copy", "int8")] = _all_gather_case(rank, world, 4, torch.int8, None, False)
+    # NCCL's calls on Gloo, under its asynchrony emulated.
+    for name, policy, dtype, mp in (
+        ("tiles4x8", (4, 8), torch.int8, None),
+        ("bf16", 4, E4M3, bf16),
+    ):
+        results[(f"native-{name}", str(dtype))] = _all_gather_case(
+            rank, world, policy, dtype, mp, native=True
+        )
     return results

@@ -1,6 +1,8 @@
 """Compressed reduce-scatter cases run on every rank (``test_compression.py`` judges them):
 each element against the quantizer's analytic bound, exactness where every block is
-representable, error feedback, and the bytes on the wire (per step, both directions)."""
+representable, error feedback, and the bytes on the wire (per step, both directions).
+``native`` cases run NCCL's all-to-all of the messages on Gloo (``gloo_point_to_point=False``)
+under its asynchrony emulated (``collective_wrap``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import torch
 from torch import nn
 
 import raggedfsdp as rf
+from collective_wrap import emulated_when
 from compression_gather import quant_dequant
 from raggedfsdp.planner import quant_block
 
@@ -48,22 +51,32 @@ def _targets(rank: int, dtype: torch.dtype | None, policy, exact: bool) -> dict:
     return out
 
 
-def _step(rank, world, policy, compression, targets):
+def _step(rank, world, policy, compression, targets, native=False):
+    """One backward of ``Probe``; on the NCCL branch (``native``) under emulated asynchrony,
+    whose failure (or ``None``) comes last."""
     model = Probe(SHAPES)
-    rf.FSDPBackend(model, shard_policy=rf.RaggedShard(block_size=policy), compression=compression)
+    config = rf.DBufferConfig(gloo_point_to_point=not native)
+    rf.FSDPBackend(
+        model,
+        shard_policy=rf.RaggedShard(block_size=policy),
+        compression=compression,
+        dbuffer_config=config,
+    )
     model.reset_stats()
-    model(targets[rank]).backward()
+    with emulated_when(native) as emulation:
+        model(targets[rank]).backward()
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}  # the pieces
     layouts = {n: rf.layout_of(p) for n, p in model.named_parameters()}
-    return grads, layouts, model.stats(), model.shard_plans()
+    failure = None if emulation is None else emulation.failure()
+    return grads, layouts, model.stats(), model.shard_plans(), failure
 
 
-def _within_bound(rank, world, policy, dtype) -> list:
+def _within_bound(rank, world, policy, dtype, native=False) -> list:
     targets = [_targets(k, dtype, policy, exact=False) for k in range(world)]
     comp = rf.CommCompression(reduce_scatter=dtype)
-    grads, layouts, _, _ = _step(rank, world, policy, comp, targets)
+    grads, layouts, _, _, failure = _step(rank, world, policy, comp, targets, native)
     relative, absolute = HALF_STEP[dtype]
-    failures = []
+    failures = [failure] if failure else []
     for name, shape in SHAPES.items():
         block = quant_block(name, shape, rf.RaggedShard(block_size=policy))
         true = sum(t[name] for t in targets) / world
@@ -78,15 +91,21 @@ def _within_bound(rank, world, policy, dtype) -> list:
     return failures
 
 
-def _exact_and_bytes(rank, world, policy, dtype) -> list:
+def _exact_and_bytes(rank, world, policy, dtype, native=False) -> list:
     """Representable blocks: the compressed reduce-scatter gives bitwise what the uncompressed
-    one gives, the mean summed in rank order."""
+    one gives, the mean summed in rank order (on NCCL's branch, ``native``: the compressed
+    one, whose sum is the runtime's own, still in rank order)."""
     targets = [_targets(k, dtype, policy, exact=True) for k in range(world)]
     true = {n: sum(t[n] for t in targets) / world for n in SHAPES}
     comp = rf.CommCompression(all_gather=torch.int8, reduce_scatter=dtype)
     failures = []
-    for compression in (None, comp):  # the compressed one last: its stats and plans follow
-        got, layouts, stats, plans = _step(rank, world, policy, compression, targets)
+    # The compressed one last: its stats and plans follow. NCCL's uncompressed AVG does not
+    # promise the rank order of the sum (Gloo's reduce-scatter does not either).
+    for compression in (comp,) if native else (None, comp):
+        got, layouts, stats, plans, failure = _step(
+            rank, world, policy, compression, targets, native
+        )
+        failures += [failure] if failure else []
         failures += [
             (n, compression is None)
             for n in got
@@ -148,6 +167,11 @@ def reduce_grid(rank: int, world: int) -> dict:
         for dtype in (torch.int8, E4M3, E5M2):
             results[("bound", policy, str(dtype))] = _within_bound(rank, world, policy, dtype)
             results[("exact", policy, str(dtype))] = _exact_and_bytes(rank, world, policy, dtype)
+    # NCCL's calls on Gloo, under its asynchrony emulated.
+    results[("bound-native", None, str(E4M3))] = _within_bound(rank, world, None, E4M3, native=True)
+    results[("exact-native", (4, 8), str(torch.int8))] = _exact_and_bytes(
+        rank, world, (4, 8), torch.int8, native=True
+    )
     if world == 2:
         results["error_feedback"] = _error_feedback(rank, world)
     return results

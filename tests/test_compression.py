@@ -4,7 +4,9 @@ case (the cases are in ``compression_gather.py``, ``compression_reduce.py`` and
 quantize-dequantize bit for bit, codes and scales do not depend on W, the reduce-scatter is
 within the quantizer's bound per element and exact on representable blocks, the bytes on the wire
 are exactly codes plus scales, error feedback drives the accumulated error down, and everything
-works under HSDP, no_sync, bf16, meta init and AdamW8bit, with bad input refused."""
+works under HSDP, no_sync, bf16, meta init and AdamW8bit, with bad input refused. Cases named
+``native`` run NCCL's calls on Gloo (``gloo_point_to_point=False``) under its asynchrony emulated
+(``collective_wrap``)."""
 
 from __future__ import annotations
 
@@ -92,13 +94,16 @@ def test_compression_everywhere(grid):
     for rank, results in enumerate(grid[4]):
         result = results["everywhere"]
         training = result["training"]
-        for name in ("flat", "no_sync", "bf16", "error_feedback", "adamw8bit"):
+        names = ("flat", "no_sync", "bf16", "error_feedback", "adamw8bit")
+        for name in (*names, "flat-native", "no_sync-native"):
             close, losses, plain, _ = training[name]
             assert close, f"rank {rank} {name}: losses {losses} vs uncompressed {plain}"
         # no_sync: only the reduce that happens is compressed (one per bucket per step).
         assert training["no_sync"][3] == training["flat"][3]
-        close, all_reduce_bytes, full_precision = training["hsdp"]
-        assert close and all_reduce_bytes == full_precision
+        assert training["no_sync-native"][3] == training["flat-native"][3] == training["flat"][3]
+        for name in ("hsdp", "hsdp-native"):
+            close, all_reduce_bytes, full_precision = training[name]
+            assert close and all_reduce_bytes == full_precision, name
         assert training["hsdp_forward"] == [] and result["meta"] == []
         bad = result["bad"]
         assert "'count'" in bad["non_floating"] and "floating-point" in bad["non_floating"]

@@ -1,6 +1,9 @@
 """Sharded training equals one process on the global batch (real Gloo groups, W = 1..4).
 
-Each world size is one launch that runs a grid of cases (launching ranks costs seconds).
+Each world size is one launch that runs a grid of cases (launching ranks costs seconds). Every
+case runs twice: as the runtime runs on Gloo (point to point), and as it runs on NCCL
+(``DBufferConfig(gloo_point_to_point=False)``: the same tensor collectives) under NCCL's
+asynchrony emulated (``collective_wrap.emulated_asynchrony``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 import raggedfsdp as rf
+from collective_wrap import emulated_asynchrony, emulated_when
 from harness import run_distributed
 from parity_models import OddModel, make_batches, train_reference
 
@@ -28,6 +32,8 @@ CASES = {
     "copy-path": {"block_size": 4, "zero_copy": False},
     "per-bucket-storage": {"block_size": 4, "group_level": False, "buffer_size": 2048},
 }
+#: The same cases on the NCCL branch, under emulated asynchrony.
+NATIVE_CASES = {f"native-{name}": {**case, "native": True} for name, case in CASES.items()}
 
 
 def _shard_batch(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -45,6 +51,7 @@ def _train_sharded(case: dict, rank: int, world: int, base: torch.nn.Module, bat
             zero_copy=case.get("zero_copy", True),
             group_level=case.get("group_level", True),
             buffer_size=case.get("buffer_size"),
+            gloo_point_to_point=not case.get("native", False),
         ),
         mesh=mesh,
         mp_policy=case.get("mp_policy"),
@@ -102,16 +109,20 @@ def _max_relative_error(got: dict, want: dict) -> float:
     )
 
 
-def _grid(rank: int, world: int) -> dict[str, float]:
+def _grid(rank: int, world: int) -> dict[str, float | str]:
+    """Per case, the max relative error against one process, or what the case broke of NCCL's
+    asynchrony (native cases)."""
     torch.manual_seed(0)
-    errors = {}
-    for name, case in CASES.items():
+    errors: dict[str, float | str] = {}
+    for name, case in (CASES | NATIVE_CASES).items():
         base = OddModel(activation_checkpointing=case.get("activation_checkpointing", False))
         batches = make_batches(STEPS, GLOBAL_BATCH)
-        got, _ = _train_sharded(case, rank, world, base, batches)
+        with emulated_when(case.get("native", False)) as emulation:
+            got, _ = _train_sharded(case, rank, world, base, batches)
         micro = case.get("micro_batches", 1)
         want = _reference(case, base, _rank_major(batches, world, micro))
-        errors[name] = _max_relative_error(got, want)
+        failure = emulation.failure() if emulation is not None else None
+        errors[name] = failure or _max_relative_error(got, want)
     return errors
 
 
@@ -132,23 +143,35 @@ def test_parity_grid(world):
     results = run_distributed(_grid, world)
     for errors in results:
         for name, err in errors.items():
+            assert not isinstance(err, str), f"W={world} case {name}: {err}"
             assert err <= 1e-5, f"W={world} case {name}: max relative error {err:.3g}"
-    assert results[0].keys() == CASES.keys()
+    assert results[0].keys() == CASES.keys() | NATIVE_CASES.keys()
 
 
-def _hsdp_and_mixed_precision(rank: int, world: int) -> dict[str, float]:
+def _hsdp_and_mixed_precision(rank: int, world: int) -> dict[str, float | str | None]:
+    """The HSDP and bf16 results on both branches: as the runtime runs on Gloo (keys as they
+    are) and on NCCL's calls under emulated asynchrony (keys prefixed ``native-``, and
+    ``native-async``: what the runtime broke of NCCL's asynchrony, or ``None``)."""
+    errors = _hsdp_and_bf16(rank, world, {"block_size": 4})
+    with emulated_asynchrony() as emulation:
+        native = _hsdp_and_bf16(rank, world, {"block_size": 4, "native": True})
+    native["async"] = emulation.failure()
+    return errors | {f"native-{key}": value for key, value in native.items()}
+
+
+def _hsdp_and_bf16(rank: int, world: int, base_case: dict) -> dict[str, float | str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
     base = OddModel()
     batches = make_batches(STEPS, GLOBAL_BATCH)
-    errors = {}
+    errors: dict[str, float | str | None] = {}
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    got, stats = _train_sharded({"block_size": 4}, rank, world, base, batches, mesh=mesh)
+    got, stats = _train_sharded(base_case, rank, world, base, batches, mesh=mesh)
     errors["hsdp"] = _max_relative_error(got, train_reference(copy.deepcopy(base), batches))
     errors["hsdp_all_reduces"] = stats["all_reduce_calls"]
     mp = rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    case = {"block_size": 4, "mp_policy": mp, "sgd": True}
+    case = {**base_case, "mp_policy": mp, "sgd": True}
     got, stats = _train_sharded(case, rank, world, base, batches)
     want = _reference(case, base, batches)
     start = base.state_dict()
@@ -164,12 +187,15 @@ def _hsdp_and_mixed_precision(rank: int, world: int) -> dict[str, float]:
 
 def test_hsdp_2x2_and_bf16():
     results = run_distributed(_hsdp_and_mixed_precision, 4)
-    for errors in results:
-        assert errors["hsdp"] <= 1e-5
-        assert errors["hsdp_all_reduces"] > 0
-        # bf16 forward/backward against an fp32 reference: parameter updates agree to within
-        # bf16's 8-bit mantissa (2^-8 = 0.4%) compounded over a few layers and steps.
-        assert errors["bf16_update"] <= 5e-2, errors
-        # Under bf16 the only copies are the casts: the fp32 shard into the bf16 all-gather
-        # buffer, and the bf16 gradients into the fp32 reduce-scatter input.
-        assert errors["bf16_copies"] == errors["bf16_casts"]
+    for all_errors in results:
+        assert all_errors["native-async"] is None, all_errors["native-async"]
+        for prefix in ("", "native-"):
+            errors = {k[len(prefix) :]: v for k, v in all_errors.items() if k.startswith(prefix)}
+            assert errors["hsdp"] <= 1e-5, prefix
+            assert errors["hsdp_all_reduces"] > 0
+            # bf16 forward/backward against an fp32 reference: parameter updates agree to
+            # within bf16's 8-bit mantissa (2^-8 = 0.4%) compounded over a few layers and steps.
+            assert errors["bf16_update"] <= 5e-2, (prefix, errors)
+            # Under bf16 the only copies are the casts: the fp32 shard into the bf16
+            # all-gather buffer, and the bf16 gradients into the fp32 reduce-scatter input.
+            assert errors["bf16_copies"] == errors["bf16_casts"]

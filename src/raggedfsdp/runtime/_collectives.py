@@ -21,8 +21,8 @@ from ._transport import (
     Tag,
     all_gather_tensor,
     exchange,
-    is_gloo,
     peers,
+    point_to_point,
     reduce_scatter_tensor,
     world_tensor,
 )
@@ -65,11 +65,13 @@ def all_gather(
     *,
     own_ranges: Sequence[tuple[int, int]] | None = None,
     async_op: bool = True,
+    gloo_point_to_point: bool = True,
 ) -> Pending:
     """``output[r*S:(r+1)*S] = shard of rank r``; ``output`` is the unsharded bucket buffer.
 
     ``own_ranges`` (``(start, end)`` within the shard) limits what must land in this rank's own
-    slot to what is read from there; ``None`` means all of it.
+    slot to what is read from there; ``None`` means all of it. ``gloo_point_to_point=False``
+    runs NCCL's in-place all-gather on Gloo too (``DBufferConfig.gloo_point_to_point``).
 
     [Note: all-gather on Gloo] Gloo's all-gather allocates a flat output of its own, copies the
     input into it and copies all ``W`` chunks back out: ``(W+1)*S`` elements copied, and ``W*S``
@@ -85,7 +87,7 @@ def all_gather(
     with record_function("raggedfsdp::all_gather"):
         nbytes = shard.numel() * shard.element_size()
         stats.note_all_gather(nbytes, uncompressed_bytes=nbytes)
-        if is_gloo(group, output.device):
+        if point_to_point(group, output.device, gloo_point_to_point=gloo_point_to_point):
             pending = _gloo_all_gather(output, shard, group, stats, own_ranges)
         else:
             work = all_gather_tensor(output, shard, group=group, async_op=async_op)
@@ -122,8 +124,10 @@ def reduce_scatter(
     *,
     scratch: BufferPool | None = None,
     async_op: bool = True,
+    gloo_point_to_point: bool = True,
 ) -> Pending:
-    """``output = mean over ranks of full[r*S:(r+1)*S]`` for this rank ``r``.
+    """``output = mean over ranks of full[r*S:(r+1)*S]`` for this rank ``r``;
+    ``gloo_point_to_point=False`` runs NCCL's ``AVG`` reduce-scatter on Gloo too.
 
     [Note: reduce-scatter on Gloo] Gloo's reduce-scatter clones its whole input, all-reduces
     it, and copies this rank's chunk out: twice the traffic and two full-size copies on CPU.
@@ -136,7 +140,7 @@ def reduce_scatter(
     with record_function("raggedfsdp::reduce_scatter"):
         nbytes = full.numel() * full.element_size()
         stats.note_reduce_scatter(nbytes, uncompressed_bytes=nbytes)
-        if is_gloo(group, full.device):
+        if point_to_point(group, full.device, gloo_point_to_point=gloo_point_to_point):
             pending = _gloo_reduce_scatter(output, full, group, stats, scratch)
         else:
             work = reduce_scatter_tensor(
@@ -193,9 +197,11 @@ def all_reduce(
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
     async_op: bool = True,
 ) -> Pending:
-    """In-place all-reduce (HSDP: average the reduced shard over the replicas)."""
+    """In-place all-reduce (HSDP: average the reduced shard over the replicas): the same call on
+    every backend."""
     with record_function("raggedfsdp::all_reduce"):
         stats.all_reduce_calls += 1
         stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+        # [Note: torch's collectives looked up per call] in ``_transport.py``
         work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return Pending.of(work, stats)

@@ -86,11 +86,15 @@ class AllGather(ABC):
 
 class _PlainAllGather(AllGather):
     """The plain all-gather of the values themselves, ``_collectives.all_gather`` (NCCL's in
-    place, Gloo's point to point), of a shard each subclass puts somewhere (:meth:`_shard`)."""
+    place, Gloo's point to point unless ``gloo_point_to_point`` is off), of a shard each
+    subclass puts somewhere (:meth:`_shard`)."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, rank: int, *, gloo_point_to_point: bool = True
+    ) -> None:
         self.group = group
         self.rank = rank  # this rank's index in ``group``: its slot of ``full``
+        self.gloo_point_to_point = gloo_point_to_point  # DBufferConfig's
 
     def all_gather(
         self,
@@ -102,7 +106,14 @@ class _PlainAllGather(AllGather):
         own_ranges: Sequence[tuple[int, int]],
     ) -> Pending:
         shard = self._shard(full, local, stats, pool)
-        return all_gather(full, shard, self.group, stats, own_ranges=own_ranges)
+        return all_gather(
+            full,
+            shard,
+            self.group,
+            stats,
+            own_ranges=own_ranges,
+            gloo_point_to_point=self.gloo_point_to_point,
+        )
 
     @abstractmethod
     def _shard(
@@ -145,8 +156,15 @@ class HostOffloadAllGather(_PlainAllGather):
     precision, ``HostOffload.to_device``): the only copy. Parameters this rank holds whole are
     views of ``full`` too, never of host memory the compute must not read."""
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, offload: HostOffload) -> None:
-        super().__init__(group, rank)
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        rank: int,
+        offload: HostOffload,
+        *,
+        gloo_point_to_point: bool = True,
+    ) -> None:
+        super().__init__(group, rank, gloo_point_to_point=gloo_point_to_point)
         self.offload = offload  # the unit's, shared by its buckets
 
     def _shard(
@@ -188,9 +206,11 @@ class ReduceScatter(ABC):
     mean over the shard group, then (HSDP) over the replicas ([Note: one strategy per
     bucket])."""
 
-    def __init__(self, mesh: MeshInfo) -> None:
+    def __init__(self, mesh: MeshInfo, *, gloo_point_to_point: bool = True) -> None:
         self.group = mesh.shard_group
         self.replicate_group = mesh.replicate_group  # HSDP; None without replicas
+        #: DBufferConfig's: on Gloo, point to point (else the collectives NCCL runs)
+        self.gloo_point_to_point = gloo_point_to_point
         #: HSDP: a reduced shard a backward without the all-reduce over the replicas kept
         #: (``set_requires_all_reduce(False)``), until a backward with it adds it in
         self.unreplicated: torch.Tensor | None = None
@@ -232,8 +252,10 @@ class InPlaceReduceScatter(ReduceScatter):
     """The unsharded gradient block is reduced as it lies (``_collectives.reduce_scatter``:
     NCCL's ``AVG``, Gloo's point to point summed in rank order): no copy-in, no copy-out."""
 
-    def __init__(self, mesh: MeshInfo, shard_numel: int) -> None:
-        super().__init__(mesh)
+    def __init__(
+        self, mesh: MeshInfo, shard_numel: int, *, gloo_point_to_point: bool = True
+    ) -> None:
+        super().__init__(mesh, gloo_point_to_point=gloo_point_to_point)
         self.shard_numel = shard_numel
 
     def reduce_scatter(
@@ -247,7 +269,14 @@ class InPlaceReduceScatter(ReduceScatter):
         output = torch.empty(
             self.shard_numel, dtype=scatter_input.dtype, device=scatter_input.device
         )
-        scatter = reduce_scatter(output, scatter_input, self.group, stats, scratch=pool)
+        scatter = reduce_scatter(
+            output,
+            scatter_input,
+            self.group,
+            stats,
+            scratch=pool,
+            gloo_point_to_point=self.gloo_point_to_point,
+        )
         return BucketReduce(scatter, output, scatter_input)
 
 
@@ -255,8 +284,15 @@ class CastReduceScatter(InPlaceReduceScatter):
     """``MixedPrecisionPolicy.reduce_dtype`` other than the gradients': the block is cast to it
     first (one copy, read by the reduce-scatter and dropped once it is done)."""
 
-    def __init__(self, mesh: MeshInfo, shard_numel: int, reduce_dtype: torch.dtype) -> None:
-        super().__init__(mesh, shard_numel)
+    def __init__(
+        self,
+        mesh: MeshInfo,
+        shard_numel: int,
+        reduce_dtype: torch.dtype,
+        *,
+        gloo_point_to_point: bool = True,
+    ) -> None:
+        super().__init__(mesh, shard_numel, gloo_point_to_point=gloo_point_to_point)
         self.reduce_dtype = reduce_dtype
 
     def reduce_scatter(

@@ -130,22 +130,24 @@ class FSDPParamGroup:
         they depend on is fixed by now. For each, the first that applies: compressed, then
         (all-gather) offloaded, cast, in place, copied in; (reduce-scatter) cast, in place."""
         info, compression = self.mesh_info, self._compression
+        p2p = self.config.gloo_point_to_point  # or, on Gloo, the calls NCCL gets
         codec = None
         if compression is not None and compression.enabled:
             codec = _codec(bucket.dtype, plan, self._policy, compression)
         gather: AllGather
+        group, rank = info.shard_group, info.shard_rank
         if codec is not None and compression.all_gather is not None:
             gather = QuantizedAllGather(
-                info.shard_group, codec, compression.all_gather, self.qualify
+                group, codec, compression.all_gather, self.qualify, gloo_point_to_point=p2p
             )
         elif self.offload is not None:
-            gather = HostOffloadAllGather(info.shard_group, info.shard_rank, self.offload)
+            gather = HostOffloadAllGather(group, rank, self.offload, gloo_point_to_point=p2p)
         elif bucket.comm_dtype != bucket.dtype:
-            gather = CastAllGather(info.shard_group, info.shard_rank)
+            gather = CastAllGather(group, rank, gloo_point_to_point=p2p)
         elif self.config.zero_copy:
-            gather = InPlaceAllGather(info.shard_group, info.shard_rank)
+            gather = InPlaceAllGather(group, rank, gloo_point_to_point=p2p)
         else:
-            gather = CopyInAllGather(info.shard_group, info.shard_rank)
+            gather = CopyInAllGather(group, rank, gloo_point_to_point=p2p)
         if not bucket.requires_grad:
             return gather, None
         if codec is not None and compression.reduce_scatter is not None:
@@ -153,11 +155,15 @@ class FSDPParamGroup:
             if compression.error_feedback:
                 residual = Residual(codec, compression.residual_storage, self.device)
             dtype = compression.reduce_scatter
-            return gather, QuantizedReduceScatter(info, codec, dtype, residual, self.qualify)
+            return gather, QuantizedReduceScatter(
+                info, codec, dtype, residual, self.qualify, gloo_point_to_point=p2p
+            )
         reduce_dtype = self.mp_policy.reduce_dtype
         if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
-            return gather, InPlaceReduceScatter(info, plan.shard_numel)
-        return gather, CastReduceScatter(info, plan.shard_numel, reduce_dtype)
+            return gather, InPlaceReduceScatter(info, plan.shard_numel, gloo_point_to_point=p2p)
+        return gather, CastReduceScatter(
+            info, plan.shard_numel, reduce_dtype, gloo_point_to_point=p2p
+        )
 
     def _bind_storages(self) -> None:
         """Storage for the all-gather outputs, on the compute device in each bucket's

@@ -1,11 +1,20 @@
 """How bytes travel between the ranks of a group, for the plain and the quantized collectives.
 
-NCCL runs torch's own collectives (:data:`all_gather_tensor`, :data:`reduce_scatter_tensor`).
+NCCL runs torch's own collectives (:func:`all_gather_tensor`, :func:`reduce_scatter_tensor`).
 On Gloo the runtime posts point-to-point transfers instead (:func:`exchange`), which write
 straight into their destinations where Gloo's collectives would stage through buffers of their
-own ([Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo] in ``_collectives.py``).
+own ([Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo] in ``_collectives.py``),
+unless ``DBufferConfig(gloo_point_to_point=False)`` asks for the calls NCCL gets on Gloo too
+(:func:`point_to_point`): that is how the NCCL branch runs without a GPU.
 Everything here is shared by ``_collectives.py`` and ``compression/``, so each transfer has one
 tag namespace (:class:`Tag`) and one notion of a rank's peers.
+
+[Note: torch's collectives looked up per call] Every process-group call the runtime's bucket
+collectives make (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``,
+``all_reduce``, ``isend``, ``irecv``) finds torch's function on ``torch.distributed`` when it is
+made, never through a name bound at import, so a wrapper of torch's functions sees all of them:
+the tests' emulation of NCCL's asynchrony and their recorder of the collectives each rank
+issues (``tests/collective_wrap.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +33,36 @@ __all__ = [
     "exchange",
     "is_gloo",
     "peers",
+    "point_to_point",
     "reduce_scatter_tensor",
     "world_tensor",
 ]
 
-# torch >= 2.13 names the tensor forms *_single and deprecates the old names; 2.6 has only these.
-all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def all_gather_tensor(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """torch's all-gather into one tensor: ``output_tensor[r*S:(r+1)*S]`` = rank r's input."""
+    # torch >= 2.13 names the tensor forms *_single and deprecates the old names; 2.6 has only
+    # those. Looked up per call ([Note: torch's collectives looked up per call]).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """torch's reduce-scatter of one tensor: ``output`` = ``op`` over ranks of their
+    ``input_tensor[r*S:(r+1)*S]``, for this rank ``r``."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input_tensor, op=op, group=group, async_op=async_op)
 
 
 class Tag(enum.IntEnum):
@@ -69,6 +101,16 @@ def exchange(
 def is_gloo(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether Gloo carries ``device``'s tensors in ``group``."""
     return backend_for(group, device.type) == "gloo"
+
+
+def point_to_point(
+    group: dist.ProcessGroup | None, device: torch.device, *, gloo_point_to_point: bool
+) -> bool:
+    """Whether a bucket's collective over ``group`` on ``device`` exchanges shards point to
+    point (:func:`exchange`) rather than running torch's tensor collectives, the calls NCCL
+    gets: on Gloo, unless ``gloo_point_to_point`` (``DBufferConfig.gloo_point_to_point``) is
+    off."""
+    return gloo_point_to_point and is_gloo(group, device)
 
 
 @functools.cache

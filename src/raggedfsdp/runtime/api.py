@@ -36,12 +36,19 @@ class DBufferConfig:
             as on an accelerator, instead of meeting the policy as is (on CPU everything is on
             the host already). It runs the accelerator's offload path on CPU, for tests and
             measurements; no effect without that policy or on an accelerator.
+        gloo_point_to_point: on Gloo, exchange shards point to point (each peer's shard
+            received straight into its slot: fewer copies on CPU, [Note: all-gather on Gloo]
+            in ``runtime/_collectives.py``); ``False`` runs the tensor collectives NCCL runs
+            (``all_gather_single``, ``reduce_scatter_single`` with ``AVG``,
+            ``all_to_all_single`` under compression) on Gloo too, the same calls with the same
+            buffers: how the NCCL branch is tested without a GPU. No effect on NCCL.
     """
 
     zero_copy: bool = True
     group_level: bool = True
     buffer_size: int | None = None
     host_copies_on_cpu: bool = False
+    gloo_point_to_point: bool = True
 
     def __post_init__(self) -> None:
         if self.buffer_size is not None and (

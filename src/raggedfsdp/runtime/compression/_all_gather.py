@@ -25,7 +25,7 @@ from .._collectives import Pending
 from .._comm import AllGather
 from .._metrics import RuntimeStats
 from .._pool import BufferPool
-from .._transport import Tag, all_gather_tensor, exchange, is_gloo, peers
+from .._transport import Tag, all_gather_tensor, exchange, peers, point_to_point
 from ._codec import BucketCodec
 
 __all__ = ["QuantizedAllGather"]
@@ -41,10 +41,14 @@ class QuantizedAllGather(AllGather):
         codec: BucketCodec,
         dtype: torch.dtype,
         qualify: Callable[[str], str],
+        *,
+        gloo_point_to_point: bool = True,
     ) -> None:
         self.group = group
         self.codec = codec
         self.dtype = dtype  # the codes' dtype (CommCompression.all_gather)
+        #: DBufferConfig's: on Gloo, point to point (else NCCL's all-gather of the messages)
+        self.gloo_point_to_point = gloo_point_to_point
         #: a parameter's name in the codec -> its name in the model, read when raising
         self.qualify = qualify
         #: the quantized master shard ``[message_bytes]`` (one buffer, re-encoded in place,
@@ -88,7 +92,7 @@ class QuantizedAllGather(AllGather):
             mine = self._quantized_shard(local, rank)
             received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
             messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if is_gloo(group, local.device):
+            if point_to_point(group, local.device, gloo_point_to_point=self.gloo_point_to_point):
                 transfers = [(p, mine, messages[p]) for p in others]
                 works = exchange(transfers, group, Tag.QUANTIZED_ALL_GATHER)
                 messages[rank] = mine

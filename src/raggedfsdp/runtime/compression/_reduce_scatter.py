@@ -22,7 +22,7 @@ from .._comm import BucketReduce, ReduceScatter
 from .._mesh import MeshInfo
 from .._metrics import RuntimeStats
 from .._pool import BufferPool
-from .._transport import Tag, exchange, is_gloo, peers, world_tensor
+from .._transport import Tag, exchange, peers, point_to_point, world_tensor
 from ._codec import BucketCodec
 from ._error_feedback import Residual
 
@@ -40,8 +40,10 @@ class QuantizedReduceScatter(ReduceScatter):
         dtype: torch.dtype,
         residual: Residual | None,
         qualify: Callable[[str], str],
+        *,
+        gloo_point_to_point: bool = True,
     ) -> None:
-        super().__init__(mesh)
+        super().__init__(mesh, gloo_point_to_point=gloo_point_to_point)
         self.codec = codec
         self.dtype = dtype  # the codes' dtype (CommCompression.reduce_scatter)
         self.residual = residual  # error feedback's, kept across steps; None without it
@@ -69,7 +71,8 @@ class QuantizedReduceScatter(ReduceScatter):
             incoming = pool.take(world * nbytes, torch.uint8, full_grad.device)
             sent = [outgoing[k * nbytes : (k + 1) * nbytes] for k in range(world)]
             received = [incoming[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if is_gloo(group, full_grad.device):
+            p2p = self.gloo_point_to_point
+            if point_to_point(group, full_grad.device, gloo_point_to_point=p2p):
                 transfers = [(p, sent[p], received[p]) for p in others]
                 works = exchange(transfers, group, Tag.QUANTIZED_ALL_TO_ALL)
                 received[rank] = sent[rank]
