@@ -56,10 +56,7 @@ def _flat_state(model, opt) -> dict[str, torch.Tensor]:
         for key, value in opt.state[p].items():
             if key == "step":
                 continue
-            parts = value if isinstance(value, list) else [value]
-            out[f"{name}:{key}"] = torch.cat(
-                [t.reshape(-1).float() for t in parts] or [torch.empty(0)]
-            )
+            out[f"{name}:{key}"] = value.to_local().reshape(-1).float()
     return out
 
 
