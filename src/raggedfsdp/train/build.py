@@ -10,6 +10,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .. import optim
 from ..layout import RaggedShard, global_shape
@@ -187,9 +188,11 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s state on this rank (a sharded entry counts its local piece)."""
     total = 0
     for state in optimizer.state.values():
         for value in state.values():
             values = value if isinstance(value, (list, tuple)) else [value]
-            total += sum(v.numel() * v.element_size() for v in values if torch.is_tensor(v))
+            pieces = [v.to_local() if isinstance(v, DTensor) else v for v in values]
+            total += sum(v.numel() * v.element_size() for v in pieces if torch.is_tensor(v))
     return total
