@@ -42,7 +42,7 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, p in model.named_parameters():
         info = rf.shard_info(p)
         pieces: list = [None] * info.layout.world_size
-        dist.all_gather_object(pieces, p.grad.detach().clone())
+        dist.all_gather_object(pieces, p.grad.to_local().detach().clone())
         out[name] = info.layout.from_locals(pieces)
     return out
 

@@ -5,6 +5,7 @@ checkpoints), and that the package no longer uses the deprecated ShardedTensor."
 from __future__ import annotations
 
 import filecmp
+import functools
 import io
 import tempfile
 import warnings
@@ -225,18 +226,37 @@ def _save_and_load(rank: int, world: int, path: str) -> dict[str, Any]:
 
 def _optimizer_plan_errors(model: torch.nn.Module, other: torch.nn.Module) -> dict[str, str]:
     """Optimizer state of another plan, handed over without DCP (which would reshard it):
-    through raggedfsdp's functions and through DSD."""
-    optimizers = []
-    for m in (model, other):
-        optimizers.append(torch.optim.AdamW(m.parameters(), lr=1e-3))
-        rf.checkpoint.init_optimizer_state(m, optimizers[-1])
-    ours, theirs = optimizers
-    state = rf.optim_state_dict(other, theirs)
-    dsd_state = get_optimizer_state_dict(other, theirs)
-    return {
-        "optimizer": error_message(lambda: rf.load_optim_state_dict(model, ours, state)),
-        "dsd_optimizer": error_message(lambda: set_optimizer_state_dict(model, ours, dsd_state)),
-    }
+    through raggedfsdp's functions (torch's AdamW), through DSD into raggedfsdp's Muon (which
+    checks what it loads), and through DSD into torch's AdamW, which takes it as it is (as over
+    FSDP2): its next step then refuses to mix the two layouts."""
+    errors = {}
+    for kind in ("optimizer", "dsd_optimizer", "dsd_torch_optimizer_step"):
+        ours, theirs = (_optimizer(kind, m) for m in (model, other))
+        if kind == "optimizer":
+            state = rf.optim_state_dict(other, theirs)
+            load = functools.partial(rf.load_optim_state_dict, model, ours, state)
+        else:
+            state = get_optimizer_state_dict(other, theirs)
+            load = functools.partial(set_optimizer_state_dict, model, ours, state)
+        errors[kind] = error_message(load)
+        if kind == "dsd_torch_optimizer_step":
+            assert errors[kind] == "no error"
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p) if p.requires_grad else None
+            errors[kind] = error_message(ours.step)
+            ours.zero_grad()
+    return errors
+
+
+def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Torch's AdamW, or raggedfsdp's Muon (an AdamW for what is not a matrix), with state."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "dsd_optimizer":
+        optimizer = rf.optim.Muon(params, adamw_params=lambda p, shape: len(shape) != 2)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=1e-3)
+    rf.checkpoint.init_optimizer_state(model, optimizer)
+    return optimizer
 
 
 def _load_plain(path: str) -> dict[str, torch.Tensor]:
@@ -273,6 +293,10 @@ def test_checkpoint_metadata_matches_sharded_tensor_fsdp2_and_one_process() -> N
         assert "size mismatch for emb.weight" in result["errors"]["shape"], rank
         for kind in ("optimizer", "dsd_optimizer"):
             assert "rectangles do not match this rank's layout" in result["errors"][kind], rank
+        assert (
+            "mixes sharded tensors of different layouts"
+            in (result["errors"]["dsd_torch_optimizer_step"])
+        ), rank
     for name in ("fsdp2", "single"):
         theirs = meta[name].state_dict_metadata
         assert theirs.keys() == ours.state_dict_metadata.keys()

@@ -38,6 +38,7 @@ from launches import (
 )
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
+from raggedfsdp.runtime import to_ragged_tensor
 from raggedfsdp.train import build_model, build_optimizer, build_parser, health
 from raggedfsdp.train.checkpoints import (
     check_entries,
@@ -237,12 +238,11 @@ def test_two_nodes_train_together(reference, tmp_path, corpus):
 
 
 class RowBlockMomentum(torch.optim.Optimizer):
-    """A toy optimizer whose state has every kind the checkpoint code handles: a param-shaped
-    momentum, a 0-D ``step``, a Python ``count``, and for matrices ``row_sq``: a LIST with one
-    tensor per block of 4 rows held here (like Shampoo's per-block factors), which only the
-    optimizer can place in a global tensor, through ``sharded_state_layout``."""
-
-    ROWS = 4
+    """A toy third-party optimizer whose state has every kind a checkpoint meets: a param-shaped
+    momentum (``zeros_like(param)``, placed like the parameter), a 0-D ``step``, a Python
+    ``count``, and for matrices ``row_sq``: one value per row, held by the rank holding the row
+    (like Shampoo's per-block factors), a layout only the optimizer knows, so it keeps that
+    state as a RaggedTensor of its own layout (``to_ragged_tensor``) and computes on pieces."""
 
     def __init__(self, params) -> None:
         super().__init__(params, {"lr": 0.01})
@@ -256,18 +256,16 @@ class RowBlockMomentum(torch.optim.Optimizer):
                     state["step"] = torch.zeros(())
                     state["count"] = 0
                     state["momentum"] = torch.zeros_like(p)
-                    if self._matrix(p):  # this rank's rows: of its piece (a DTensor's local)
-                        rows = p.to_local().numel() // self._cols(p)
-                        state["row_sq"] = [
-                            torch.zeros(min(self.ROWS, rows - r)) for r in range(0, rows, self.ROWS)
-                        ]
+                    if self._matrix(p):
+                        rows = self._rows(p)
+                        piece = torch.zeros(rows.local_numel(shard_info(p).rank))
+                        state["row_sq"] = to_ragged_tensor(piece, rows, p)
                 state["step"] += 1
                 state["count"] += 2
                 state["momentum"].mul_(0.9).add_(p.grad)
                 if self._matrix(p):
                     sq = p.grad.to_local().reshape(-1, self._cols(p)).square().sum(1)
-                    for i, block in enumerate(state["row_sq"]):
-                        block.add_(sq[i * self.ROWS : i * self.ROWS + block.numel()])
+                    state["row_sq"].to_local().add_(sq)
                 p.add_(state["momentum"], alpha=-group["lr"])
 
     @staticmethod
@@ -278,10 +276,10 @@ class RowBlockMomentum(torch.optim.Optimizer):
     def _cols(p: torch.Tensor) -> int:
         return row_numel(shard_info(p).layout.global_shape)
 
-    def sharded_state_layout(self, param, key, value) -> ShardLayout | None:
-        if key != "row_sq":
-            return None
-        layout = shard_info(param).layout
+    @staticmethod
+    def _rows(p: torch.Tensor) -> ShardLayout:
+        """The rows' layout: rank r holds the rows of its piece of the parameter."""
+        layout = shard_info(p).layout
         cols = row_numel(layout.global_shape)
         rows = tuple((start // cols, end // cols) for start, end in layout.ranges)
         return ShardLayout((layout.numel // cols,), 1, rows)

@@ -50,10 +50,10 @@ def install() -> None:
        full-state loads and accelerate's ``cpu_ram_efficient_loading`` call it with the
        parameters' own placements. Other placements go to torch's, unchanged.
     4. ``torch.distributed.checkpoint.state_dict`` over ragged shards: DSD's
-       ``_get_optim_state_dict`` and ``_distribute_tensors`` are wrapped and a process-wide
-       optimizer step pre-hook gives raggedfsdp's optimizers their state-dict hooks ([Note:
-       torch.distributed.checkpoint.state_dict over ragged shards] in
-       ``checkpoint/_torch_dsd.py``).
+       ``_distribute_tensors`` (its ``broadcast_from_rank0`` loads) places RaggedTensors by
+       ``copy_`` ([Note: torch.distributed.checkpoint.state_dict over ragged shards] in
+       ``checkpoint/_torch_dsd.py``). Optimizers need nothing: their state over sharded
+       parameters is DTensors already ([Note: optimizer state across world sizes]).
     """
     _route_register_fsdp_forward_method()
     if RaggedTensor not in _foreach_supported_types:

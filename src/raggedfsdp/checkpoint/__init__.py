@@ -1,11 +1,12 @@
 """Checkpoint state of sharded models and their optimizers, for ``torch.distributed.checkpoint``.
 
 Offers :func:`full_state_dict` (the unwrapped model's state, full, on every rank) and the
-optimizer's state as DCP-reshardable values (:func:`optim_state_dict`,
+optimizer's state keyed by parameter FQN (:func:`optim_state_dict`,
 :func:`load_optim_state_dict`, :func:`init_optimizer_state`). A sharded model's own
-``state_dict()`` is reshardable already (its hooks live in the runtime).
-:func:`install_torch_dsd` makes torch's ``torch.distributed.checkpoint.state_dict`` right over
-ragged shards (``_torch_dsd``); :func:`raggedfsdp.integration.install` calls it.
+``state_dict()`` is reshardable already (its hooks live in the runtime), and so is an
+optimizer's: the state of sharded parameters is DTensors. :func:`install_torch_dsd` makes
+torch's ``torch.distributed.checkpoint.state_dict`` right over ragged shards (``_torch_dsd``);
+:func:`raggedfsdp.integration.install` calls it.
 """
 
 from ._model_state import full_state_dict

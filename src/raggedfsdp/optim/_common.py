@@ -1,10 +1,14 @@
-"""What the structure-aware optimizers share: the sharded-parameter view, the global non-finite
-skip rule, the check that a layout keeps an optimizer's blocks whole, and torch's AdamW update.
+"""What the structure-aware optimizers share: this rank's pieces of a parameter, its gradient and
+its state, the global non-finite skip rule, the check that a layout keeps an optimizer's blocks
+whole, torch's AdamW update, and loading a state dict.
 
-Every optimizer here runs on *local pieces*: a sharded parameter (see
-:func:`raggedfsdp.layout.mark_sharded`) is this rank's contiguous range of the global tensor's
-row-major flattening, and its ``.grad`` is the matching piece of the global-mean gradient. A plain
-tensor is an ordinary parameter held whole by this process (single device, or replicated).
+Every optimizer here computes on *local pieces*: a sharded parameter (a RaggedTensor, or a plain
+piece marked by :func:`raggedfsdp.layout.mark_sharded`) holds this rank's contiguous range of
+the global tensor's row-major flattening, and its ``.grad`` the matching piece of the
+global-mean gradient; :meth:`ShardedOptimizer._pieces` hands a step the plain local tensors. A
+plain tensor is an ordinary parameter held whole by this process (single device, or replicated).
+The state of a RaggedTensor is kept as RaggedTensors ([Note: optimizer state across world sizes]
+in ``_state.py``).
 """
 
 from __future__ import annotations
@@ -12,22 +16,37 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from ..layout import ShardLayout, comm_group, global_shape, local_range
+from ..layout import ShardLayout, comm_group, global_shape, local_range, shard_info
+from ._state import loaded_value, local, placed
 
 __all__ = [
+    "Pieces",
     "ShardedOptimizer",
     "check_block_cuts",
     "comm_group",
     "global_shape",
+    "local",
     "local_range",
 ]
+
+#: A parameter's new state: ``fn(param) -> {key: value}`` (values placed by ``placed``).
+StateInit = Callable[[torch.Tensor], dict[str, Any]]
+
+
+class Pieces(NamedTuple):
+    """One parameter as a step computes on it: plain tensors holding this rank's pieces, which
+    share the memory of the sharded ones (updated in place, they update them)."""
+
+    param: torch.Tensor
+    grad: torch.Tensor
+    state: dict[str, Any]  # the state's entries, tensors as their local pieces
 
 
 def check_block_cuts(label: str, layout: ShardLayout, stride: int, block: str, fix: str) -> None:
@@ -65,8 +84,10 @@ class ShardedOptimizer(Optimizer):
 
     #: State keys whose tensors keep their own dtype (uint8 codes, fp32 scales and
     #: preconditioners): torch's ``load_state_dict`` casts every state tensor of a floating
-    #: parameter to the parameter's dtype, so these are restored from the saved values.
+    #: parameter to the parameter's dtype, so these are kept out of its hands.
     _KEEP_DTYPE_STATE_KEYS: ClassVar[tuple[str, ...]] = ()
+    #: State keys that are not sharded: the same 0-D tensor on every rank.
+    _REPLICATED_STATE_KEYS: ClassVar[tuple[str, ...]] = ("step",)
 
     def __init__(self, params: Any, defaults: dict[str, Any], *, skip_nonfinite: bool) -> None:
         self.skip_nonfinite = bool(skip_nonfinite)
@@ -133,13 +154,10 @@ class ShardedOptimizer(Optimizer):
         ranks of its group or on none, since the optimizers' collectives depend on it.
         """
         params = [p for group in self.param_groups for p in group["params"]]
-        # Plain views: a sharded gradient's norm would otherwise be the global one (a collective,
-        # see [Note: torch's clip_grad_norm_ over ragged shards]); this check is local by design.
-        grads = [
-            p.grad.as_subclass(torch.Tensor)
-            for p in params
-            if p.grad is not None and p.grad.numel() > 0
-        ]
+        # The local pieces: this check is local by design (a sharded gradient's own norm would
+        # be the global one, a collective).
+        pieces = [local(p.grad) for p in params if p.grad is not None]
+        grads = [g for g in pieces if g.numel() > 0]
         local_bad = False
         if grads:
             # One fused max-abs per tensor and one host sync: NaN and Inf both make it non-finite.
@@ -148,30 +166,13 @@ class ShardedOptimizer(Optimizer):
             local_bad = not bool(
                 torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
             )
-        by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
-        for p in params:
-            group = comm_group(p)
-            if group is not None:
-                by_group.setdefault(id(group), (group, []))[1].append(p)
-        any_bad = local_bad
-        for group, members in by_group.values():
-            flags = torch.tensor(
-                [int(local_bad)] + [int(p.grad is not None) for p in members],
-                dtype=torch.int64,
-                device=members[0].device,
-            )
-            dist.all_reduce(flags, group=group)
-            any_bad |= bool(flags[0])
-            world = dist.get_world_size(group)
-            for p, count in zip(members, flags[1:].tolist(), strict=True):
-                if count not in (0, world):
-                    raise RuntimeError(
-                        f"{self._label_of(p)} has a gradient on {count} of the {world} ranks of "
-                        f"its shard group; it needs one on every rank or on none"
-                    )
+        # Every rank joins the all-reduces, whatever it saw itself.
+        any_bad = self._any_bad_elsewhere(params, local_bad) or local_bad
         if not any_bad:
             return True
-        here = [self._label_of(p) for p in params if p.grad is not None and _nonfinite(p.grad)]
+        here = [
+            self._label_of(p) for p in params if p.grad is not None and _nonfinite(local(p.grad))
+        ]
         where = f"; on this rank: {', '.join(here)}" if here else " on another rank"
         if not self.skip_nonfinite:
             raise RuntimeError(
@@ -186,29 +187,84 @@ class ShardedOptimizer(Optimizer):
         )
         return False
 
+    def _any_bad_elsewhere(self, params: list[torch.Tensor], local_bad: bool) -> bool:
+        """Whether a rank of some shard group saw a non-finite gradient: one all-reduce per
+        group, which also checks that each sharded parameter has a gradient on all of its ranks
+        or on none."""
+        by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+        for p in params:
+            group = comm_group(p)
+            if group is not None:
+                by_group.setdefault(id(group), (group, []))[1].append(p)
+        any_bad = False
+        for group, members in by_group.values():
+            flags = torch.tensor(
+                [int(local_bad)] + [int(p.grad is not None) for p in members],
+                dtype=torch.int64,
+                device=local(members[0]).device,
+            )
+            dist.all_reduce(flags, group=group)
+            counts = flags.tolist()  # one host sync for the flag and the counts
+            any_bad |= bool(counts[0])
+            world = dist.get_world_size(group)
+            for p, count in zip(members, counts[1:], strict=True):
+                if count not in (0, world):
+                    raise RuntimeError(
+                        f"{self._label_of(p)} has a gradient on {count} of the {world} ranks of "
+                        f"its shard group; it needs one on every rank or on none"
+                    )
+        return any_bad
+
+    # -- pieces and state ------------------------------------------------------------------------
+
+    def sharded_state_layout(self, param: torch.Tensor, key: str) -> ShardLayout | None:
+        """How state entry ``key`` of ``param`` is sharded ([Note: optimizer state across world
+        sizes]): ``None`` for an unsharded parameter or a replicated key (``step``), else the
+        parameter's layout; optimizers with block-structured state override it for their keys."""
+        info = shard_info(param)
+        if info is None or key in self._REPLICATED_STATE_KEYS:
+            return None
+        return info.layout
+
+    def _placed(self, param: torch.Tensor, key: str, piece: torch.Tensor) -> torch.Tensor:
+        """A new state entry ``key`` of ``param`` from this rank's ``piece``: a RaggedTensor
+        placed by :meth:`sharded_state_layout` when ``param`` is one, else ``piece``."""
+        return placed(param, self.sharded_state_layout(param, key), piece)
+
+    def _pieces(self, param: torch.Tensor, init: StateInit) -> Pieces:
+        """Where every per-parameter step starts: ``param``, its gradient and its state as this
+        rank's plain pieces, the state made by ``init(param)`` first when there is none."""
+        state = self.state[param]
+        if not state:
+            state.update(init(param))
+        return Pieces(local(param), local(param.grad), {k: local(v) for k, v in state.items()})
+
     # -- the AdamW update, shared by Muon's auxiliary groups and AdamW8bit's small parameters ----
+
+    def _adamw_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """torch.optim.AdamW's state of a new parameter."""
+        zeros = torch.zeros_like(local(param), memory_format=torch.preserve_format)
+        return {
+            "step": torch.tensor(0.0, dtype=_get_scalar_dtype()),
+            "exp_avg": self._placed(param, "exp_avg", zeros),
+            "exp_avg_sq": self._placed(param, "exp_avg_sq", zeros.clone()),
+        }
 
     def _adamw_update(self, group: dict[str, Any], params: Iterable[torch.Tensor]) -> None:
         """torch.optim.AdamW's update (its own functional kernel, so the numbers are torch's) on
         the local pieces of ``params``: elementwise, so a shard needs no communication.
         Uses ``group`` keys ``lr``, ``betas``, ``eps``, ``weight_decay``; state keys as torch's."""
-        params = list(params)
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if not params:
+        pieces = [self._pieces(p, self._adamw_state) for p in params]
+        if not pieces:
             return
         beta1, beta2 = group["betas"]
         _torch_adamw(
-            params,
-            [p.grad for p in params],
-            [self.state[p]["exp_avg"] for p in params],
-            [self.state[p]["exp_avg_sq"] for p in params],
+            [x.param for x in pieces],
+            [x.grad for x in pieces],
+            [x.state["exp_avg"] for x in pieces],
+            [x.state["exp_avg_sq"] for x in pieces],
             [],
-            [self.state[p]["step"] for p in params],
+            [x.state["step"] for x in pieces],
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -221,30 +277,49 @@ class ShardedOptimizer(Optimizer):
     # -- checkpoints -----------------------------------------------------------------------------
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """torch's ``load_state_dict``, then the keys in ``_KEEP_DTYPE_STATE_KEYS`` restored in
-        their saved dtype."""
-        super().load_state_dict(state_dict)
-        if not self._KEEP_DTYPE_STATE_KEYS:
-            return
+        """torch's ``load_state_dict``, with the state of sharded parameters placed as this
+        optimizer keeps it (RaggedTensors, [Note: optimizer state across world sizes]: what DCP
+        loaded in place is kept, whole tensors and this rank's own pieces are placed, another
+        layout is a ``ValueError``) and the keys of ``_KEEP_DTYPE_STATE_KEYS`` in their own
+        dtype. Saved state is matched to parameters by position, as torch does."""
         saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        for saved_id, p in zip(saved_ids, params, strict=True):
-            saved = state_dict["state"].get(saved_id, {})
-            for key in self._KEEP_DTYPE_STATE_KEYS:
-                if key in saved:
-                    self.state[p][key] = _copy_to(saved[key], p.device)
+        indexed = [
+            (p, self.param_label(group, index, group_index))
+            for group_index, group in enumerate(self.param_groups)
+            for index, p in enumerate(group["params"])
+        ]
+        if len(saved_ids) != len(indexed):
+            super().load_state_dict(state_dict)  # torch names the mismatch
+            return
+        placed_state, kept = dict(state_dict["state"]), {}
+        for saved_id, (p, label) in zip(saved_ids, indexed, strict=True):
+            if saved_id not in placed_state:
+                continue
+            values = {
+                key: loaded_value(p, key, value, self.sharded_state_layout, label)
+                for key, value in placed_state[saved_id].items()
+            }
+            device = local(p).device
+            own_dtype = {k: _to(values.pop(k), device) for k in self._keep(values)}
+            kept[p] = (list(placed_state[saved_id]), own_dtype)
+            placed_state[saved_id] = values
+        super().load_state_dict({**state_dict, "state": placed_state})
+        for p, (order, own_dtype) in kept.items():
+            state = self.state[p]
+            self.state[p] = {k: own_dtype[k] if k in own_dtype else state[k] for k in order}
+
+    def _keep(self, values: dict[str, Any]) -> list[str]:
+        """The keys of ``values`` that keep their own dtype."""
+        return [k for k in self._KEEP_DTYPE_STATE_KEYS if k in values]
 
 
 def _nonfinite(tensor: torch.Tensor) -> bool:
     return tensor.numel() > 0 and not bool(tensor.isfinite().all())
 
 
-def _copy_to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, copy=True)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_copy_to(v, device) for v in value)
-    return value
+def _to(value: Any, device: torch.device) -> Any:
+    """``value`` on ``device`` (no copy when it is there already)."""
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
 def check_betas(betas: Any, where: str) -> None:

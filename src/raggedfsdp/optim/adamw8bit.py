@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import ShardLayout, row_numel, shard_info
-from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape
+from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape, local
 
 __all__ = ["AdamW8bit", "dequantize_blocks", "dynamic_map", "quantize_blocks"]
 
@@ -157,10 +157,12 @@ class AdamW8bit(ShardedOptimizer):
             exactly ``torch.optim.AdamW``'s update).
         skip_nonfinite: skip a step with a NaN/Inf gradient on every rank (else raise).
 
-    State of a quantized parameter: ``step``; ``exp_avg_codes``, ``exp_avg_sq_codes`` (uint8, the
-    local piece's shape); ``exp_avg_scales``, ``exp_avg_sq_scales`` (fp32 ``[tile_rows,
-    tile_cols]`` of this rank's blocks; ``[1, blocks]`` for flat blocks). Other parameters have
-    ``torch.optim.AdamW``'s state.
+    State of a quantized parameter: ``step``; ``exp_avg_codes``, ``exp_avg_sq_codes`` (uint8,
+    shaped and placed like the parameter); ``exp_avg_scales``, ``exp_avg_sq_scales`` (fp32
+    ``[tile_rows, tile_cols]``; ``[1, blocks]`` for flat blocks; of a sharded parameter, placed
+    by :meth:`sharded_state_layout`: this rank holds its blocks' rows). Other parameters have
+    ``torch.optim.AdamW``'s state. A sharded parameter's state is RaggedTensors ([Note:
+    optimizer state across world sizes]).
     """
 
     _KEEP_DTYPE_STATE_KEYS = (
@@ -235,21 +237,23 @@ class AdamW8bit(ShardedOptimizer):
                 f"StructAwarePlanner(optimizer_type='adamw8bit').",
             )
 
-    def sharded_state_layout(
-        self, param: torch.Tensor, key: str, value: torch.Tensor
-    ) -> ShardLayout | None:
-        """Where this rank's ``*_scales`` sit in the parameter's global scales, so a checkpoint
-        reshards them with their blocks (codes are param-shaped and follow the parameter's own
-        layout). ``None`` for other keys or unsharded parameters."""
-        info = shard_info(param)
-        if info is None or not key.endswith("_scales"):
-            return None
+    def sharded_state_layout(self, param: torch.Tensor, key: str) -> ShardLayout | None:
+        """The base rules, and for the ``*_scales`` of a quantized sharded parameter the layout
+        of its global scales, in which this rank holds those of its own blocks (so a checkpoint
+        reshards them with their blocks; codes are param-shaped)."""
+        layout = super().sharded_state_layout(param, key)
+        if layout is None or not key.endswith("_scales"):
+            return layout
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         geometry = _geometry(param, group)
         if geometry is None:
-            return None
+            raise ValueError(
+                f"AdamW8bit state {key!r} is that of a quantized parameter, but "
+                f"{self._label_of(param)} has fewer than min_8bit_numel="
+                f"{group['min_8bit_numel']} elements and keeps fp32 moments"
+            )
         cols, (r, c) = geometry
-        shape = info.layout.global_shape
+        shape = layout.global_shape
         if cols is None:  # flat blocks: scales are [1, blocks]
             per_block, col_tiles, rows_total = c, 1, math.prod(shape)
         else:  # tiles of the [rows, cols] view: scales are [tile_rows, tile_cols]
@@ -257,7 +261,7 @@ class AdamW8bit(ShardedOptimizer):
         rows_or_blocks = -(-math.prod(shape) // per_block)
         global_scales = (1, rows_or_blocks) if cols is None else (-(-rows_total // r), col_tiles)
         ranges = []
-        for start, end in info.layout.ranges:
+        for start, end in layout.ranges:
             # Interior cuts are block multiples; only the parameter's end may cut a partial block.
             first = -(-start // per_block) if start == end else start // per_block
             ranges.append((first * col_tiles, -(-end // per_block) * col_tiles))
@@ -272,18 +276,25 @@ class AdamW8bit(ShardedOptimizer):
                 if geometry is not None:
                     self._update_quantized(p, group, *geometry)
 
+    def _quantized_state(
+        self, p: torch.Tensor, view: tuple[int, int], tile: tuple[int, int]
+    ) -> dict[str, Any]:
+        """The state of a new quantized parameter: both moments zero."""
+        state: dict[str, Any] = {"step": torch.tensor(0.0)}
+        piece = local(p)
+        zeros = torch.zeros(piece.shape, dtype=torch.float32, device=piece.device).view(view)
+        for key, qmap in (("exp_avg", _SIGNED_MAP), ("exp_avg_sq", _UNSIGNED_MAP)):
+            codes, scales = quantize_blocks(zeros, tile, qmap)
+            state[f"{key}_codes"] = self._placed(p, f"{key}_codes", codes.view(piece.shape))
+            state[f"{key}_scales"] = self._placed(p, f"{key}_scales", scales)
+        return state
+
     def _update_quantized(
         self, p: torch.Tensor, group: dict[str, Any], cols: int | None, tile: tuple[int, int]
     ) -> None:
         # The local piece as the blocks see it: one row of flat blocks, or [rows, row_len].
         view = (1, -1) if cols is None else (-1, cols)
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            zeros = torch.zeros(p.shape, dtype=torch.float32, device=p.device).view(view)
-            for key, qmap in (("exp_avg", _SIGNED_MAP), ("exp_avg_sq", _UNSIGNED_MAP)):
-                codes, scales = quantize_blocks(zeros, tile, qmap)
-                state[f"{key}_codes"], state[f"{key}_scales"] = codes.view(p.shape), scales
+        piece, grad, state = self._pieces(p, lambda p: self._quantized_state(p, view, tile))
         state["step"] += 1
         step = float(state["step"])
         beta1, beta2 = group["betas"]
@@ -294,24 +305,26 @@ class AdamW8bit(ShardedOptimizer):
         exp_avg_sq = dequantize_blocks(
             state["exp_avg_sq_codes"].view(view), state["exp_avg_sq_scales"], tile, _UNSIGNED_MAP
         )
-        grad = p.grad.float().view(view)
+        grad = grad.float().view(view)
         # torch.optim.AdamW's single-tensor arithmetic, in fp32.
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        param = p.float().view(view)  # p itself when p is fp32
+        param = piece.float().view(view)  # the piece itself when it is fp32
         param.mul_(1 - lr * group["weight_decay"])
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
         param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-        if param.data_ptr() != p.data_ptr():
-            p.copy_(param.view(p.shape))
+        if param.data_ptr() != piece.data_ptr():
+            piece.copy_(param.view(piece.shape))
         for key, value, qmap in (
             ("exp_avg", exp_avg, _SIGNED_MAP),
             ("exp_avg_sq", exp_avg_sq, _UNSIGNED_MAP),
         ):
             codes, scales = quantize_blocks(value, tile, qmap)
-            state[f"{key}_codes"], state[f"{key}_scales"] = codes.view(p.shape), scales
+            # Into the state's own tensors: a sharded state's pieces stay where DCP finds them.
+            state[f"{key}_codes"].copy_(codes.view(piece.shape))
+            state[f"{key}_scales"].copy_(scales)
 
 
 def _geometry(p: torch.Tensor, group: dict[str, Any]) -> tuple[int | None, tuple[int, int]] | None:

@@ -35,7 +35,14 @@ import torch.distributed as dist
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from ..layout import shard_info
-from ._common import ShardedOptimizer, check_betas, comm_group, global_shape, local_range
+from ._common import (
+    ShardedOptimizer,
+    check_betas,
+    comm_group,
+    global_shape,
+    local,
+    local_range,
+)
 
 __all__ = ["Muon", "newton_schulz_cost", "plan_owners"]
 
@@ -200,7 +207,8 @@ def _plan_bucket(shapes: list[torch.Size], ranges: list[tuple], world: int, me: 
 class _Pending:
     """A Muon parameter between momentum and the update (for one step)."""
 
-    param: torch.Tensor
+    param: torch.Tensor  # as the optimizer holds it (sharded, or plain)
+    piece: torch.Tensor  # this rank's piece of it, updated in place
     group: dict[str, Any]
     update: torch.Tensor  # 1-D local Newton–Schulz input (momentum, Nesterov-mixed)
     start: int  # the local piece's first element in the parameter's flattening
@@ -318,21 +326,22 @@ class Muon(ShardedOptimizer):
                 continue
             momentum = group["momentum"]
             for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p.grad, memory_format=torch.preserve_format
-                    )
+                piece, grad, state = self._pieces(p, self._momentum_state)
                 buf = state["momentum_buffer"]
                 # torch.optim.Muon's two lines, elementwise, so shards give torch's numbers.
-                buf.lerp_(p.grad, 1 - momentum)
-                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 pg = comm_group(p)
-                pending = _Pending(p, group, update.reshape(-1), local_range(p)[0])
+                pending = _Pending(p, piece, group, update.reshape(-1), local_range(p)[0])
                 buckets.setdefault(id(pg), (pg, []))[1].append(pending)
         self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "exchanges": 0}
         for pg, pending in buckets.values():
             self._orthogonalize_and_apply(pg, pending)
+
+    def _momentum_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """torch.optim.Muon's state of a new parameter."""
+        zeros = torch.zeros_like(local(p.grad), memory_format=torch.preserve_format)
+        return {"momentum_buffer": self._placed(p, "momentum_buffer", zeros)}
 
     def _exchange_plan(self, pg: dist.ProcessGroup | None, pending: list[_Pending]) -> _Exchange:
         """This rank's plan for the bucket ``pending`` of group ``pg``, made once and cached."""
@@ -442,8 +451,8 @@ def _gather(bucket: _Bucket) -> tuple[torch.Tensor, torch.Tensor, dist.Work | No
     """
     plan, device = bucket.plan, bucket.pending[0].update.device
     send = torch.empty(sum(plan.outgoing_splits), dtype=bucket.wire, device=device)
-    for j, buf, local in bucket.outgoing_segments():
-        send[buf].copy_(bucket.pending[plan.matrices[j].item].update[local])
+    for j, buf, own in bucket.outgoing_segments():
+        send[buf].copy_(bucket.pending[plan.matrices[j].item].update[own])
     recv = torch.empty(sum(plan.incoming_splits), dtype=bucket.wire, device=device)
     work = _all_to_all(recv, send, plan.incoming_splits, plan.outgoing_splits, bucket)
     return send, recv, work
@@ -500,8 +509,8 @@ def _scatter_and_apply(
             _apply(item, results[i])
     if scattering is not None:
         scattering.wait()
-    for j, buf, local in bucket.outgoing_segments():
-        results[plan.matrices[j].item][local].copy_(send[buf])
+    for j, buf, own in bucket.outgoing_segments():
+        results[plan.matrices[j].item][own].copy_(send[buf])
     for i in sorted(remote_items):
         _apply(pending[i], results[i])
 
@@ -517,11 +526,11 @@ def _orthogonalize(m: _Matrix, ns_input: torch.Tensor, pending: list[_Pending]) 
 
 def _apply(item: _Pending, update: torch.Tensor) -> None:
     """torch.optim.Muon's last two lines on the local piece (shape scale from the global shape)."""
-    group, p = item.group, item.param
-    shape = global_shape(p)
+    group, piece = item.group, item.piece
+    shape = global_shape(item.param)
     adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape[-2:]))
-    p.mul_(1 - group["lr"] * group["weight_decay"])
-    p.add_(update.view(p.shape), alpha=-adjusted_lr)
+    piece.mul_(1 - group["lr"] * group["weight_decay"])
+    piece.add_(update.view(piece.shape), alpha=-adjusted_lr)
 
 
 def _check_muon_args(

@@ -32,12 +32,23 @@ from typing import Any
 import torch
 
 from ..layout import ShardLayout, row_numel, shard_info
-from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape, local_range
+from ._common import (
+    ShardedOptimizer,
+    check_betas,
+    check_block_cuts,
+    global_shape,
+    local,
+    local_range,
+)
 
 __all__ = ["Shampoo"]
 
 #: A block of a ``[rows, row_len]`` matrix view: ``((row_start, row_end), (col_start, col_end))``.
 Block = tuple[tuple[int, int], tuple[int, int]]
+
+#: The per-block state: the statistics and their inverse fourth roots, each kept as one flat
+#: fp32 tensor, the concatenation of its blocks' matrices (row-major block order).
+_FACTOR_KEYS = ("L", "R", "L_inv_root", "R_inv_root")
 
 
 def _inverse_fourth_root(matrix: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -70,12 +81,15 @@ class Shampoo(ShardedOptimizer):
         grafting_epsilon: Adam's epsilon in the grafted direction.
         skip_nonfinite: skip a step with a NaN/Inf gradient on every rank (else raise).
 
-    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (local pieces) and, for
-    preconditioned parameters, per local block (row-major over this rank's blocks) lists ``L``,
-    ``R`` and, from ``start_preconditioning_step``, ``L_inv_root``, ``R_inv_root`` (fp32).
+    State per parameter: ``step``, ``exp_avg``, ``exp_avg_sq`` (param-shaped) and, for
+    matrices, ``L``, ``R``, ``L_inv_root``, ``R_inv_root``: each one flat fp32 tensor, the
+    concatenation of its blocks' square matrices in row-major block order (globally every
+    block's; of a sharded parameter, placed by :meth:`sharded_state_layout`: this rank holds
+    its blocks'). A sharded parameter's state is RaggedTensors ([Note: optimizer state across
+    world sizes]).
     """
 
-    _KEEP_DTYPE_STATE_KEYS = ("L", "R", "L_inv_root", "R_inv_root")
+    _KEEP_DTYPE_STATE_KEYS = _FACTOR_KEYS
 
     def __init__(
         self,
@@ -141,28 +155,25 @@ class Shampoo(ShardedOptimizer):
                 f"StructAwarePlanner(optimizer_type='shampoo', max_preconditioner_dim={dim}).",
             )
 
-    def sharded_state_layout(
-        self, param: torch.Tensor, key: str, value: object
-    ) -> ShardLayout | None:
-        """Where this rank's per-block factors (``L``, ``R`` and their inverse roots, lists in
-        row-major block order) sit in the concatenation of every global block's flattened
-        factor, so a checkpoint reshards them with their blocks. ``None`` for other keys (the
-        moments are param-shaped) and for unsharded parameters."""
-        info = shard_info(param)
-        if info is None or key not in ("L", "R", "L_inv_root", "R_inv_root"):
-            return None
+    def sharded_state_layout(self, param: torch.Tensor, key: str) -> ShardLayout | None:
+        """The base rules, and for the factors (``L``, ``R`` and their inverse roots) of a
+        sharded matrix the layout of the concatenation of every global block's flattened factor
+        (row-major block order), in which this rank holds those of its own blocks (so a
+        checkpoint reshards them with their blocks)."""
+        layout = super().sharded_state_layout(param, key)
+        if layout is None or key not in _FACTOR_KEYS:
+            return layout
         group = next(g for g in self.param_groups if any(p is param for p in g["params"]))
         dim = group["max_preconditioner_dim"]
-        shape = info.layout.global_shape
+        shape = layout.global_shape
         cols = row_numel(shape)
         rows = math.prod(shape) // cols
-        col_spans = [min(c + dim, cols) - c for c in range(0, cols, dim)]
-        # Elements of one row-block's factors: L is (rows × rows) per column block, R is
-        # (cols × cols) per column block.
+        # Elements of one row-block's factors, over its column blocks.
         per_row_block = [
-            len(col_spans) * (min(r + dim, rows) - r) ** 2
-            if key.startswith("L")
-            else sum(c * c for c in col_spans)
+            sum(
+                _factor_numel(key, (r, min(r + dim, rows)), (c, min(c + dim, cols)))
+                for c in range(0, cols, dim)
+            )
             for r in range(0, rows, dim)
         ]
         prefix = [0]
@@ -170,7 +181,7 @@ class Shampoo(ShardedOptimizer):
             prefix.append(prefix[-1] + size)
         ranges = tuple(
             (prefix[-(-(start // cols) // dim)], prefix[-(-(end // cols) // dim)])
-            for start, end in info.layout.ranges
+            for start, end in layout.ranges
         )
         return ShardLayout(torch.Size((prefix[-1],)), 1, ranges)
 
@@ -180,45 +191,53 @@ class Shampoo(ShardedOptimizer):
                 if p.grad is not None:
                     self._update_param(p, group)
 
+    def _new_state(self, p: torch.Tensor, blocks: list[Block] | None) -> dict[str, Any]:
+        """The state of a new parameter: zero moments and, for a matrix, zero factors (the
+        roots are filled before their first use)."""
+        zeros = torch.zeros_like(local(p), memory_format=torch.preserve_format)
+        state: dict[str, Any] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": self._placed(p, "exp_avg", zeros),
+            "exp_avg_sq": self._placed(p, "exp_avg_sq", zeros.clone()),
+        }
+        for key in _FACTOR_KEYS if blocks is not None else ():
+            numel = sum(_factor_numel(key, *block) for block in blocks)  # type: ignore[union-attr]
+            flat = torch.zeros(numel, dtype=torch.float32, device=zeros.device)
+            state[key] = self._placed(p, key, flat)
+        return state
+
     def _update_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]
         shape = global_shape(p)
         blocks = _local_blocks(p, group["max_preconditioner_dim"]) if len(shape) >= 2 else None
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if blocks is not None:
-                state["L"] = [_zeros_fp32(rows, p) for rows, _ in blocks]
-                state["R"] = [_zeros_fp32(cols, p) for _, cols in blocks]
+        param, grad, state = self._pieces(p, lambda p: self._new_state(p, blocks))
         state["step"] += 1
         step = int(state["step"])
-        grad, exp_avg, exp_avg_sq = p.grad, state["exp_avg"], state["exp_avg_sq"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         first = exp_avg / (1 - beta1**step)
         adam = first / (exp_avg_sq / (1 - beta2**step)).sqrt().add_(group["grafting_epsilon"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
         start = group["start_preconditioning_step"]
         if blocks is None:
-            p.add_(adam, alpha=-group["lr"])
+            param.add_(adam, alpha=-group["lr"])
             return
         cols = row_numel(shape)
+        factors = {key: _blocks_of(state[key], key, blocks) for key in _FACTOR_KEYS}
         # The statistics gather from step 1, so the first preconditioner already has history.
-        _accumulate(state, blocks, grad.reshape(-1, cols), group["shampoo_beta2"])
+        _accumulate(factors, blocks, grad.reshape(-1, cols), group["shampoo_beta2"])
         if step < start:
-            p.add_(adam, alpha=-group["lr"])
+            param.add_(adam, alpha=-group["lr"])
             return
         if (step - start) % group["precondition_frequency"] == 0:
             for key in ("L", "R"):
-                state[f"{key}_inv_root"] = [
-                    _inverse_fourth_root(m, group["epsilon"]) for m in state[key]
-                ]
+                for m, root in zip(factors[key], factors[f"{key}_inv_root"], strict=True):
+                    root.copy_(_inverse_fourth_root(m, group["epsilon"]))
         first2d, adam2d = first.view(-1, cols), adam.view(-1, cols)
         direction = torch.empty_like(adam2d)
         for (rows, cols_), left, right in zip(
-            blocks, state["L_inv_root"], state["R_inv_root"], strict=True
+            blocks, factors["L_inv_root"], factors["R_inv_root"], strict=True
         ):
             block = (slice(*rows), slice(*cols_))
             shampoo = left @ first2d[block].float() @ right
@@ -227,14 +246,32 @@ class Shampoo(ShardedOptimizer):
             # Grafting: Adam's step length, Shampoo's direction (0 where Shampoo's is 0).
             scale = torch.where(shampoo_norm > 0, adam_norm / shampoo_norm, 0.0)
             direction[block] = shampoo * scale
-        p.add_(direction.view(p.shape), alpha=-group["lr"])
+        param.add_(direction.view(param.shape), alpha=-group["lr"])
+
+
+def _factor_numel(key: str, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """Elements of factor ``key`` of one block: ``L`` is rows × rows, ``R`` cols × cols."""
+    span = rows if key.startswith("L") else cols
+    return (span[1] - span[0]) ** 2
+
+
+def _blocks_of(flat: torch.Tensor, key: str, blocks: list[Block]) -> list[torch.Tensor]:
+    """The square matrix of factor ``key`` of every block, as views of the state's flat
+    concatenation (row-major block order)."""
+    out, position = [], 0
+    for rows, cols in blocks:
+        numel = _factor_numel(key, rows, cols)
+        side = math.isqrt(numel)
+        out.append(flat[position : position + numel].view(side, side))
+        position += numel
+    return out
 
 
 def _accumulate(
-    state: dict[str, Any], blocks: list[Block], grad2d: torch.Tensor, beta: float
+    factors: dict[str, list[torch.Tensor]], blocks: list[Block], grad2d: torch.Tensor, beta: float
 ) -> None:
     """``L += G Gᵀ``, ``R += Gᵀ G`` per block (an EMA when ``beta < 1``)."""
-    for (rows, cols), left, right in zip(blocks, state["L"], state["R"], strict=True):
+    for (rows, cols), left, right in zip(blocks, factors["L"], factors["R"], strict=True):
         g = grad2d[slice(*rows), slice(*cols)].float()
         if beta == 1.0:
             left.addmm_(g, g.T)
@@ -257,8 +294,3 @@ def _local_blocks(p: torch.Tensor, dim: int) -> list[Block]:
         rows = (row - first_row, min(row + dim, total_rows) - first_row)
         blocks += [(rows, (col, min(col + dim, cols))) for col in range(0, cols, dim)]
     return blocks
-
-
-def _zeros_fp32(span: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
-    n = span[1] - span[0]
-    return torch.zeros(n, n, dtype=torch.float32, device=like.device)

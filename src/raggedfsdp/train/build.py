@@ -187,6 +187,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of ``optimizer``'s state on this rank (a sharded entry counts its local piece)."""
     total = 0
     for state in optimizer.state.values():
         for value in state.values():
