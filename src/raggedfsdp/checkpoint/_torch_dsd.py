@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..layout import shard_info
 from ..runtime import RaggedTensor
+from ..runtime import distribute as distribute_ragged
 from ._optim_state import copy_flat, entry, loaded_piece, same_storage, state_layout
 
 __all__ = ["install"]
@@ -57,7 +58,8 @@ def install() -> None:
 def _distribute_ragged_first(torch_tensors: Callable[..., None]) -> Callable[..., None]:
     """DSD's ``_distribute_tensors`` (``broadcast_from_rank0``: every rank has the whole tensor
     now) cuts a DTensor's chunk by torch's placements, which a ragged piece is not: sharded
-    tensors of ours take their piece through ``copy_``; the rest goes to torch's function."""
+    tensors of ours take their piece through ``copy_`` (a new piece where they are still on
+    meta, which DSD then assigns); the rest goes to torch's function."""
 
     @functools.wraps(torch_tensors)
     def distribute(local_state_dict: dict[str, Any], keys: list[str], *args: Any) -> None:
@@ -66,8 +68,13 @@ def _distribute_ragged_first(torch_tensors: Callable[..., None]) -> Callable[...
             entry = local_state_dict.get(key)
             if isinstance(entry, tuple) and isinstance(entry[0], RaggedTensor):
                 local, whole = entry
-                with torch.no_grad():
-                    local.copy_(whole)
+                if local.device.type == "meta":  # a meta model: DSD assigns what it gets here
+                    local = distribute_ragged(
+                        whole, local.device_mesh, local.placements, src_data_rank=None
+                    )
+                else:
+                    with torch.no_grad():
+                        local.copy_(whole)
                 local_state_dict[key] = local
             else:
                 rest.append(key)
