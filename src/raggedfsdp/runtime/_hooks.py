@@ -226,7 +226,11 @@ class FSDPState:
             return None
         if self._to_run:  # a later module of this unit: its forward is under way
             return self._cast_inputs(args, kwargs)
-        self._to_run = {id(m) for m in self.modules}
+        # One module of the unit called on its own once the root's forward is over (torchtitan's
+        # chunked loss calls the output head of [norm, output] once per chunk, with a backward
+        # after each): a whole forward of the unit, which its post-forward ends.
+        alone = ctx.order_recorded and not self.is_root and not ctx.root._to_run
+        self._to_run = {id(module)} if alone else {id(m) for m in self.modules}
         self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
