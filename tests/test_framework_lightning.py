@@ -2,8 +2,9 @@
 ``configure_model`` calling ``rf.fully_shard`` -- and, in the same launch, FSDP2's
 ``fully_shard``: the model built under ``trainer.init_module(empty_init=True)`` (Lightning then
 calls ``to_empty`` and every module's ``reset_parameters()``), trained with
-``gradient_clip_val``, saved with ``trainer.save_checkpoint`` (a DCP folder) and resumed by a
-new ``Trainer.fit(ckpt_path=...)`` into a model built on meta again. Each run is judged against
+``gradient_clip_val``, saved with ``trainer.save_checkpoint`` (a DCP folder, and one full file
+as ``save_distributed_checkpoint=False`` writes it) and resumed from each by a new
+``Trainer.fit(ckpt_path=...)`` into a model built on meta again. Each run is judged against
 one process training the same global batches, clipped the same way, from the run's own initial
 parameters.
 
@@ -172,28 +173,41 @@ def _lightning_run(impl: str, root: Path, epochs: int, ckpt: Path | None) -> dic
 
 
 def _save_and_resume(impl: str, root: Path) -> dict[str, Any]:
-    """One epoch, saved; a new Trainer resumed from it for a second: what they trained, and
-    the one-process reference on the same batches from the same initial parameters."""
+    """One epoch, saved as a DCP folder (the default) and as one full file (the strategy's
+    ``save_distributed_checkpoint=False``); a new Trainer resumed from each for a second epoch:
+    what they trained, and the one-process reference on the same batches from the same initial
+    parameters."""
     from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
     from torch.distributed.tensor import DTensor
 
-    ckpt = root / f"{impl}.ckpt"
     first = _lightning_run(impl, root / impl, epochs=1, ckpt=None)
-    first["trainer"].save_checkpoint(ckpt)
-    resumed = _lightning_run(impl, root / f"{impl}-resumed", epochs=2, ckpt=ckpt)
-    model = resumed["lit"].model
-    return {
-        "built_on_meta": first["built_on_meta"] and resumed["built_on_meta"],
-        "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
-        "has_dtensor_modules": _has_dtensor_modules(model),
-        "checkpoint_is_dcp": (ckpt / ".metadata").is_file(),
-        "steps": (first["step"], resumed["step"]),
+    checkpoints = {"dcp": root / f"{impl}.ckpt", "full": root / f"{impl}-full.ckpt"}
+    first["trainer"].save_checkpoint(checkpoints["dcp"])
+    first["trainer"].strategy._save_distributed_checkpoint = False
+    first["trainer"].save_checkpoint(checkpoints["full"])
+    out: dict[str, Any] = {
+        "built_on_meta": first["built_on_meta"],
+        "checkpoint_is_dcp": (checkpoints["dcp"] / ".metadata").is_file(),
+        "checkpoint_is_file": checkpoints["full"].is_file(),
         "initial": first["initial"],
         "after_first": first["final"],
-        "after_resume": resumed["final"],
-        "norms": first["norms"] + resumed["norms"],
-        "reference": _reference(first["initial"], first["batches"] + resumed["batches"]),
+        "norms_first": first["norms"],
+        "reference": {},
     }
+    for kind, ckpt in checkpoints.items():
+        resumed = _lightning_run(impl, root / f"{impl}-{kind}", epochs=2, ckpt=ckpt)
+        model = resumed["lit"].model
+        out["built_on_meta"] &= resumed["built_on_meta"]
+        out[kind] = {
+            "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+            "has_dtensor_modules": _has_dtensor_modules(model),
+            "steps": (first["step"], resumed["step"]),
+            "after_resume": resumed["final"],
+            "norms": first["norms"] + resumed["norms"],
+        }
+        batches = first["batches"] + resumed["batches"]
+        out["reference"][kind] = _reference(first["initial"], batches)
+    return out
 
 
 def _cases(rank: int, world: int, root: Path) -> dict[str, Any]:
@@ -230,18 +244,20 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.parametrize("kind", ["dcp", "full"])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_trains_clips_saves_and_resumes_as_one_process(grid, impl):
+def test_trains_clips_saves_and_resumes_as_one_process(grid, impl, kind):
     for rank in grid:
         run = rank[impl]
         assert not isinstance(run, str), run
-        assert run["dtensors"] and run["checkpoint_is_dcp"]
-        assert run["steps"] == (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)
-        reference = run["reference"]
-        assert run["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert run["checkpoint_is_dcp"] and run["checkpoint_is_file"]
+        resumed, reference = run[kind], run["reference"][kind]
+        assert resumed["dtensors"]
+        assert resumed["steps"] == (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)
+        assert resumed["norms"] == pytest.approx(reference["norms"], rel=1e-5)
         assert min(reference["norms"]) > CLIP  # every step clipped
         _close(run["after_first"], reference["states"][0])
-        _close(run["after_resume"], reference["states"][1])
+        _close(resumed["after_resume"], reference["states"][1])
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -252,10 +268,10 @@ def test_empty_init_trains(grid, impl):
         assert run["built_on_meta"]
         # negative control: training moves every parameter, so a run that trained nothing
         # (parameters left at their initial values) cannot equal the reference
-        trained = run["reference"]["states"][1]
+        trained = run["reference"]["dcp"]["states"][1]
         for key, value in run["initial"].items():
             assert (trained[key] - value).abs().max() > 1e-3, key
-        _close(run["after_resume"], trained)
+        _close(run["dcp"]["after_resume"], trained)
 
 
 def test_empty_init_draws_what_one_process_draws(grid):
@@ -269,5 +285,6 @@ def test_resume_finds_the_sharded_model(grid):
     for rank in grid:
         for impl in IMPLS:
             assert not isinstance(rank[impl], str), rank[impl]
-            assert rank[impl]["has_dtensor_modules"], impl
+            assert rank[impl]["dcp"]["has_dtensor_modules"], impl
+            assert rank[impl]["full"]["has_dtensor_modules"], impl
         assert "Could not find a distributed model" in rank["plain_model_load"]
