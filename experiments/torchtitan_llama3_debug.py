@@ -1,7 +1,8 @@
 """torchtitan's llama3 debug model, 10 steps and a resume, with raggedfsdp and with FSDP2, on CPU.
 
     pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
-    python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR
+    python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
+        [--write-docs docs/results/frameworks.md]
 
 ``--tokenizer`` is torchtitan's test tokenizer, ``tests/assets/tokenizer`` of its repository
 (the debug model's 2,048-token vocabulary). What the script does, each step a ``torchrun`` of 2
@@ -61,6 +62,10 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
+
+from generated_docs import write_section
+
 STEPS = 10
 RESUME_FROM = 5
 IMPLS = ("fsdp2", "rf")
@@ -82,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--batch", type=int, default=2, help="samples per rank and step (default 2)"
     )
+    parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
     parser.add_argument("--phase", help=argparse.SUPPRESS)
@@ -115,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     (out / "losses.json").write_text(json.dumps(results, indent=1))
     (out / "losses.md").write_text(table + "\n")
+    if args.write_docs:
+        name = "torchtitan_llama3_debug"
+        write_section(args.write_docs, name, table, folder="experiments")
     return 0
 
 
