@@ -28,6 +28,7 @@ import torch
 import torch.distributed._state_dict_utils as state_dict_utils
 
 from ..runtime import RaggedTensor
+from ..runtime import distribute as distribute_ragged
 
 __all__ = ["install"]
 
@@ -43,7 +44,8 @@ def install() -> None:
 def _distribute_ragged_first(torch_tensors: Callable[..., None]) -> Callable[..., None]:
     """DSD's ``_distribute_tensors`` (``broadcast_from_rank0``: every rank has the whole tensor
     now) cuts a DTensor's chunk by torch's placements, which a ragged piece is not: sharded
-    tensors of ours take their piece through ``copy_``; the rest goes to torch's function."""
+    tensors of ours take their piece through ``copy_`` (a new piece where they are still on
+    meta, which DSD then assigns); the rest goes to torch's function."""
 
     @functools.wraps(torch_tensors)
     def distribute(local_state_dict: dict[str, Any], keys: list[str], *args: Any) -> None:
@@ -52,8 +54,13 @@ def _distribute_ragged_first(torch_tensors: Callable[..., None]) -> Callable[...
             entry = local_state_dict.get(key)
             if isinstance(entry, tuple) and isinstance(entry[0], RaggedTensor):
                 local, whole = entry
-                with torch.no_grad():
-                    local.copy_(whole)
+                if local.device.type == "meta":  # a meta model: DSD assigns what it gets here
+                    local = distribute_ragged(
+                        whole, local.device_mesh, local.placements, src_data_rank=None
+                    )
+                else:
+                    with torch.no_grad():
+                        local.copy_(whole)
                 local_state_dict[key] = local
             else:
                 rest.append(key)

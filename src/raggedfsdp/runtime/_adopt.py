@@ -104,6 +104,15 @@ def _adopt_bucket(group: Unit, bucket: DBuffer) -> bool:
     if relocated:
         dtype, device = kinds.pop()
         _relocate(group, bucket, dtype, device)
+    elif bucket.local.device.type == "meta":
+        # Values assigned in place of shards still on meta (a meta model loaded with
+        # ``load_state_dict(assign=True)``: DSD, accelerate's cpu_ram_efficient_loading): the
+        # buffer is made where they are, else copying them into meta would drop them.
+        devices = [p.held().device for p in bucket.params if p.held() is not p.sharded]
+        real = [d for d in devices if d.type != "meta"]
+        if real:
+            _relocate(group, bucket, bucket.local.dtype, real[0])
+            relocated = True
     for param in swapped if not relocated else []:
         _view_of_buffer(param, bucket).copy_(param.sharded._local_tensor.reshape(-1))
         param.sharded._local_tensor = _view_of_buffer(param, bucket).view(param.local_shape)

@@ -1,0 +1,346 @@
+"""torchtitan's llama3 debug model, 10 steps and a resume, with raggedfsdp and with FSDP2, on CPU.
+
+    pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
+    python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
+        [--write-docs docs/results/frameworks.md]
+
+``--tokenizer`` is torchtitan's test tokenizer, ``tests/assets/tokenizer`` of its repository
+(the debug model's 2,048-token vocabulary). What the script does, each step a ``torchrun`` of 2
+Gloo ranks running torchtitan's own ``Trainer`` (its ``llama3_debugmodel`` config, with the
+CPU settings below):
+
+1. a seed checkpoint, made by torchtitan on one process (``--checkpoint.create_seed_checkpoint``),
+   so that both implementations start from the same weights;
+2. for FSDP2 and for raggedfsdp: 10 steps from the seed, checkpointing at step 5 and 10;
+3. for each: a resume from its step-5 checkpoint (model, optimizer, lr scheduler, data loader)
+   to step 10;
+
+then prints the loss table (Markdown) and writes it, with every loss and gradient norm, to
+``OUT/losses.json``. The only change to torchtitan is the name ``fully_shard`` in
+``torchtitan.distributed.fsdp``, the module whose ``apply_fsdp_to_decoder`` every model's
+``parallelize`` calls: ``rf.fully_shard`` in its place (docs/migrating-from-fsdp2.md,
+"Frameworks").
+
+What torchtitan 0.3 on torch 2.13 needs on a machine without an accelerator, FSDP2 as much as
+raggedfsdp, applied here in the worker and nowhere else:
+
+- ``parallelism.spmd_backend="partial_dtensor"``: under the default ``"spmd_types"`` torchtitan
+  passes ``fully_shard`` torch 2.13's ``dp_mesh_dims`` (the data-parallel axes of a full-SPMD
+  mesh); here FSDP2 then refuses the model ("When dp_mesh_dims is provided, all parameters
+  must be DTensors on the full SPMD mesh ... Got plain tensor for parameter 'weight'") and
+  ``rf.fully_shard`` has no such argument (``TypeError``);
+- its device is ``_get_available_device_type() or "cuda"``: the worker makes it ``"cpu"``, with
+  ``torch.cpu`` plus the memory-statistics functions its memory monitor calls (zeros);
+- flex attention (the debug model's; ``sdpa`` is refused for language models in 0.3) is
+  compiled for an accelerator at import, and has no backward on a CPU in torch 2.13 ("FlexAttention
+  does not support backward on CPU"): the worker builds its block masks eagerly and computes the
+  attention with ``scaled_dot_product_attention`` under the same mask made dense (causal within
+  each packed document);
+- torchtitan turns FSDP's gradient division off (``set_gradient_divide_factor(1.0)``, the loss
+  is divided by the global token count), which FSDP2 reduces with NCCL's ``PREMUL_SUM``: Gloo
+  has none ("Cannot use ReduceOp.PREMUL_SUM with Gloo"), so the worker also sets
+  ``set_force_sum_reduction_for_comms(True)`` on every unit (raggedfsdp takes it; same numbers);
+- ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step, is not in
+  torch 2.13 (a later torch's): the worker binds it to 2.13's ``_set_pg_timeout``;
+- ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` (bf16 matmuls on a CPU
+  are slow and the comparison is clearer in fp32), validation off (it reads c4 from the
+  Hugging Face hub);
+- data: torchtitan's ``c4_test`` is not in its wheel; the driver writes a JSON-lines dataset of
+  Python standard-library modules to ``OUT/data`` and the worker registers it as
+  ``local_text`` for torchtitan's own ``HuggingFaceTextDataLoader``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))  # generated_docs
+
+from generated_docs import write_section
+
+STEPS = 10
+RESUME_FROM = 5
+IMPLS = ("fsdp2", "rf")
+
+
+# -- the driver ------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--tokenizer", type=Path, required=True, help="torchtitan's tests/assets/tokenizer"
+    )
+    parser.add_argument(
+        "--out", type=Path, required=True, help="a folder for checkpoints and results"
+    )
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2)")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample (default 256)")
+    parser.add_argument(
+        "--batch", type=int, default=2, help="samples per rank and step (default 2)"
+    )
+    parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", choices=IMPLS, help=argparse.SUPPRESS)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    _write_data(out / "data")
+    # torchtitan resumes from the latest checkpoint in a run's folder: every run starts afresh
+    for run in ("seed", *IMPLS, *(f"{impl}-resume" for impl in IMPLS)):
+        shutil.rmtree(out / run, ignore_errors=True)
+    _torchrun(args, 1, "--seed", "--phase", "seed")
+    results: dict[str, Any] = {}
+    for impl in IMPLS:
+        _torchrun(args, args.nproc, "--impl", impl, "--phase", impl)
+        resumed = out / f"{impl}-resume" / "checkpoint"
+        resumed.mkdir(parents=True)
+        step = f"step-{RESUME_FROM}"
+        shutil.copytree(out / impl / "checkpoint" / step, resumed / step)
+        _torchrun(args, args.nproc, "--impl", impl, "--phase", f"{impl}-resume")
+        for run in (impl, f"{impl}-resume"):
+            results[run] = json.loads((out / run / "metrics.json").read_text())
+    norms = {run: r["grad_norm"] for run, r in results.items()}
+    gap = max(abs(norms["rf"][k] - norms["fsdp2"][k]) for k in norms["rf"])
+    table = _table(results) + (
+        f"\n\nLargest gradient-norm difference, raggedfsdp - FSDP2: {gap:.1e}; parameters: "
+        f"{results['fsdp2']['parameter_types']} and {results['rf']['parameter_types']}."
+    )
+    print(table)
+    (out / "losses.json").write_text(json.dumps(results, indent=1))
+    (out / "losses.md").write_text(table + "\n")
+    if args.write_docs:
+        name = "torchtitan_llama3_debug"
+        write_section(args.write_docs, name, table, folder="experiments")
+    return 0
+
+
+def _torchrun(args: argparse.Namespace, nproc: int, *extra: str) -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        __file__, "--worker", "--tokenizer", str(args.tokenizer.resolve()),
+        "--out", str(args.out.resolve()),
+        "--seq-len", str(args.seq_len), "--batch", str(args.batch), *extra,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True, env=env)
+
+
+def _write_data(folder: Path) -> None:
+    """A JSON-lines dataset of Python standard-library modules, one document a module."""
+    path = folder / "data.json"
+    if path.exists():
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with path.open("w") as f:
+        for module in sorted(stdlib.glob("*.py"))[:200]:
+            f.write(json.dumps({"text": module.read_text(errors="replace")}) + "\n")
+
+
+def _table(results: dict[str, Any]) -> str:
+    """Losses by step: each implementation, their difference, and the resumed runs."""
+    loss = {run: {int(k): v for k, v in r["loss"].items()} for run, r in results.items()}
+    lines = [
+        "| step | FSDP2 | raggedfsdp | rf - FSDP2 | FSDP2 resumed | raggedfsdp resumed "
+        "| rf resumed - rf |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for step in range(1, STEPS + 1):
+        fsdp2, ours = loss["fsdp2"][step], loss["rf"][step]
+        cells = [f"{fsdp2:.6f}", f"{ours:.6f}", f"{ours - fsdp2:+.1e}"]
+        if step in loss["rf-resume"]:
+            resumed = loss["rf-resume"][step]
+            cells += [
+                f"{loss['fsdp2-resume'][step]:.6f}",
+                f"{resumed:.6f}",
+                f"{resumed - ours:+.1e}",
+            ]
+        else:
+            cells += ["", "", ""]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# -- the worker (one torchrun rank) ----------------------------------------------------------------
+
+
+def _cpu_device_module() -> Any:
+    """``torch.cpu`` with what torchtitan's device-memory monitor calls on an accelerator."""
+    import types
+
+    import torch
+
+    module = types.ModuleType("torchtitan_cpu_device")
+    module.__dict__.update(
+        {k: getattr(torch.cpu, k) for k in dir(torch.cpu) if not k.startswith("__")}
+    )
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    module.current_device = lambda: 0  # torch.cpu's is "cpu", which barrier(device_ids=) refuses
+    module.get_device_name = lambda device=None: "cpu"
+    module.get_device_properties = lambda device=None: types.SimpleNamespace(total_memory=total)
+    module.reset_peak_memory_stats = lambda device=None: None
+    module.empty_cache = lambda: None
+    module.memory_stats = lambda device=None: {}
+    return module
+
+
+def _import_torchtitan_on_cpu() -> None:
+    """Import torchtitan with ``cpu`` as its device type (see the module docstring)."""
+    import torch
+    import torch._utils
+
+    available, device_module = (
+        torch._utils._get_available_device_type,
+        torch._utils._get_device_module,
+    )
+    cpu = _cpu_device_module()
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type=None: (
+        cpu if device_type == "cpu" else device_module(device_type)
+    )
+    try:
+        import torchtitan.trainer  # noqa: F401
+    finally:
+        torch._utils._get_available_device_type = available
+        torch._utils._get_device_module = device_module
+    # torchtitan 0.3 calls torch.distributed.set_timeout (after the first step), which torch
+    # 2.13 has under its private name
+    if not hasattr(torch.distributed, "set_timeout"):
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        torch.distributed.set_timeout = _set_pg_timeout
+    # flex attention, the debug model's: compiled for an accelerator at import, and without a
+    # backward on a CPU at all: its block masks built eagerly, and the attention itself run as
+    # SDPA under the same mask, made dense (the same function: causal within each document)
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    attention._compiled_create_block_mask = create_block_mask
+    attention.FlexAttention._compiled_flex_attn = _flex_attention_as_sdpa
+
+
+def _flex_attention_as_sdpa(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    score_mod: Any,
+    block_mask: Any,
+    scale: Any,
+    enable_gqa: bool,
+    return_aux: Any,
+    kernel_options: Any,
+) -> Any:
+    """``flex_attention(q, k, v, block_mask=...)`` (no ``score_mod``, no log-sum-exp asked) by
+    ``scaled_dot_product_attention`` with ``block_mask``'s mask function made dense."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+
+    if score_mod is not None or return_aux.lse or return_aux.max_scores:
+        raise NotImplementedError("score_mod / auxiliary outputs of flex attention on a CPU")
+    batch, _, q_len, _ = q.shape
+    mask = create_mask(block_mask.mask_mod, batch, 1, q_len, k.shape[-2], device=q.device)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
+    return out, AuxOutput()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    _import_torchtitan_on_cpu()
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig, text_datasets
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    data = args.out / "data"
+    text_datasets.DATASETS["local_text"] = DatasetConfig(
+        path=str(data / "data.json"),
+        loader=lambda path: load_dataset(
+            "json", data_files=path, split="train", cache_dir=str(data / "cache")
+        ),
+        sample_processor=lambda sample: sample["text"],
+    )
+    import torchtitan.distributed.fsdp as titan_fsdp
+
+    divide_off = titan_fsdp.disable_fsdp_gradient_division
+
+    def divide_off_with_sums(model: Any) -> None:
+        """torchtitan's gradient-division switch (factor 1), reduced by SUM: FSDP2 reduces an
+        undivided gradient with NCCL's PREMUL_SUM otherwise, which Gloo has not."""
+        divide_off(model)
+        for module in model.modules():
+            if isinstance(module, titan_fsdp.FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+    titan_fsdp.disable_fsdp_gradient_division = divide_off_with_sums
+    if args.impl == "rf":
+        import raggedfsdp as rf
+
+        titan_fsdp.fully_shard = rf.fully_shard  # the one change
+
+    config = llama3_debugmodel()
+    config.hf_assets_path = str(args.tokenizer)
+    config.dump_folder = str(args.out / args.phase)
+    config.dataloader.dataset = "local_text"
+    config.training.local_batch_size = args.batch
+    config.training.seq_len = args.seq_len
+    config.training.steps = STEPS
+    config.training.mixed_precision_param = "float32"
+    config.training.disable_cuda_graphs = True
+    config.parallelism.spmd_backend = "partial_dtensor"
+    config.validator.enable = False
+    config.debug.seed = 0
+    config.checkpoint.enable = True
+    config.checkpoint.interval = RESUME_FROM
+    config.checkpoint.keep_latest_k = 0
+    if args.seed:
+        config.checkpoint.create_seed_checkpoint = True
+    elif not args.phase.endswith("-resume"):
+        config.checkpoint.initial_load_path = str(args.out / "seed" / "checkpoint" / "step-0")
+        config.checkpoint.initial_load_model_only = True
+
+    trainer = config.build()
+    metrics: dict[str, dict[str, float]] = {"loss": {}, "grad_norm": {}}
+    log = trainer.metrics_processor.log
+
+    def record(step: int, loss: float, max_loss: float, grad_norm: float, **kwargs: Any) -> None:
+        metrics["loss"][str(step)] = float(loss)
+        metrics["grad_norm"][str(step)] = float(grad_norm)
+        log(step, loss, max_loss, grad_norm, **kwargs)
+
+    trainer.metrics_processor.log = record
+    try:
+        if args.seed:
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+        else:
+            trainer.train()
+    finally:
+        trainer.close()
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0 and not args.seed:
+        kinds = sorted({type(p).__name__ for p in trainer.model_parts[0].parameters()})
+        metrics["parameter_types"] = kinds  # type: ignore[assignment]
+        (args.out / args.phase / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
