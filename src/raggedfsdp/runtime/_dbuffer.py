@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..layout import ShardLayout
 from ..planner import ShardPlan
 from ._comm import AllGather, ReduceScatter
-from ._mesh import MeshInfo
+from ._mesh import MeshInfo, combined_mesh
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._ragged_tensor import RaggedTensor, placed_like
@@ -163,13 +166,13 @@ class DBuffer:
         lo = entry.offset + start - rank * self.shard_numel
         view = self.local[lo : lo + (end - start)].view(layout.local_shape(rank))
         if original.device.type != "meta":
-            view.copy_(layout.to_local(original.detach().to(view.device), rank))
-        info = self.mesh_info
-        piece = RaggedTensor.from_piece(view, layout, info.mesh, mesh_dim=info.shard_dim)
-        sharded = nn.Parameter(piece, requires_grad=original.requires_grad)
-        unsharded = nn.Parameter(
-            torch.empty(0, dtype=self.comm_dtype, device=self.device),
+            view.copy_(layout.to_local(registration.local.detach().to(view.device), rank))
+        sharded = nn.Parameter(
+            self._sharded(view, layout, registration.parallel),
             requires_grad=original.requires_grad,
+        )
+        unsharded = nn.Parameter(
+            self._unsharded(registration.parallel), requires_grad=original.requires_grad
         )
         return FSDPParam(
             registration,
@@ -179,6 +182,38 @@ class DBuffer:
             sharded=sharded,
             unsharded=unsharded,
         )
+
+    def _sharded(
+        self, view: torch.Tensor, layout: ShardLayout, parallel: DTensorSpec | None
+    ) -> RaggedTensor:
+        """The sharded parameter: ``view`` placed by ``layout`` over the data-parallel mesh (and
+        by its own placements over the parallel dims of a DTensor parameter)."""
+        info = self.mesh_info
+        if parallel is None:
+            return RaggedTensor.from_piece(view, layout, info.mesh, mesh_dim=info.shard_dim)
+        mesh = combined_mesh(info.mesh, parallel.mesh)
+        placements = (Replicate(),) * info.mesh.ndim + tuple(parallel.placements)
+        return RaggedTensor.from_piece(
+            view,
+            layout,
+            mesh,
+            mesh_dim=info.shard_dim,
+            placements=placements,
+            shape=parallel.shape,
+        )
+
+    def _unsharded(self, parallel: DTensorSpec | None) -> torch.Tensor:
+        """The unsharded form's first value (its data is bound later): a plain tensor, or a
+        DTensor placed as the parameter over its parallel dims."""
+        empty = torch.empty(0, dtype=self.comm_dtype, device=self.device)
+        if parallel is None:
+            return empty
+        meta = parallel.tensor_meta
+        assert meta is not None
+        spec = DTensorSpec(
+            parallel.mesh, parallel.placements, TensorMeta(meta.shape, meta.stride, self.comm_dtype)
+        )
+        return DTensor(empty, spec, requires_grad=False)
 
     def relocate(
         self, local: torch.Tensor, param_dtype: torch.dtype | None, device: torch.device | None
@@ -222,12 +257,11 @@ class DBuffer:
         own_ranges = []
         for param in self.params:
             if whole_from_local and param.held_whole:
-                param.unsharded.data = self.local[param.local_start : param.local_end].view(
-                    param.shape
-                )
+                local = self.local[param.local_start : param.local_end]
+                param.bind_unsharded(local.view(param.shape))
                 continue
             view = param_buffer[param.offset : param.offset + param.numel].view(param.shape)
-            param.unsharded.data = view
+            param.bind_unsharded(view)
             if param.local_end > param.local_start:
                 own_ranges.append((param.local_start, param.local_end))
         #: the pieces of ``local`` (start, end) that unsharded views read from this rank's slot
@@ -239,14 +273,13 @@ class DBuffer:
         self.full_grad = full_grad
         for param in self.params:
             if param.unsharded.requires_grad:
-                param.unsharded.grad = self.full_grad[
-                    param.offset : param.offset + param.numel
-                ].view(param.shape)
+                view = self.full_grad[param.offset : param.offset + param.numel]
+                param.set_unsharded_grad(view.view(param.shape))
 
     def detach_unsharded_grads(self) -> None:
         self.full_grad = None
         for param in self.params:
-            param.unsharded.grad = None
+            param.set_unsharded_grad(None)
 
     def has_sharded_grads(self) -> bool:
         """Whether any sharded parameter still holds a gradient (not cleared by zero_grad)."""

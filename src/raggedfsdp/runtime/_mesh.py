@@ -8,10 +8,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._host import default_device
 
-__all__ = ["MeshInfo", "device_for", "mesh_info"]
+__all__ = ["MeshInfo", "combined_mesh", "device_for", "mesh_info", "parallel_spec"]
 
 
 @dataclass(frozen=True)
@@ -100,3 +102,47 @@ def device_for(params: list[nn.Parameter], mesh: DeviceMesh | None) -> torch.dev
     if real:
         return real[0]
     return default_device()
+
+
+def parallel_spec(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> DTensorSpec | None:
+    """For a parameter that is already a DTensor (tensor or expert parallelism: placed over
+    other dims of the mesh whose data-parallel dims ``dp_mesh`` is), its spec; ``None`` for a
+    plain parameter. Refused, naming the parameter: a DTensor whose mesh is not a sibling slice
+    of ``dp_mesh``'s (named dims, the same root mesh, no dim shared), or placed other than by
+    ``Shard`` / ``Replicate``."""
+    if not isinstance(param, DTensor):
+        return None
+    mesh = param.device_mesh
+    names, dp_names = mesh.mesh_dim_names, dp_mesh.mesh_dim_names
+    if names is None or dp_names is None or set(names) & set(dp_names):
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on mesh dims {names}; fully_shard shards it over "
+            f"{dp_names}: both must be named slices of one mesh with no dim in common "
+            f"(mesh['tp'] for the parameter, mesh['dp'] for fully_shard)"
+        )
+    root = dp_mesh._get_root_mesh()
+    if mesh._get_root_mesh() is not root:
+        raise ValueError(
+            f"parameter {fqn!r} is a DTensor on a mesh that is not a slice of the mesh "
+            f"fully_shard shards over ({dp_names}); slice both from one init_device_mesh"
+        )
+    order = root.mesh_dim_names or ()
+    if max(order.index(n) for n in dp_names) > min(order.index(n) for n in names):
+        raise ValueError(
+            f"parameter {fqn!r}: the data-parallel dims {dp_names} must come before its "
+            f"dims {names} in the mesh {order} (as in torchtitan's ('dp', 'tp'))"
+        )
+    for placement in param.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"parameter {fqn!r} is a DTensor placed {param.placements}: raggedfsdp shards "
+                f"DTensor parameters placed by Shard(d) or Replicate() over their mesh"
+            )
+    return param._spec
+
+
+def combined_mesh(dp_mesh: DeviceMesh, other: DeviceMesh) -> DeviceMesh:
+    """The mesh of ``dp_mesh``'s dims followed by ``other``'s (slices of one root mesh): where a
+    tensor-parallel parameter's shards live once sharded over the data-parallel dims too."""
+    names = (*(dp_mesh.mesh_dim_names or ()), *(other.mesh_dim_names or ()))
+    return dp_mesh._get_root_mesh()[names]

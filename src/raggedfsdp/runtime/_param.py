@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = ["FSDPParam", "Registration", "bucket_name", "qualified_name"]
 
@@ -25,6 +27,14 @@ class Registration:
     fqn: str
     param: nn.Parameter
     owners: tuple[tuple[nn.Module, str], ...]
+    #: a parameter that is already a DTensor (tensor or expert parallelism): its spec (mesh,
+    #: placements, global shape); the unit shards its local tensor
+    parallel: DTensorSpec | None = None
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The tensor the unit shards: the parameter, or a DTensor parameter's local tensor."""
+        return self.param.to_local() if isinstance(self.param, DTensor) else self.param
 
 
 class FSDPParam:
@@ -45,7 +55,10 @@ class FSDPParam:
         self.fqn = registration.fqn
         #: every (module, attribute) the parameter is registered under
         self.owners = registration.owners
-        self.shape = registration.param.shape
+        #: tensor or expert parallelism: the parameter's DTensor spec; its unsharded form is a
+        #: DTensor of it whose local tensor is the view (what the parallel modules compute with)
+        self.parallel = registration.parallel
+        self.shape = registration.local.shape  # what the unit shards (a DTensor's local shape)
         self.offset = offset  # in the bucket's global buffer
         self.local_start = local_start  # this rank's piece, in the bucket's local buffer
         self.local_end = local_end
@@ -68,6 +81,27 @@ class FSDPParam:
     def local_shape(self) -> torch.Size:
         """The shape of this rank's piece (N-D when whole rows, else 1-D)."""
         return self.sharded._local_tensor.shape
+
+    def bind_unsharded(self, view: torch.Tensor) -> None:
+        """The unsharded parameter's values become ``view`` (of the gathered buffer, or of the
+        shard): its data, or its local tensor when it is a DTensor."""
+        if self.parallel is None:
+            self.unsharded.data = view
+        else:
+            self.unsharded._local_tensor = view
+
+    def unsharded_local(self) -> torch.Tensor:
+        """The unsharded parameter's values (a DTensor's local tensor)."""
+        return self.unsharded._local_tensor if self.parallel is not None else self.unsharded.data
+
+    def set_unsharded_grad(self, view: torch.Tensor | None) -> None:
+        """The unsharded parameter's gradient becomes ``view`` (autograd accumulates into it),
+        placed as the parameter under tensor parallelism; ``None`` clears it."""
+        if view is None or self.parallel is None:
+            self.unsharded.grad = view
+            return
+        spec = self.unsharded._spec
+        self.unsharded.grad = DTensor(view, spec, requires_grad=False)
 
     def held(self) -> torch.Tensor:
         """What the modules hold in the parameter's place now (its sharded or unsharded form,

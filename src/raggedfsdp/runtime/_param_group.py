@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..layout import RaggedShard
 from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
@@ -101,7 +103,7 @@ class FSDPParamGroup:
         by_name = {r.fqn: r for r in registrations}
         buckets = unit_buckets(
             "",
-            [(r.fqn, r.param) for r in registrations],
+            [(r.fqn, r.local) for r in registrations],
             param_dtype=self.mp_policy.param_dtype,
             buffer_size=self.config.buffer_size,
         )
@@ -332,7 +334,7 @@ class FSDPParamGroup:
                 assert bucket.full is not None
                 for param in bucket.params:
                     src = bucket.full[param.offset : param.offset + param.numel].view(param.shape)
-                    param.unsharded.data.copy_(src)
+                    param.unsharded_local().copy_(src)
                     self.stats.add_copy(src)
             self._free(self._gather_storage)
         self._hold(unsharded=True)
@@ -544,6 +546,8 @@ class FSDPParamGroup:
             all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
             for param in bucket.params:
                 piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
+                if param.parallel is not None:  # the local tensor of a parallel placement
+                    piece = _whole(piece, param.parallel)
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
@@ -587,3 +591,13 @@ def _reducer(bucket: DBuffer) -> ReduceScatter:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
+
+
+def _whole(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """The whole tensor of ``local`` placed by ``spec`` over its (tensor- or expert-) parallel
+    mesh: DTensor's gather over those dims."""
+    meta = spec.tensor_meta
+    assert meta is not None
+    return DTensor.from_local(
+        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
+    ).full_tensor()

@@ -14,11 +14,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 from ..layout import RaggedShardPlacement, ragged_dim
 
-__all__ = ["Handler", "handler", "mesh_device", "piece_of", "spec_dim", "strides", "wrap"]
+__all__ = [
+    "Handler",
+    "handler",
+    "mesh_device",
+    "outer_box",
+    "outer_placements",
+    "piece_of",
+    "spec_dim",
+    "strides",
+    "wrap",
+]
 
 _aten = torch.ops.aten
 
@@ -62,12 +73,31 @@ def wrap(cls: type, local: torch.Tensor, spec: DTensorSpec) -> Any:
     return cls(local, spec, requires_grad=False)
 
 
+def outer_placements(spec: DTensorSpec) -> tuple[Placement, ...]:
+    """``spec``'s placements with the ragged one replaced by ``Replicate()``: how the tensor is
+    placed over the mesh's other dimensions (tensor or expert parallelism), whose local tensor
+    -- the *outer-local* tensor -- the ragged layout then cuts."""
+    return tuple(Replicate() if isinstance(p, RaggedShardPlacement) else p for p in spec.placements)
+
+
+def outer_box(spec: DTensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The outer-local tensor's shape and its offset in the global tensor."""
+    meta = spec.tensor_meta
+    assert meta is not None
+    if all(p.is_replicate() or isinstance(p, RaggedShardPlacement) for p in spec.placements):
+        return tuple(meta.shape), (0,) * len(meta.shape)
+    return compute_local_shape_and_global_offset(meta.shape, spec.mesh, outer_placements(spec))
+
+
 def piece_of(whole: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """This rank's piece of ``whole``, a tensor of the global shape."""
+    """This rank's piece of ``whole``, a tensor of the global shape: its outer-local block,
+    then the ragged layout's range of that."""
     dim = spec_dim(spec)
     placement = spec.placements[dim]
     assert isinstance(placement, RaggedShardPlacement)
-    return placement.layout.to_local(whole, spec.mesh.get_local_rank(dim))
+    shape, offset = outer_box(spec)
+    block = whole[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+    return placement.layout.to_local(block.contiguous(), spec.mesh.get_local_rank(dim))
 
 
 class _Unwrap:
@@ -309,11 +339,10 @@ def _any_all(op: str) -> Handler:
         local = x._local_tensor
         value = bool(func(local)) if local.numel() else op == "all"
         flag = torch.tensor([int(value)], dtype=torch.int32, device=local.device)
-        dist.all_reduce(
-            flag,
-            dist.ReduceOp.MIN if op == "all" else dist.ReduceOp.MAX,
-            group=x._spec.mesh.get_group(spec_dim(x._spec)),
-        )
+        for dim, placement in enumerate(x._spec.placements):  # every dim the tensor is cut on
+            if not placement.is_replicate():
+                reduce_op = dist.ReduceOp.MIN if op == "all" else dist.ReduceOp.MAX
+                dist.all_reduce(flag, reduce_op, group=x._spec.mesh.get_group(dim))
         result = flag[0].to(torch.bool)
         meta = TensorMeta(result.shape, (), result.dtype)
         placements = (Replicate(),) * x._spec.mesh.ndim

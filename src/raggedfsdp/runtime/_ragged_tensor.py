@@ -61,7 +61,16 @@ from torch.distributed.tensor.placement_types import Placement
 from ..layout import RaggedShardPlacement, ShardLayout, ragged_dim, shard_info
 from ._collectives import all_gather
 from ._metrics import RuntimeStats
-from ._ragged_ops import handler, mesh_device, spec_dim, strides, wrap
+from ._ragged_ops import (
+    handler,
+    mesh_device,
+    outer_box,
+    outer_placements,
+    piece_of,
+    spec_dim,
+    strides,
+    wrap,
+)
 
 __all__ = [
     "RaggedTensor",
@@ -114,10 +123,15 @@ class RaggedTensor(DTensor):
         mesh: DeviceMesh,
         *,
         mesh_dim: int = -1,
+        placements: Sequence[Placement] | None = None,
+        shape: Sequence[int] | None = None,
         requires_grad: bool = False,
     ) -> RaggedTensor:
-        """This rank's ``piece`` of a tensor placed by ``layout`` along ``mesh_dim``, replicated
-        along the mesh's other dimensions. No copy: the local tensor is ``piece`` itself."""
+        """This rank's ``piece`` of a tensor placed by ``layout`` along ``mesh_dim``. Along the
+        mesh's other dimensions it is placed by ``placements`` (default: ``Replicate()``; the
+        entry at ``mesh_dim`` is ignored): with tensor or expert parallelism, ``layout`` cuts
+        the local tensor those placements leave, and ``shape`` is the whole tensor's (default:
+        ``layout``'s). No copy: the local tensor is ``piece`` itself."""
         dim = mesh_dim % mesh.ndim
         rank = mesh.get_local_rank(dim)
         if piece.numel() != layout.local_numel(rank):
@@ -125,12 +139,8 @@ class RaggedTensor(DTensor):
                 f"rank {rank}'s piece of a tensor of shape {list(layout.global_shape)} has "
                 f"{layout.local_numel(rank)} elements, got {piece.numel()}"
             )
-        placements = tuple(
-            RaggedShardPlacement(layout) if d == dim else Replicate() for d in range(mesh.ndim)
-        )
-        shape = torch.Size(layout.global_shape)
-        meta = TensorMeta(shape, strides(shape), piece.dtype)
-        return cls(piece, DTensorSpec(mesh, placements, meta), requires_grad=requires_grad)
+        spec = _spec(layout, mesh, dim, placements, shape, piece.dtype)
+        return cls(piece, spec, requires_grad=requires_grad)
 
     # -- what it is ------------------------------------------------------------------------------
 
@@ -165,8 +175,15 @@ class RaggedTensor(DTensor):
 
     def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
         """The whole tensor on every rank: a collective over the ragged mesh dimension (one
-        all-gather of the pieces, padded to the largest)."""
-        return _gather(self._local_tensor, self.shard_layout, self.shard_group)
+        all-gather of the pieces, padded to the largest), then, under tensor or expert
+        parallelism, DTensor's own over the other dimensions."""
+        local = _gather(self._local_tensor, self.shard_layout, self.shard_group)
+        outer = outer_placements(self._spec)
+        if all(p.is_replicate() for p in outer):
+            return local
+        return DTensor.from_local(
+            local, self.device_mesh, outer, run_check=False, shape=self.shape, stride=self.stride()
+        ).full_tensor()
 
     def redistribute(
         self,
@@ -219,10 +236,12 @@ class RaggedTensor(DTensor):
         piece = self._local_tensor.reshape(-1)
         steps = strides(tuple(layout.global_shape))
         start = layout.ranges[rank][0]
+        _, outer = outer_box(self._spec)  # where the outer-local tensor lies in the whole
         out = []
         for offsets, sizes in layout.boxes(rank):
             begin = sum(o * s for o, s in zip(offsets, steps, strict=True)) - start
-            out.append((torch.Size(offsets), piece[begin : begin + math.prod(sizes)].view(sizes)))
+            place = torch.Size(o + p for o, p in zip(offsets, outer, strict=True))
+            out.append((place, piece[begin : begin + math.prod(sizes)].view(sizes)))
         return out
 
     def __create_write_items__(self, fqn: str, object: object) -> list[WriteItem]:
@@ -323,11 +342,9 @@ def distribute(
     accelerate's ``cpu_ram_efficient_loading`` call (:func:`raggedfsdp.integration.install`
     routes them here)."""
     dims = [d for d, p in enumerate(placements) if isinstance(p, RaggedShardPlacement)]
-    others = [p for d, p in enumerate(placements) if d not in dims]
-    if len(dims) != 1 or not all(isinstance(p, Replicate) for p in others):
+    if len(dims) != 1:
         raise NotImplementedError(
-            f"raggedfsdp: distributing a tensor to {tuple(placements)}: one ragged placement, "
-            f"Replicate() on the other mesh dimensions"
+            f"raggedfsdp: distributing a tensor to {tuple(placements)}: one ragged placement"
         )
     placement = placements[dims[0]]
     assert isinstance(placement, RaggedShardPlacement)
@@ -336,10 +353,25 @@ def distribute(
         for dim in range(mesh.ndim):
             group = mesh.get_group(dim)
             dist.broadcast(whole, dist.get_global_rank(group, src_data_rank), group=group)
-    piece = placement.layout.to_local(whole, mesh.get_local_rank(dims[0])).clone()
-    return RaggedTensor.from_piece(
-        piece, placement.layout, mesh, mesh_dim=dims[0], requires_grad=tensor.requires_grad
-    )
+    spec = _spec(placement.layout, mesh, dims[0], placements, whole.shape, whole.dtype)
+    return RaggedTensor(piece_of(whole, spec).clone(), spec, requires_grad=tensor.requires_grad)
+
+
+def _spec(
+    layout: ShardLayout,
+    mesh: DeviceMesh,
+    dim: int,
+    placements: Sequence[Placement] | None,
+    shape: Sequence[int] | None,
+    dtype: torch.dtype,
+) -> DTensorSpec:
+    """The spec of a tensor placed by ``layout`` along mesh dimension ``dim`` and by
+    ``placements`` (default ``Replicate()``) along the others, of global ``shape`` (default:
+    ``layout``'s)."""
+    given = tuple(placements) if placements is not None else (Replicate(),) * mesh.ndim
+    full = tuple(RaggedShardPlacement(layout) if d == dim else given[d] for d in range(mesh.ndim))
+    size = torch.Size(shape if shape is not None else layout.global_shape)
+    return DTensorSpec(mesh, full, TensorMeta(size, strides(size), dtype))
 
 
 def placed_like(piece: torch.Tensor, like: DTensor) -> RaggedTensor:

@@ -7,6 +7,7 @@ class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unch
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ..layout import RaggedShard
@@ -30,7 +31,7 @@ from ._fsdp_module import (
     unsupported,
 )
 from ._hooks import FSDPState, state_of, states_under
-from ._mesh import MeshInfo, device_for, mesh_info
+from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
@@ -277,11 +278,6 @@ def _check_parameter(fqn: str, param: nn.Parameter, modules: list[nn.Module]) ->
             f"holds every place it is registered, such as their common parent, or shard the "
             f"modules together (fully_shard([a, b]))"
         )
-    if isinstance(param, DTensor):
-        raise NotImplementedError(
-            f"parameter {fqn!r} is a DTensor placed {param.placements} (tensor or expert "
-            f"parallelism): raggedfsdp shards plain parameters only, so far"
-        )
     if not param.is_contiguous():
         raise NotImplementedError(  # FSDP2's type and words
             f"FSDP does not support non-contiguous parameters yet: parameter {fqn!r} of shape "
@@ -329,6 +325,10 @@ def fully_shard(
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
     info = mesh_info(mesh, device)
+    registrations = [
+        dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
+        for r in registrations
+    ]
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(

@@ -1,0 +1,127 @@
+"""FSDP on the data-parallel dim of a (dp, tp) mesh, beside tensor parallelism: one launch of 4
+Gloo ranks trains a model whose blocks are tensor-parallel (ColwiseParallel / RowwiseParallel over
+mesh["tp"]) and then sharded over mesh["dp"], with rf.fully_shard and with FSDP2 in the same
+launch, against one process on the global batch; the parameters carry both placements, the
+gradients are reduced over dp only, and a checkpoint moves between the two and across dp sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import raggedfsdp as rf
+from harness import run_distributed
+
+WORLD, DP, TP = 4, 2, 2
+BATCH = 3  # per data-parallel rank
+IMPLS: dict[str, Callable[..., Any]] = {"rf": rf.fully_shard, "fsdp2": fsdp2_fully_shard}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 8, vocab: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(2))
+        self.output = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.output(h).pow(2).mean()
+
+
+def _parallelize(impl: str, model: Net, mesh: Any) -> Net:
+    """torchtitan's order: tensor parallelism over mesh["tp"], then FSDP over mesh["dp"]."""
+    for block in model.blocks:
+        parallelize_module(
+            block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        )
+    for block in model.blocks:
+        IMPLS[impl](block, mesh=mesh["dp"])
+    IMPLS[impl](model, mesh=mesh["dp"])
+    return model
+
+
+def _batches(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(BATCH * DP, 6, generator=generator) for _ in range(steps)]
+
+
+def _train(model: nn.Module, dp_rank: int | None, steps: int = 3) -> dict[str, torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x in _batches(steps):
+        mine = x if dp_rank is None else x[dp_rank * BATCH : (dp_rank + 1) * BATCH]
+        model(mine).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    if dp_rank is None:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _grid(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh.get_local_rank("dp")
+    torch.manual_seed(0)
+    base = Net()
+    out: dict[str, Any] = {"reference": _train(copy.deepcopy(base), None)}
+    for impl in IMPLS:
+        model = _parallelize(impl, copy.deepcopy(base), mesh)
+        weight = model.blocks[0].up.weight
+        out[impl] = {
+            "placements": [str(p) for p in weight.placements],
+            "mesh_dims": weight.device_mesh.mesh_dim_names,
+            "trained": _train(model, dp_rank),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict[str, Any]]:
+    return run_distributed(_grid, WORLD)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_dp_x_tp_trains_as_one_process_and_as_fsdp2(grid):
+    for rank in grid:
+        _close(rank["fsdp2"]["trained"], rank["reference"])
+        _close(rank["rf"]["trained"], rank["reference"])
+
+
+def test_parameters_carry_both_placements(grid):
+    for rank in grid:
+        assert rank["rf"]["mesh_dims"] == ("dp", "tp")
+        ragged, tp = rank["rf"]["placements"]
+        assert ragged == "RS" and tp == str(Shard(0))
