@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (
@@ -59,9 +60,7 @@ class Net(nn.Module):
 def _parallelize(impl: str, model: Net, mesh: Any) -> Net:
     """torchtitan's order: tensor parallelism over mesh["tp"], then FSDP over mesh["dp"]."""
     for block in model.blocks:
-        parallelize_module(
-            block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
-        )
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     for block in model.blocks:
         IMPLS[impl](block, mesh=mesh["dp"])
     IMPLS[impl](model, mesh=mesh["dp"])
@@ -73,25 +72,34 @@ def _batches(steps: int) -> list[torch.Tensor]:
     return [torch.randn(BATCH * DP, 6, generator=generator) for _ in range(steps)]
 
 
-def _train(model: nn.Module, dp_rank: int | None, steps: int = 3) -> dict[str, torch.Tensor]:
+def _train(
+    model: nn.Module, dp_rank: int | None, clip: Callable[..., Any] | None = None, steps: int = 3
+) -> dict[str, torch.Tensor]:
+    """AdamW steps; ``clip``: a clip_grad_norm_ at 0.5 (torch's clip cannot mix the meshes of
+    a TP model's DTensors, FSDP2's or ours; raggedfsdp's reduces over both dims)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for x in _batches(steps):
         mine = x if dp_rank is None else x[dp_rank * BATCH : (dp_rank + 1) * BATCH]
         model(mine).backward()
+        if clip is not None:
+            clip(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
     if dp_rank is None:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return _full(model)
 
 
-def _grid(rank: int, world: int) -> dict[str, Any]:
+def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
     torch.manual_seed(0)
     base = Net()
-    out: dict[str, Any] = {"reference": _train(copy.deepcopy(base), None)}
+    out: dict[str, Any] = {
+        "reference": _train(copy.deepcopy(base), None),
+        "reference_clipped": _train(copy.deepcopy(base), None, torch.nn.utils.clip_grad_norm_),
+    }
     for impl in IMPLS:
         model = _parallelize(impl, copy.deepcopy(base), mesh)
         weight = model.blocks[0].up.weight
@@ -100,12 +108,43 @@ def _grid(rank: int, world: int) -> dict[str, Any]:
             "mesh_dims": weight.device_mesh.mesh_dim_names,
             "trained": _train(model, dp_rank),
         }
+    clipped = _parallelize("rf", copy.deepcopy(base), mesh)
+    out["rf"]["clipped"] = _train(clipped, dp_rank, rf.clip_grad_norm_)
+    out["checkpoints"] = _checkpoints(base, mesh, dp_rank, path)
     return out
 
 
+def _checkpoints(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
+    """A DCP checkpoint of the model trained at (dp=2, tp=2), loaded into FSDP2+TP at (2, 2)
+    and into raggedfsdp at (dp=1, tp=2) on ranks 0 and 1."""
+    trained = _parallelize("rf", copy.deepcopy(base), mesh)
+    _train(trained, dp_rank)
+    dcp.save(trained.state_dict(), checkpoint_id=path)
+    out = {"saved": _full(trained)}
+    torch.manual_seed(9)  # other values, which the load must replace
+    other = Net()
+    fsdp2 = _parallelize("fsdp2", copy.deepcopy(other), mesh)
+    state = fsdp2.state_dict()
+    dcp.load(state, checkpoint_id=path)
+    fsdp2.load_state_dict(state)
+    out["fsdp2"] = _full(fsdp2)
+    smaller = DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("dp", "tp"))
+    if smaller.get_coordinate() is not None:
+        narrow = _parallelize("rf", copy.deepcopy(other), smaller)
+        state = narrow.state_dict()
+        dcp.load(state, checkpoint_id=path, process_group=smaller.get_group("tp"))
+        narrow.load_state_dict(state)
+        out["dp1"] = _full(narrow)
+    return out
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
 @pytest.fixture(scope="module")
-def grid() -> list[dict[str, Any]]:
-    return run_distributed(_grid, WORLD)
+def grid(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("tp_dcp")))
 
 
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -125,3 +164,16 @@ def test_parameters_carry_both_placements(grid):
         assert rank["rf"]["mesh_dims"] == ("dp", "tp")
         ragged, tp = rank["rf"]["placements"]
         assert ragged == "RS" and tp == str(Shard(0))
+
+
+def test_clip_reduces_the_norm_over_dp_and_tp(grid):
+    for rank in grid:
+        _close(rank["rf"]["clipped"], rank["reference_clipped"])
+
+
+def test_checkpoint_loads_into_fsdp2_tp_and_at_another_dp_size(grid):
+    for rank, result in enumerate(grid):
+        saved = result["checkpoints"]["saved"]
+        _close(result["checkpoints"]["fsdp2"], saved)
+        if rank < 2:
+            _close(result["checkpoints"]["dp1"], saved)

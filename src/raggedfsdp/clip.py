@@ -3,8 +3,10 @@
 ``torch.nn.utils.clip_grad_norm_`` on local shards would clip each rank by the norm of its own
 pieces: different ranks would scale by different factors. Here every rank computes the norm of
 the whole gradient: sharded parameters contribute ``sum |g|^p`` of their local pieces, summed over
-their shard process group by ONE all-reduce per group (``MAX`` for the infinity norm); unsharded
-parameters are held whole by every rank and counted once, locally.
+their shard process group by ONE all-reduce per group (``MAX`` for the infinity norm) -- and over
+the groups of the mesh dims tensor or expert parallelism cuts a DTensor on, where torch's own
+``clip_grad_norm_`` cannot mix DTensors of several meshes; unsharded parameters are held whole by
+every rank and counted once, locally.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from .layout import comm_group, local_piece
@@ -54,7 +57,7 @@ def clip_grad_norm_(
     plain, groups = _split_by_group(with_grad)
     norms = [get_total_norm(plain, norm_type, foreach=foreach)] if plain else []
     norms += [
-        _group_norm(group, grads, norm_type, device, foreach) for group, grads in groups.values()
+        _group_norm(over, grads, norm_type, device, foreach) for over, grads in groups.values()
     ]
     total = torch.linalg.vector_norm(
         torch.stack([n.to(device, torch.float64) for n in norms]), norm_type
@@ -71,32 +74,51 @@ def clip_grad_norm_(
 
 def _split_by_group(
     params: list[torch.Tensor],
-) -> tuple[list[torch.Tensor], dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]]]:
-    """The non-empty gradients this rank holds whole, and the others by shard group (in first
-    appearance order, the same on every rank of a group)."""
+) -> tuple[list[torch.Tensor], dict[tuple[int, ...], tuple[list, list[torch.Tensor]]]]:
+    """The non-empty gradients this rank holds whole, and the others by the process groups
+    their pieces' norms are summed over -- the shard group, and under tensor or expert
+    parallelism the groups of the mesh dims a DTensor is cut on -- in first appearance order,
+    the same on every rank of a group."""
     plain: list[torch.Tensor] = []
-    groups: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    groups: dict[tuple[int, ...], tuple[list, list[torch.Tensor]]] = {}
     for p in params:
-        group = comm_group(p)
+        reduce_over = _groups_of(p)
         # The local pieces: the norms here are reduced by hand, not as DTensors.
         grad = local_piece(p.grad)
-        if group is None:
+        if not reduce_over:
             if grad.numel() > 0:
                 plain.append(grad)
         else:
-            groups.setdefault(id(group), (group, []))[1].append(grad)
+            key = tuple(id(g) for g in reduce_over)
+            groups.setdefault(key, (reduce_over, []))[1].append(grad)
     return plain, groups
 
 
+def _groups_of(param: torch.Tensor) -> list:
+    """The groups a parameter's gradient is cut over: its shard group (none for a one-rank
+    layout), and the groups of the other mesh dims a DTensor is ``Shard``-ed on."""
+    out = []
+    group = comm_group(param)
+    if group is not None:
+        out.append(group)
+    grad = param.grad
+    if isinstance(grad, DTensor):
+        mesh = grad.device_mesh
+        for dim, placement in enumerate(grad.placements):
+            if isinstance(placement, Shard) and mesh.size(dim) > 1:
+                out.append(mesh.get_group(dim))
+    return out
+
+
 def _group_norm(
-    group: dist.ProcessGroup,
+    groups: list,
     grads: list[torch.Tensor],
     norm_type: float,
     device: torch.device,
     foreach: bool | None,
 ) -> torch.Tensor:
-    """The norm of gradients sharded over ``group``: ONE all-reduce of the local partial sums
-    (``MAX`` for the infinity norm), joined by every rank even with no local piece."""
+    """The norm of gradients cut over ``groups``: one all-reduce per group of the local partial
+    sums (``MAX`` for the infinity norm), joined by every rank even with no local piece."""
     # Float64 so that |g|^p of large gradients neither overflows nor loses the small ones.
     local = [g for g in grads if g.numel() > 0]
     partial = (
@@ -105,8 +127,10 @@ def _group_norm(
         else torch.zeros((), dtype=torch.float64, device=device)
     )
     if norm_type == math.inf:
-        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
+        for group in groups:
+            dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
         return partial
     partial = partial.pow(norm_type)
-    dist.all_reduce(partial, group=group)
+    for group in groups:
+        dist.all_reduce(partial, group=group)
     return partial.pow(1.0 / norm_type)
