@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import error_message, run_distributed
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -111,7 +111,24 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     clipped = _parallelize("rf", copy.deepcopy(base), mesh)
     out["rf"]["clipped"] = _train(clipped, dp_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, mesh, dp_rank, path)
+    out["errors"] = _errors(base, mesh)
     return out
+
+
+def _errors(base: Net, mesh: Any) -> dict[str, str]:
+    """Bad input, each one error naming it before any collective: a tile cut by the tensor-
+    parallel split, and a DTensor sharded over the dims that hold it."""
+    block = copy.deepcopy(base.blocks[0])
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    tiles = rf.RaggedShard(block_size=3)  # up.weight's 32 rows split 16 + 16: cuts 3-row tiles
+    same = copy.deepcopy(base.blocks[0])
+    parallelize_module(same, mesh["tp"], {"up": ColwiseParallel()})
+    return {
+        "tile_cut": error_message(
+            lambda: rf.fully_shard(block, mesh=mesh["dp"], shard_policy=tiles)
+        ),
+        "same_dims": error_message(lambda: rf.fully_shard(same, mesh=mesh["tp"])),
+    }
 
 
 def _checkpoints(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
@@ -177,3 +194,12 @@ def test_checkpoint_loads_into_fsdp2_tp_and_at_another_dp_size(grid):
         _close(result["checkpoints"]["fsdp2"], saved)
         if rank < 2:
             _close(result["checkpoints"]["dp1"], saved)
+
+
+def test_bad_input_is_one_clear_error(grid):
+    errors = grid[0]["errors"]
+    assert (
+        "'up.weight' of shape [32, 8] is split by Shard(dim=0) over 2 ranks" in errors["tile_cut"]
+    )
+    assert "inside a block" in errors["tile_cut"]
+    assert "no dim in common" in errors["same_dims"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -257,6 +258,37 @@ def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list
     return [Registration(fqn, param, tuple(owners)) for fqn, param, owners in found.values()]
 
 
+def _check_parallel_cuts(registration: Registration, policy: RaggedShard) -> None:
+    """A DTensor parameter's tensor-parallel split must not cut a block the policy keeps whole
+    (a 128x128 tile split across tp ranks would be quantized, or orthogonalised, as two): one
+    error naming the parameter, its split and its block, before any collective."""
+    spec = registration.parallel
+    if spec is None:
+        return
+    shape = tuple(spec.shape)
+    block = policy.block_for(registration.fqn)
+    for dim, placement in enumerate(spec.placements):
+        if not isinstance(placement, Shard):
+            continue
+        cut, ways = placement.dim % len(shape), spec.mesh.size(dim)
+        chunk = -(-shape[cut] // ways)  # torch.chunk's, as Shard splits
+        cuts = [k * chunk for k in range(1, ways) if k * chunk < shape[cut]]
+        if cut == 0:  # rows: a cut must fall between units of the flattened parameter
+            unit = policy.unit_numel(registration.fqn, shape)
+            inner = math.prod(shape[1:])
+            bad = [at for at in cuts if (at * inner) % unit]
+        else:  # columns: between tiles (a row-block policy keeps b x b tiles)
+            step = block if isinstance(block, int) else block[1] if isinstance(block, tuple) else 1
+            bad = cuts if block == "whole" else [at for at in cuts if at % step]
+        if bad:
+            raise ValueError(
+                f"parameter {registration.fqn!r} of shape {list(shape)} is split by "
+                f"{placement!r} over {ways} ranks at index {bad[0]} of dim {cut}, inside a block "
+                f"that the shard policy ({block!r}) keeps whole; choose a block that divides "
+                f"the split, or split the parameter elsewhere"
+            )
+
+
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:
     """The unit's buffers (not an inner unit's) on its device, as FSDP2 moves them: a model
     built on the CPU and sharded over a GPU mesh computes on the GPU."""
@@ -329,6 +361,8 @@ def fully_shard(
         dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
         for r in registrations
     ]
+    for registration in registrations:
+        _check_parallel_cuts(registration, planner.shard_policy)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
