@@ -254,4 +254,4 @@ def test_table_quantizer_equals_bucketize_exactly() -> None:
         specials = torch.tensor([0.0, -0.0, 1.0, 1e-30, -1e-30, 1e-45, qmap[0].item()])
         x = torch.cat([x, *edges, specials])
         want = torch.bucketize(x, mids, out_int32=True).to(torch.uint8)
-        assert torch.equal(_NearestCode.of(qmap, x.device)(x), want)
+        assert torch.equal(_NearestCode(qmap, x.device)(x), want)

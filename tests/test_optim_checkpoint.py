@@ -55,7 +55,9 @@ def _build(kind: str, block_size):
             "shampoo", rf.RaggedShard(block_size=block_size), max_preconditioner_dim=DIM
         )
         rf.FSDPBackend(model, planner=planner)
-        opt = rf.optim.Shampoo(model.parameters(), lr=0.01, max_preconditioner_dim=DIM)
+        opt = rf.optim.Shampoo(
+            model.parameters(), lr=0.01, max_preconditioner_dim=DIM, precondition_frequency=1
+        )
     else:
         planner = rf.StructAwarePlanner("adamw8bit", rf.RaggedShard(block_size=block_size))
         rf.FSDPBackend(model, planner=planner)

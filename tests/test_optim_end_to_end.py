@@ -26,7 +26,9 @@ def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
             params, lr=0.02, adamw_params=lambda p, shape: id(p) in aux or len(shape) < 2
         )
     if kind == "shampoo":
-        return rf.optim.Shampoo(params, lr=1e-2, max_preconditioner_dim=16)
+        return rf.optim.Shampoo(
+            params, lr=1e-2, max_preconditioner_dim=16, precondition_frequency=1
+        )
     return rf.optim.AdamW8bit(params, lr=1e-2, min_8bit_numel=1024)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.optim._muon import _zeropower_via_newtonschulz
 
-from harness import Group, assert_no_failures, world_grid_fixture
+from harness import Group, assert_no_failures, error_message, world_grid_fixture
 from optim_grid import WORLDS, random_layout, shard, step_twins, twin_params
 from raggedfsdp.layout import ShardLayout, mark_sharded, shard_info
 from raggedfsdp.optim import Muon
@@ -186,6 +186,18 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     return out
 
 
+def _missing_grad_case(rank: int, world: int, group: Group) -> str:
+    """A sharded parameter with a gradient on every rank but rank 0: refused on every rank
+    (its owner's Newton-Schulz would wait for a piece that never comes)."""
+    shape = (8, 6)
+    layout = ShardLayout(
+        shape, 1, tuple((r * 48 // world, (r + 1) * 48 // world) for r in range(world))
+    )
+    param = shard(torch.zeros(shape), layout, rank, group)
+    param.grad = None if rank == 0 else torch.ones(param.shape)
+    return error_message(Muon([param]).step)
+
+
 def _muon_cases(rank: int, world: int, group: Group) -> dict[str, object]:
     """Every case of one world size on this rank; returns their results by name."""
     failures: list[str] = []
@@ -196,6 +208,7 @@ def _muon_cases(rank: int, world: int, group: Group) -> dict[str, object]:
         "failures": failures,
         "traffic": _traffic_case(rank, world, group),
         "nonfinite": _nonfinite_case(rank, world, group),
+        "missing_grad": _missing_grad_case(rank, world, group),
     }
 
 
@@ -227,6 +240,12 @@ def test_nonfinite_gradient_skips_on_every_rank(grid, world: int) -> None:
         assert outcome["skipped"] == 1 and outcome["unchanged"] and outcome["state_empty"]
         assert any("skipped a step" in w for w in outcome["warnings"])
         assert "non-finite gradient" in outcome["error"]
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
+def test_gradient_on_some_ranks_only_is_named_on_every_rank(grid, world: int) -> None:
+    for result in grid[world]:
+        assert f"has a gradient on {world - 1} of the {world} ranks" in result["missing_grad"]
 
 
 def test_newton_schulz_bf16_path_is_torch_kernel() -> None:

@@ -29,6 +29,7 @@ from ._state import loaded_value, local, placed
 __all__ = [
     "Pieces",
     "ShardedOptimizer",
+    "advance_steps",
     "check_block_cuts",
     "comm_group",
     "global_shape",
@@ -149,25 +150,19 @@ class ShardedOptimizer(Optimizer):
     def _gradients_finite(self) -> bool:
         """Whether every gradient on every rank is finite; the same answer on every rank.
 
-        One all-reduce per shard process group carries this rank's non-finite flag and, per
-        sharded parameter, whether it has a gradient here: a parameter must have a gradient on all
-        ranks of its group or on none, since the optimizers' collectives depend on it.
+        One host read per step: of this rank's non-finite flag, or, when some parameters are
+        sharded, of the all-reduce (one per shard process group) that carries the flag and, per
+        sharded parameter, whether it has a gradient here: a parameter must have a gradient on
+        all ranks of its group or on none, since the optimizers' collectives depend on it.
         """
         params = [p for group in self.param_groups for p in group["params"]]
         # The local pieces: this check is local by design (a sharded gradient's own norm would
         # be the global one, a collective).
         pieces = [local(p.grad) for p in params if p.grad is not None]
-        grads = [g for g in pieces if g.numel() > 0]
-        local_bad = False
-        if grads:
-            # One fused max-abs per tensor and one host sync: NaN and Inf both make it non-finite.
-            norms = torch._foreach_norm(grads, math.inf)
-            device = grads[0].device
-            local_bad = not bool(
-                torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
-            )
-        # Every rank joins the all-reduces, whatever it saw itself.
-        any_bad = self._any_bad_elsewhere(params, local_bad) or local_bad
+        bad = _nonfinite_flag([g for g in pieces if g.numel() > 0])
+        groups = _shard_groups(params)
+        # With shard groups, every rank joins their all-reduces, whatever it saw itself.
+        any_bad = self._any_bad_in_groups(groups, bad) if groups else bad is not None and bool(bad)
         if not any_bad:
             return True
         here = [
@@ -187,24 +182,18 @@ class ShardedOptimizer(Optimizer):
         )
         return False
 
-    def _any_bad_elsewhere(self, params: list[torch.Tensor], local_bad: bool) -> bool:
-        """Whether a rank of some shard group saw a non-finite gradient: one all-reduce per
-        group, which also checks that each sharded parameter has a gradient on all of its ranks
-        or on none."""
-        by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
-        for p in params:
-            group = comm_group(p)
-            if group is not None:
-                by_group.setdefault(id(group), (group, []))[1].append(p)
+    def _any_bad_in_groups(self, groups: list[ShardGroup], bad: torch.Tensor | None) -> bool:
+        """Whether a rank of some shard group saw a non-finite gradient (``bad``: this rank's
+        flag, not read here): one all-reduce and one host read per group, which also check that
+        each sharded parameter has a gradient on all of its ranks or on none."""
         any_bad = False
-        for group, members in by_group.values():
-            flags = torch.tensor(
-                [int(local_bad)] + [int(p.grad is not None) for p in members],
-                dtype=torch.int64,
-                device=local(members[0]).device,
-            )
+        for group, members in groups:
+            device = local(members[0]).device
+            has_grad = [int(p.grad is not None) for p in members]
+            flag = torch.zeros(1, dtype=torch.int64, device=device) if bad is None else bad
+            flags = torch.cat([flag.view(1).to(device), torch.tensor(has_grad, device=device)])
             dist.all_reduce(flags, group=group)
-            counts = flags.tolist()  # one host sync for the flag and the counts
+            counts = flags.tolist()
             any_bad |= bool(counts[0])
             world = dist.get_world_size(group)
             for p, count in zip(members, counts[1:], strict=True):
@@ -311,6 +300,42 @@ class ShardedOptimizer(Optimizer):
     def _keep(self, values: dict[str, Any]) -> list[str]:
         """The keys of ``values`` that keep their own dtype."""
         return [k for k in self._KEEP_DTYPE_STATE_KEYS if k in values]
+
+
+def advance_steps(steps: list[torch.Tensor]) -> list[float]:
+    """Add one to every ``step`` tensor (in place) and read them all in one host read: what a
+    per-parameter ``float(step)`` would read, for the price of one."""
+    if not steps:
+        return []
+    torch._foreach_add_(steps, 1)
+    return torch.stack(steps).tolist()
+
+
+#: A shard process group and the parameters sharded over it.
+ShardGroup = tuple[dist.ProcessGroup, list[torch.Tensor]]
+
+
+def _shard_groups(params: list[torch.Tensor]) -> list[ShardGroup]:
+    """The process groups ``params`` are sharded over, each with its parameters, in first
+    appearance order (the same on every rank of a group)."""
+    by_group: dict[int, ShardGroup] = {}
+    for p in params:
+        group = comm_group(p)
+        if group is not None:
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+    return list(by_group.values())
+
+
+def _nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor | None:
+    """1 (int64, 0-D, on the gradients' device) when a NaN or Inf is among ``grads``, else 0;
+    ``None`` without gradients. Not read: the caller decides where the host waits for it."""
+    if not grads:
+        return None
+    # One fused max-abs per tensor: NaN and Inf both make it non-finite.
+    norms = torch._foreach_norm(grads, math.inf)
+    device = grads[0].device
+    finite = torch.stack([n.to(device, torch.float32) for n in norms]).isfinite().all()
+    return finite.logical_not().to(torch.int64)
 
 
 def _nonfinite(tensor: torch.Tensor) -> bool:

@@ -20,14 +20,24 @@ bnb#2080).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..layout import ShardLayout, row_numel, shard_info
-from ._common import ShardedOptimizer, check_betas, check_block_cuts, global_shape, local
+from ._common import (
+    Pieces,
+    ShardedOptimizer,
+    advance_steps,
+    check_betas,
+    check_block_cuts,
+    global_shape,
+    local,
+)
 
 __all__ = ["AdamW8bit", "dequantize_blocks", "dynamic_map", "quantize_blocks"]
 
@@ -80,7 +90,7 @@ def quantize_blocks(
     scales = tiles.abs().amax(dim=(1, 3))
     # An all-zero tile has scale 0; dividing by 1 instead keeps its codes at the map's zero.
     normalized = tiles / torch.where(scales > 0, scales, 1.0)[:, None, :, None]
-    codes = _NearestCode.of(qmap, x2d.device)(normalized)
+    codes = _on_device(qmap, x2d.device).nearest(normalized)
     return _untiled(codes, *x2d.shape).contiguous(), scales
 
 
@@ -95,8 +105,6 @@ class _NearestCode:
     every midpoint and its float neighbours) at 2-3x its speed, which dominated the step.
     """
 
-    _cache: ClassVar[dict[tuple[int, str], _NearestCode]] = {}
-
     def __init__(self, qmap: torch.Tensor, device: torch.device) -> None:
         qmap = qmap.to(device=device, dtype=torch.float32)
         self.midpoints = (qmap[:-1] + qmap[1:]) / 2  # 1-D [255], sorted
@@ -104,13 +112,6 @@ class _NearestCode:
         every_cell = torch.arange(1 << 16, dtype=torch.int64, device=device)
         self.below = torch.searchsorted(cells, every_cell).to(torch.int32)  # [65536]
         self.per_cell = int(torch.bincount(cells, minlength=1 << 16).max())
-
-    @classmethod
-    def of(cls, qmap: torch.Tensor, device: torch.device) -> _NearestCode:
-        key = (hash(tuple(qmap.tolist())), str(device))
-        if key not in cls._cache:
-            cls._cache[key] = cls(qmap, device)
-        return cls._cache[key]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
@@ -120,6 +121,32 @@ class _NearestCode:
             nxt = _lookup(self.midpoints, code.clamp(max=last))
             code += ((code <= last) & (nxt < x)).to(torch.int32)
         return code.to(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _MapOnDevice:
+    """A code map as one device computes with it."""
+
+    values: torch.Tensor  # the map's 256 fp32 values, on the device
+    nearest: _NearestCode  # its nearest-code table, on the device
+
+
+#: The optimizer's two maps on each device they were used on, by (map identity, device):
+#: made once, as a step would otherwise pay a blocking host-to-device copy of each map per
+#: parameter and moment (and a host read to build the table).
+_ON_DEVICE: dict[tuple[int, torch.device], _MapOnDevice] = {}
+
+
+def _on_device(qmap: torch.Tensor, device: torch.device) -> _MapOnDevice:
+    """``qmap`` on ``device``: cached for the optimizer's two maps, made afresh for others (a
+    caller's own map, which the cache would keep alive)."""
+    key = (id(qmap), device)
+    cached = _ON_DEVICE.get(key)
+    if cached is None:
+        cached = _MapOnDevice(qmap.to(device, torch.float32), _NearestCode(qmap, device))
+        if qmap is _SIGNED_MAP or qmap is _UNSIGNED_MAP:
+            _ON_DEVICE[key] = cached
+    return cached
 
 
 def _lookup(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -139,7 +166,7 @@ def dequantize_blocks(
 ) -> torch.Tensor:
     """The fp32 values of :func:`quantize_blocks`' output (``codes``' shape)."""
     # index_select: a 1-D gather, several times faster on CPU than advanced indexing.
-    values = _lookup(qmap.to(codes.device), codes)
+    values = _lookup(_on_device(qmap, codes.device).values, codes)
     tiles = _tiled(values, block_shape).mul_(scales[:, None, :, None])
     return _untiled(tiles, *codes.shape)
 
@@ -271,60 +298,69 @@ class AdamW8bit(ShardedOptimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             self._adamw_update(group, [p for p in params if _geometry(p, group) is None])
-            for p in params:
-                geometry = _geometry(p, group)
-                if geometry is not None:
-                    self._update_quantized(p, group, *geometry)
+            quantized = [(p, g) for p in params if (g := _geometry(p, group)) is not None]
+            pieces = [
+                self._pieces(p, functools.partial(self._quantized_state, geometry=g))
+                for p, g in quantized
+            ]
+            steps = advance_steps([x.state["step"] for x in pieces])
+            for x, (_, geometry), step in zip(pieces, quantized, steps, strict=True):
+                _update_quantized(x, group, *geometry, step)
 
     def _quantized_state(
-        self, p: torch.Tensor, view: tuple[int, int], tile: tuple[int, int]
+        self, p: torch.Tensor, geometry: tuple[int | None, tuple[int, int]]
     ) -> dict[str, Any]:
         """The state of a new quantized parameter: both moments zero."""
+        cols, tile = geometry
         state: dict[str, Any] = {"step": torch.tensor(0.0)}
         piece = local(p)
-        zeros = torch.zeros(piece.shape, dtype=torch.float32, device=piece.device).view(view)
+        zeros = torch.zeros(piece.shape, dtype=torch.float32, device=piece.device)
         for key, qmap in (("exp_avg", _SIGNED_MAP), ("exp_avg_sq", _UNSIGNED_MAP)):
-            codes, scales = quantize_blocks(zeros, tile, qmap)
+            codes, scales = quantize_blocks(zeros.view(_blocks_view(cols)), tile, qmap)
             state[f"{key}_codes"] = self._placed(p, f"{key}_codes", codes.view(piece.shape))
             state[f"{key}_scales"] = self._placed(p, f"{key}_scales", scales)
         return state
 
-    def _update_quantized(
-        self, p: torch.Tensor, group: dict[str, Any], cols: int | None, tile: tuple[int, int]
-    ) -> None:
-        # The local piece as the blocks see it: one row of flat blocks, or [rows, row_len].
-        view = (1, -1) if cols is None else (-1, cols)
-        piece, grad, state = self._pieces(p, lambda p: self._quantized_state(p, view, tile))
-        state["step"] += 1
-        step = float(state["step"])
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        exp_avg = dequantize_blocks(
-            state["exp_avg_codes"].view(view), state["exp_avg_scales"], tile, _SIGNED_MAP
-        )
-        exp_avg_sq = dequantize_blocks(
-            state["exp_avg_sq_codes"].view(view), state["exp_avg_sq_scales"], tile, _UNSIGNED_MAP
-        )
-        grad = grad.float().view(view)
-        # torch.optim.AdamW's single-tensor arithmetic, in fp32.
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        param = piece.float().view(view)  # the piece itself when it is fp32
-        param.mul_(1 - lr * group["weight_decay"])
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-        if param.data_ptr() != piece.data_ptr():
-            piece.copy_(param.view(piece.shape))
-        for key, value, qmap in (
-            ("exp_avg", exp_avg, _SIGNED_MAP),
-            ("exp_avg_sq", exp_avg_sq, _UNSIGNED_MAP),
-        ):
-            codes, scales = quantize_blocks(value, tile, qmap)
-            # Into the state's own tensors: a sharded state's pieces stay where DCP finds them.
-            state[f"{key}_codes"].copy_(codes.view(piece.shape))
-            state[f"{key}_scales"].copy_(scales)
+
+def _blocks_view(cols: int | None) -> tuple[int, int]:
+    """A piece as the blocks see it: one row of flat blocks, or ``[rows, row_len]``."""
+    return (1, -1) if cols is None else (-1, cols)
+
+
+def _update_quantized(
+    pieces: Pieces, group: dict[str, Any], cols: int | None, tile: tuple[int, int], step: float
+) -> None:
+    """One step of a quantized parameter (its ``step``-th) on this rank's pieces."""
+    piece, grad, state = pieces
+    view = _blocks_view(cols)
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    exp_avg = dequantize_blocks(
+        state["exp_avg_codes"].view(view), state["exp_avg_scales"], tile, _SIGNED_MAP
+    )
+    exp_avg_sq = dequantize_blocks(
+        state["exp_avg_sq_codes"].view(view), state["exp_avg_sq_scales"], tile, _UNSIGNED_MAP
+    )
+    grad = grad.float().view(view)
+    # torch.optim.AdamW's single-tensor arithmetic, in fp32.
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    param = piece.float().view(view)  # the piece itself when it is fp32
+    param.mul_(1 - lr * group["weight_decay"])
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(group["eps"])
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if param.data_ptr() != piece.data_ptr():
+        piece.copy_(param.view(piece.shape))
+    for key, value, qmap in (
+        ("exp_avg", exp_avg, _SIGNED_MAP),
+        ("exp_avg_sq", exp_avg_sq, _UNSIGNED_MAP),
+    ):
+        codes, scales = quantize_blocks(value, tile, qmap)
+        # Into the state's own tensors: a sharded state's pieces stay where DCP finds them.
+        state[f"{key}_codes"].copy_(codes.view(piece.shape))
+        state[f"{key}_scales"].copy_(scales)
 
 
 def _geometry(p: torch.Tensor, group: dict[str, Any]) -> tuple[int | None, tuple[int, int]] | None:

@@ -6,8 +6,10 @@ into blocks of at most ``max_preconditioner_dim`` rows × ``max_preconditioner_d
 block ``G``:
 
 - ``L += G Gᵀ`` and ``R += Gᵀ G`` (or an EMA with ``shampoo_beta2 < 1``), in fp32;
-- every ``precondition_frequency`` steps from ``start_preconditioning_step``, the inverse fourth
-  roots ``L^-1/4``, ``R^-1/4`` are recomputed from an fp32 ``eigh``;
+- every ``precondition_frequency`` steps from ``start_preconditioning_step`` (by default every
+  100 steps from step 100), the inverse fourth roots ``L^-1/4``, ``R^-1/4`` are recomputed from
+  fp32 eigendecompositions, one batched ``eigh`` per block size for the whole param group (each
+  ``eigh`` is a host sync on an accelerator);
 - the direction ``L^-1/4 · M̂ · R^-1/4`` (``M̂`` the bias-corrected first moment) is rescaled to
   the Frobenius norm of the Adam direction ``M̂ / (sqrt(V̂) + grafting_epsilon)`` of the same
   block (Adam grafting: the block's step size is Adam's, its direction Shampoo's);
@@ -26,14 +28,18 @@ for the same block (e.g. by thread count or memory alignment) on different proce
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..layout import ShardLayout, row_numel, shard_info
 from ._common import (
+    Pieces,
     ShardedOptimizer,
+    advance_steps,
     check_betas,
     check_block_cuts,
     global_shape,
@@ -51,15 +57,36 @@ Block = tuple[tuple[int, int], tuple[int, int]]
 _FACTOR_KEYS = ("L", "R", "L_inv_root", "R_inv_root")
 
 
-def _inverse_fourth_root(matrix: torch.Tensor, epsilon: float) -> torch.Tensor:
-    """``(A + εI)^(-1/4)`` of a symmetric PSD matrix, from an fp32 eigendecomposition.
+def _inverse_fourth_roots(pairs: list[tuple[torch.Tensor, torch.Tensor]], epsilon: float) -> None:
+    """``root ← (A + εI)^(-1/4)`` for every ``(A, root)`` pair of symmetric PSD matrices, from
+    fp32 eigendecompositions: one batched ``eigh`` per matrix size. ``eigh`` makes the host wait
+    for the device (the solver reports its status), so it is paid once per size, not per
+    matrix; on the CPU a batch runs the same LAPACK call per matrix, so each root is the one an
+    unbatched call gives, whatever else shares its batch.
 
     fp32 ``eigh`` can return tiny negative eigenvalues for a PSD matrix; they are clamped to 0
     before ``ε`` is added, so the root is always finite.
     """
-    eigenvalues, eigenvectors = torch.linalg.eigh(matrix)
-    scale = (eigenvalues.clamp(min=0) + epsilon).pow(-0.25)
-    return (eigenvectors * scale) @ eigenvectors.T
+    by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for matrix, root in pairs:
+        by_size.setdefault(matrix.shape[0], []).append((matrix, root))
+    for batch in by_size.values():
+        eigenvalues, eigenvectors = torch.linalg.eigh(torch.stack([m for m, _ in batch]))
+        scales = (eigenvalues.clamp(min=0) + epsilon).pow(-0.25)
+        for (_, root), vectors, scale in zip(batch, eigenvectors, scales, strict=True):
+            root.copy_((vectors * scale) @ vectors.T)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One parameter in one step: this rank's pieces, its blocks (``None``: not a matrix), its
+    step number, its row length, and its factors' per-block matrices (views of the state)."""
+
+    pieces: Pieces
+    blocks: list[Block] | None
+    step: int
+    cols: int
+    factors: dict[str, list[torch.Tensor]]
 
 
 class Shampoo(ShardedOptimizer):
@@ -74,9 +101,12 @@ class Shampoo(ShardedOptimizer):
         weight_decay: decoupled weight decay.
         max_preconditioner_dim: largest block side; a sharded parameter's rank boundaries must
             fall on multiples of this many rows.
-        precondition_frequency: steps between recomputations of the inverse roots.
+        precondition_frequency: steps between recomputations of the inverse roots (default
+            100, as every configuration in Distributed Shampoo's README; its signature's 1 is
+            "pure" Shampoo, which pays the roots every step).
         start_preconditioning_step: first step (1-based) that uses Shampoo's direction; before
-            it, the update is Adam's.
+            it, the update is Adam's. ``None`` (default): ``precondition_frequency``, as
+            Distributed Shampoo's ``-1``, so the first roots see that many steps of statistics.
         shampoo_beta2: ``1.0`` sums ``G Gᵀ`` and ``Gᵀ G``; below 1, an EMA with this factor.
         grafting_epsilon: Adam's epsilon in the grafted direction.
         skip_nonfinite: skip a step with a NaN/Inf gradient on every rank (else raise).
@@ -99,8 +129,8 @@ class Shampoo(ShardedOptimizer):
         epsilon: float = 1e-12,
         weight_decay: float = 0.0,
         max_preconditioner_dim: int = 1024,
-        precondition_frequency: int = 1,
-        start_preconditioning_step: int = 1,
+        precondition_frequency: int = 100,
+        start_preconditioning_step: int | None = None,
         *,
         shampoo_beta2: float = 1.0,
         grafting_epsilon: float = 1e-8,
@@ -134,9 +164,10 @@ class Shampoo(ShardedOptimizer):
             if not (isinstance(group[name], int) and group[name] >= 1):
                 raise ValueError(f"{where}: {name} must be an integer >= 1, got {group[name]!r}")
         start = group["start_preconditioning_step"]
-        if not (isinstance(start, int) and start >= 1):
+        if not (start is None or (isinstance(start, int) and start >= 1)):
             raise ValueError(
-                f"{where}: start_preconditioning_step must be an integer >= 1, got {start!r}"
+                f"{where}: start_preconditioning_step must be None or an integer >= 1, "
+                f"got {start!r}"
             )
         dim = group["max_preconditioner_dim"]
         for index, p in enumerate(group["params"]):
@@ -186,10 +217,30 @@ class Shampoo(ShardedOptimizer):
         return ShardLayout(torch.Size((prefix[-1],)), 1, ranges)
 
     def _update(self) -> None:
+        """Per param group: every parameter's moments and statistics, then the inverse roots
+        due this step, batched per block size, then every parameter's update."""
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update_param(p, group)
+            items = self._items(group)
+            due = [pair for item in items for pair in _statistics(item, group)]
+            _inverse_fourth_roots(due, group["epsilon"])
+            for item in items:
+                _apply(item, group)
+
+    def _items(self, group: dict[str, Any]) -> list[_Item]:
+        """The parameters of ``group`` with a gradient, as this step sees them (the steps
+        advanced and read in one host read)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        dim = group["max_preconditioner_dim"]
+        blocks = [_local_blocks(p, dim) if len(global_shape(p)) >= 2 else None for p in params]
+        pieces = [
+            self._pieces(p, functools.partial(self._new_state, blocks=b))
+            for p, b in zip(params, blocks, strict=True)
+        ]
+        steps = advance_steps([x.state["step"] for x in pieces])
+        return [
+            _Item(x, b, int(step), row_numel(global_shape(p)), _factors(x.state, b))
+            for p, x, b, step in zip(params, pieces, blocks, steps, strict=True)
+        ]
 
     def _new_state(self, p: torch.Tensor, blocks: list[Block] | None) -> dict[str, Any]:
         """The state of a new parameter: zero moments and, for a matrix, zero factors (the
@@ -206,53 +257,74 @@ class Shampoo(ShardedOptimizer):
             state[key] = self._placed(p, key, flat)
         return state
 
-    def _update_param(self, p: torch.Tensor, group: dict[str, Any]) -> None:
-        beta1, beta2 = group["betas"]
-        shape = global_shape(p)
-        blocks = _local_blocks(p, group["max_preconditioner_dim"]) if len(shape) >= 2 else None
-        param, grad, state = self._pieces(p, lambda p: self._new_state(p, blocks))
-        state["step"] += 1
-        step = int(state["step"])
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        first = exp_avg / (1 - beta1**step)
-        adam = first / (exp_avg_sq / (1 - beta2**step)).sqrt().add_(group["grafting_epsilon"])
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        start = group["start_preconditioning_step"]
-        if blocks is None:
-            param.add_(adam, alpha=-group["lr"])
-            return
-        cols = row_numel(shape)
-        factors = {key: _blocks_of(state[key], key, blocks) for key in _FACTOR_KEYS}
-        # The statistics gather from step 1, so the first preconditioner already has history.
-        _accumulate(factors, blocks, grad.reshape(-1, cols), group["shampoo_beta2"])
-        if step < start:
-            param.add_(adam, alpha=-group["lr"])
-            return
-        if (step - start) % group["precondition_frequency"] == 0:
-            for key in ("L", "R"):
-                for m, root in zip(factors[key], factors[f"{key}_inv_root"], strict=True):
-                    root.copy_(_inverse_fourth_root(m, group["epsilon"]))
-        first2d, adam2d = first.view(-1, cols), adam.view(-1, cols)
-        direction = torch.empty_like(adam2d)
-        for (rows, cols_), left, right in zip(
-            blocks, factors["L_inv_root"], factors["R_inv_root"], strict=True
-        ):
-            block = (slice(*rows), slice(*cols_))
-            shampoo = left @ first2d[block].float() @ right
-            shampoo_norm = torch.linalg.vector_norm(shampoo)
-            adam_norm = torch.linalg.vector_norm(adam2d[block].float())
-            # Grafting: Adam's step length, Shampoo's direction (0 where Shampoo's is 0).
-            scale = torch.where(shampoo_norm > 0, adam_norm / shampoo_norm, 0.0)
-            direction[block] = shampoo * scale
-        param.add_(direction.view(param.shape), alpha=-group["lr"])
+
+def _start(group: dict[str, Any]) -> int:
+    """The first step that uses Shampoo's direction."""
+    start = group["start_preconditioning_step"]
+    return group["precondition_frequency"] if start is None else start
+
+
+def _statistics(item: _Item, group: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The moments and, for a matrix, ``L`` and ``R`` of one parameter, updated; returns the
+    ``(factor, root)`` pairs whose roots are due this step."""
+    _, grad, state = item.pieces
+    beta1, beta2 = group["betas"]
+    state["exp_avg"].lerp_(grad, 1 - beta1)
+    state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if item.blocks is None:
+        return []
+    # The statistics gather from step 1, so the first preconditioner already has history.
+    _accumulate(item.factors, item.blocks, grad.reshape(-1, item.cols), group["shampoo_beta2"])
+    start = _start(group)
+    if item.step < start or (item.step - start) % group["precondition_frequency"]:
+        return []
+    factors = item.factors
+    return [
+        pair
+        for key in ("L", "R")
+        for pair in zip(factors[key], factors[f"{key}_inv_root"], strict=True)
+    ]
+
+
+def _apply(item: _Item, group: dict[str, Any]) -> None:
+    """Weight decay and the step of one parameter: Adam's direction, or, for a matrix from
+    ``start_preconditioning_step``, Shampoo's grafted to Adam's length block by block."""
+    param, _, state = item.pieces
+    beta1, beta2 = group["betas"]
+    first = state["exp_avg"] / (1 - beta1**item.step)
+    denom = (state["exp_avg_sq"] / (1 - beta2**item.step)).sqrt().add_(group["grafting_epsilon"])
+    adam = first / denom
+    param.mul_(1 - group["lr"] * group["weight_decay"])
+    if item.blocks is None or item.step < _start(group):
+        param.add_(adam, alpha=-group["lr"])
+        return
+    first2d, adam2d = first.view(-1, item.cols), adam.view(-1, item.cols)
+    direction = torch.empty_like(adam2d)
+    for (rows, cols), left, right in zip(
+        item.blocks, item.factors["L_inv_root"], item.factors["R_inv_root"], strict=True
+    ):
+        block = (slice(*rows), slice(*cols))
+        shampoo = left @ first2d[block].float() @ right
+        shampoo_norm = torch.linalg.vector_norm(shampoo)
+        adam_norm = torch.linalg.vector_norm(adam2d[block].float())
+        # Grafting: Adam's step length, Shampoo's direction (0 where Shampoo's is 0).
+        scale = torch.where(shampoo_norm > 0, adam_norm / shampoo_norm, 0.0)
+        direction[block] = shampoo * scale
+    param.add_(direction.view(param.shape), alpha=-group["lr"])
 
 
 def _factor_numel(key: str, rows: tuple[int, int], cols: tuple[int, int]) -> int:
     """Elements of factor ``key`` of one block: ``L`` is rows × rows, ``R`` cols × cols."""
     span = rows if key.startswith("L") else cols
     return (span[1] - span[0]) ** 2
+
+
+def _factors(state: dict[str, Any], blocks: list[Block] | None) -> dict[str, list[torch.Tensor]]:
+    """Every factor's per-block matrices (views of the state's flat pieces); none for a
+    parameter that is not a matrix."""
+    if blocks is None:
+        return {}
+    return {key: _blocks_of(state[key], key, blocks) for key in _FACTOR_KEYS}
 
 
 def _blocks_of(flat: torch.Tensor, key: str, blocks: list[Block]) -> list[torch.Tensor]:
