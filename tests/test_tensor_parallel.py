@@ -123,7 +123,10 @@ def _errors(base: Net, mesh: Any) -> dict[str, str]:
     tiles = rf.RaggedShard(block_size=3)  # up.weight's 32 rows split 16 + 16: cuts 3-row tiles
     same = copy.deepcopy(base.blocks[0])
     parallelize_module(same, mesh["tp"], {"up": ColwiseParallel()})
+    sharded = _parallelize("rf", copy.deepcopy(base), mesh)
+    matrices = [p for p in sharded.parameters() if p.dim() == 2]
     return {
+        "muon": error_message(lambda: rf.optim.Muon(matrices, lr=0.01)),
         "tile_cut": error_message(
             lambda: rf.fully_shard(block, mesh=mesh["dp"], shard_policy=tiles)
         ),
@@ -203,3 +206,4 @@ def test_bad_input_is_one_clear_error(grid):
     )
     assert "inside a block" in errors["tile_cut"]
     assert "no dim in common" in errors["same_dims"]
+    assert "split by tensor or expert parallelism" in errors["muon"]  # not silently wrong

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
@@ -110,6 +111,17 @@ class ShardedOptimizer(Optimizer):
             value = group.get(name)
             if isinstance(value, (int, float)) and value < 0:
                 raise ValueError(f"param group {group_index}: {name} must be >= 0, got {value}")
+        for index, param in enumerate(group["params"]):
+            if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+                # Its local tensor is a slice of the matrix (or of the stack of experts): a
+                # whole-matrix update (Newton-Schulz, Shampoo's factors, 8-bit blocks laid on
+                # the whole tensor) computed on it would be silently wrong.
+                raise ValueError(
+                    f"{type(self).__name__}: {self.param_label(group, index, group_index)} is "
+                    f"split by tensor or expert parallelism ({param.placements}); raggedfsdp's "
+                    f"optimizers need each matrix whole on the data-parallel ranks so far: use "
+                    f"torch.optim (AdamW, SGD) for it, or shard it without tensor parallelism"
+                )
 
     @staticmethod
     def param_label(group: dict[str, Any], index: int, group_index: int) -> str:
