@@ -112,6 +112,7 @@ class RootContext:
             state.group.finish_iteration()
         self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.phase = RootPhase.READY
+        self.shared.non_finite.end_of_backward()  # compressed gradients: one host sync
 
 
 class _PostBackward(torch.autograd.Function):
@@ -276,6 +277,8 @@ class FSDPState:
                     state._end_forward(ctx)
             ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
         self._end_forward(ctx)
+        if self.is_root:
+            ctx.shared.non_finite.end_of_forward()  # compressed gathers: one host sync
         return output
 
     def _end_forward(self, ctx: RootContext) -> None:

@@ -39,7 +39,14 @@ from ._ragged_tensor import placed_like
 from ._reduce import ReduceQueue
 from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
-from .compression import BucketCodec, QuantizedAllGather, QuantizedReduceScatter, Residual
+from .compression import (
+    BucketCodec,
+    Finding,
+    NonFiniteCheck,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    Residual,
+)
 
 __all__ = ["FSDPParamGroup", "SharedResources"]
 
@@ -71,11 +78,19 @@ class SharedResources:
     reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
     pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
     unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
+    #: what compressed collectives found non-finite, read at the end of forward and backward
+    non_finite: NonFiniteCheck
 
     @classmethod
     def new(cls) -> SharedResources:
         stats = RuntimeStats()
-        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
+        return cls(
+            stats,
+            ReduceQueue(),
+            BufferPool(stats),
+            BufferPool(stats, retain=False),
+            NonFiniteCheck(),
+        )
 
 
 class FSDPParamGroup:
@@ -172,7 +187,7 @@ class FSDPParamGroup:
         gather: AllGather
         if codec is not None and compression.all_gather is not None:
             gather = QuantizedAllGather(
-                info.shard_group, codec, compression.all_gather, self.qualify
+                info.shard_group, codec, compression.all_gather, self.qualify, self._report
             )
         elif self.offload is not None:
             gather = HostOffloadAllGather(info.shard_group, info.shard_rank, self.offload)
@@ -189,7 +204,10 @@ class FSDPParamGroup:
             if compression.error_feedback:
                 residual = Residual(codec, compression.residual_storage, self.device)
             dtype = compression.reduce_scatter
-            return gather, QuantizedReduceScatter(info, codec, dtype, residual, self.qualify)
+            reduce = QuantizedReduceScatter(
+                info, codec, dtype, residual, self.qualify, self._report
+            )
+            return gather, reduce
         reduce_dtype = self.mp_policy.reduce_dtype
         if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
             return gather, InPlaceReduceScatter(info, plan.shard_numel)
@@ -251,6 +269,11 @@ class FSDPParamGroup:
         """A parameter's name in this unit's plans (below the unit's module) as the model
         names it: with the unit's path once the root has named the unit."""
         return name if self.paths is None else _qualified(name, self.paths)
+
+    def _report(self, finding: Finding) -> None:
+        """What a compressed collective found, to the root's check ([Note: one finiteness
+        check per step] in ``compression/_finite.py``)."""
+        self.shared.non_finite.note(finding)
 
     def named_plans(self, paths: list[str] | None = None) -> list[ShardPlan]:
         """The unit's plans with the names ``StructAwarePlanner.plan_model`` gives them when
