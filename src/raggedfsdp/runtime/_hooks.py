@@ -79,7 +79,7 @@ class RootContext:
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root
         self.states = states
-        self.shared = SharedResources.new()
+        self.shared = SharedResources.new(root.group.device)
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration (prefetch order)
         self.forward_order: list[FSDPState] = []

@@ -82,8 +82,9 @@ class SharedResources:
     non_finite: NonFiniteCheck
 
     @classmethod
-    def new(cls) -> SharedResources:
-        stats = RuntimeStats()
+    def new(cls, device: torch.device | None = None) -> SharedResources:
+        """``device``: the compute device, on which the stats time communication."""
+        stats = RuntimeStats(device=device)
         return cls(
             stats,
             ReduceQueue(),
