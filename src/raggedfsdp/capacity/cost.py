@@ -54,9 +54,11 @@ __all__ = [
     "MemoryBreakdown",
     "UnitBytes",
     "compression_state_bytes",
+    "last_block_activation_bytes",
     "memory_breakdown",
     "offload_staging_bytes",
     "optimizer_state_bytes",
+    "reduction_bytes",
     "unit_bytes",
 ]
 
@@ -185,6 +187,12 @@ class StepShape:
     compression: Compression | None = None
     #: CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state on the host
     offload: bool = False
+    #: the gradients' reduction dtype (``MixedPrecisionPolicy.reduce_dtype``; ``None``:
+    #: ``param_dtype``). Another one is a cast of each unit's unsharded gradients while its
+    #: reduce-scatter is in flight (raggedfsdp: a pooled block, ``runtime/_comm.py``
+    #: ``CastReduceScatter``; FSDP2: its reduce-scatter input), and the Gloo receive buffer and
+    #: divisor are in it.
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len"):
@@ -195,6 +203,29 @@ class StepShape:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
+
+    def reduce_input_itemsize(self, system: System) -> int:
+        """Bytes per element of what ``system``'s plain reduce-scatter reads (and on Gloo
+        receives): the gradients' cast to the reduce dtype (:meth:`casts_for_reduce`), or the
+        gradients themselves."""
+        return (self.reduce_dtype if self.casts_for_reduce(system) else self.param_dtype).itemsize
+
+    def reduce_output_itemsize(self, system: System) -> int:
+        """Bytes per element of ``system``'s reduced shard: a compressed reduce-scatter sums
+        the dequantized codes in fp32."""
+        compression = system.compression(self.compression)
+        if compression is not None and compression.reduce_scatter is not None:
+            return 4
+        return self.reduce_input_itemsize(system)
+
+    def casts_for_reduce(self, system: System) -> bool:
+        """Whether ``system`` reduces a cast of the unsharded gradients (held beside them while
+        the reduce-scatter is in flight): a reduce dtype other than ``param_dtype``, outside a
+        compressed reduce-scatter (which reads the gradients themselves)."""
+        compression = system.compression(self.compression)
+        if compression is not None and compression.reduce_scatter is not None:
+            return False
+        return self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +239,9 @@ class MemoryBreakdown:
     optimizer: int
     unsharded: int  # unsharded parameters and gradients at the peak
     activations: int  # activations and backward gradients at the peak
-    phase: str  # where the peak is: "loss" (its backward) or "block" (the last block's backward)
+    #: where the peak is: "loss" (its backward), "block" (the last block's backward) or "reduce"
+    #: (the next block's backward, the last block's reduction in flight)
+    phase: str
     unsharded_peak: int  # the runtime's own unsharded high-water mark (any time in the step)
     #: the Gloo reduce-scatter's world-size divisor, one cached 0-d tensor of the reduce dtype
     constants: int = 0
@@ -300,7 +333,9 @@ def memory_breakdown(
 
     Unsharded at the loss's backward: the root's and the last block's parameters (the root
     prefetches nothing: the last block was never resharded). At the last block's backward: both
-    with their gradients, and the next block's all-gathered parameters (prefetch depth 1).
+    with their gradients, and the next block's all-gathered parameters (prefetch depth 1). At
+    the next block's backward: the root's, that block's and its prefetched neighbour's, and the
+    last block's reduction in flight (:func:`_peak_moments`).
 
     With ``step.offload`` the shards, gradients and optimizer state are host bytes
     (:attr:`MemoryBreakdown.host`) and the device keeps the rest: raggedfsdp's shard slot is
@@ -311,35 +346,84 @@ def memory_breakdown(
     system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
     local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
-    n = len(units) - 1  # blocks before the root
-    loss_act, block_act = activation_bytes(shape, step)
-    last = params[n - 1] if n else 0
-    loss = (params[-1] + last, loss_act)
-    block = (
-        params[-1]
-        + grads[-1]
-        + last
-        + (grads[n - 1] if n else 0)
-        + (gathered[n - 2] if n >= 2 else 0)
-        + (_copies_until_copy_in(units[n - 2], step, system) if n >= 2 else 0),
-        block_act,
-    )
+    moments = _peak_moments(shape, units, step, w, system, params, grads, gathered)
+    phase = max(moments, key=lambda name: sum(moments[name]))
+    unsharded, activations = moments[phase]
     staged = system.host_copies is HostCopies.COMPUTE_STREAM
     staging = offload_staging_bytes(units, step) if staged else 0
-    unsharded, activations = max(loss, block, key=sum)
     return MemoryBreakdown(
         params=local * master,
         grads=local_grads * master,
         optimizer=optimizer_bytes,
         unsharded=unsharded,
         activations=activations,
-        phase="loss" if sum(loss) >= sum(block) else "block",
+        phase=phase,
         unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system),
-        constants=comm if system.reduces_point_to_point(step.gloo) else 0,
+        constants=(
+            step.reduce_output_itemsize(system) if system.reduces_point_to_point(step.gloo) else 0
+        ),
         compression=compression_state_bytes(units, system.compression(step.compression), w),
         offload=step.offload,
         staging=staging,
     )
+
+
+def _peak_moments(
+    shape: ModelShape,
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    w: int,
+    system: System,
+    params: Sequence[int],
+    grads: Sequence[int],
+    gathered: Sequence[int],
+) -> dict[str, tuple[int, int]]:
+    """``(unsharded, activation)`` bytes at each moment where the tensor peak may lie
+    (:func:`memory_breakdown`): ``"loss"``, ``"block"`` and, with two blocks or more,
+    ``"reduce"``: the second-to-last block's backward while the last block's reduction is in
+    flight (its gradients, and their cast to an fp32 ``reduce_dtype``, a whole unit's worth:
+    3.4 GB for a Llama-70B layer), its activations freed."""
+    n = len(units) - 1  # blocks before the root
+    loss_act, block_act = activation_bytes(shape, step)
+    last = params[n - 1] if n else 0
+    moments = {
+        "loss": (params[-1] + last, loss_act),
+        "block": (
+            params[-1]
+            + grads[-1]
+            + last
+            + (grads[n - 1] if n else 0)
+            + (gathered[n - 2] if n >= 2 else 0)
+            + (_copies_until_copy_in(units[n - 2], step, system) if n >= 2 else 0),
+            block_act,
+        ),
+    }
+    if n >= 2 and shape.blocks:
+        in_flight = reduction_bytes(units[n - 1], step, w, system)
+        if system.zero_copy:  # the gradient block is read in place until the reduction ends
+            in_flight += grads[n - 1]
+        else:  # FSDP2 copies the gradients into its reduce-scatter input and frees them
+            in_flight += w * units[n - 1].shard(system) * step.reduce_input_itemsize(system)
+        moments["reduce"] = (
+            params[-1]
+            + grads[-1]
+            + params[n - 2]
+            + grads[n - 2]
+            + (gathered[n - 3] if n >= 3 else 0)
+            + (_copies_until_copy_in(units[n - 3], step, system) if n >= 3 else 0)
+            + in_flight,
+            block_act - last_block_activation_bytes(shape, step),
+        )
+    return moments
+
+
+def last_block_activation_bytes(shape: ModelShape, step: StepShape) -> int:
+    """What the last block keeps for its backward (:func:`activation_bytes`), freed once its
+    backward is done."""
+    act = step.param_dtype.itemsize
+    if step.checkpointing:
+        return round(step.tokens * shape.hidden * act)
+    return round(step.tokens * shape.block_activation_per_token(shape.blocks[-1]) * act)
 
 
 def _buffers(
@@ -411,19 +495,30 @@ def _unsharded_high_water(
     system: System,
 ) -> int:
     """The most unsharded bytes held at once: block ``i``'s backward with its parameters and
-    gradients, block ``i-1`` prefetched, block ``i+1``'s gradients (and Gloo receive buffer)
-    until its reduce-scatter completes; the root's for the whole step."""
-    comm = step.param_dtype.itemsize
+    gradients, block ``i-1`` prefetched, block ``i+1``'s reduction in flight (its gradients,
+    their cast to the reduce dtype, and the Gloo receive buffer) until it completes; the
+    root's for the whole step."""
     n = len(units) - 1
     root = params[-1] + grads[-1]
     best = root
     for i in range(n):
         held = params[i] + grads[i] + (params[i - 1] if i else 0)
         if i + 1 < n:
-            held += grads[i + 1]
-            if system.reduces_point_to_point(step.gloo):
-                held += (world_size - 1) * units[i + 1].shard(system) * comm
+            held += grads[i + 1] + reduction_bytes(units[i + 1], step, world_size, system)
         if not system.zero_copy:  # the reduce-scatter input it copies block i's gradients into
-            held += world_size * units[i].shard(system) * comm
+            held += world_size * units[i].shard(system) * step.reduce_input_itemsize(system)
         best = max(best, root + held)
     return best
+
+
+def reduction_bytes(unit: UnitBytes, step: StepShape, world_size: int, system: System) -> int:
+    """What ``unit``'s gradient reduction holds beside its unsharded gradients while in flight
+    (raggedfsdp): their cast to the reduce dtype (``W S`` per trainable bucket, a pooled block)
+    and, on Gloo, the point-to-point receive buffer (``(W - 1) S`` of what it reduces)."""
+    itemsize = step.reduce_input_itemsize(system)
+    held = 0
+    if system.zero_copy and step.casts_for_reduce(system):
+        held += world_size * unit.trainable_shard_numel * itemsize
+    if system.reduces_point_to_point(step.gloo):
+        held += (world_size - 1) * unit.shard(system) * itemsize
+    return held

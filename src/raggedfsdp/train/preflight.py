@@ -191,6 +191,7 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
         batch=cfg.batch_size // world_size // cfg.grad_accum,
         seq_len=cfg.tokens_per_seq,
         param_dtype=param_dtype,
+        reduce_dtype=policy.reduce_dtype if policy is not None else None,
         checkpointing=cfg.activation_checkpointing,
         gloo=not torch.cuda.is_available(),
     )
@@ -278,6 +279,14 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
     )
 
 
+#: Where the peak lies (``MemoryBreakdown.phase``), as the dry run says it.
+_PHASES = {
+    "loss": "the loss's backward",
+    "block": "last block's backward",
+    "reduce": "the next block's backward, the last one's reduction in flight",
+}
+
+
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The shard plan of the model on the meta device and an estimate of memory per rank."""
     model = meta_model(cfg)
@@ -311,12 +320,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
         (f"optimizer state ({cfg.optimizer})", memory.optimizer),
         ("unsharded parameters + gradients at the peak", memory.unsharded),
         (f"activations at the peak (micro-batch of {micro})", memory.activations),
-        (
-            "peak (the loss's backward)"
-            if memory.phase == "loss"
-            else "peak (last block's backward)",
-            memory.peak,
-        ),
+        (f"peak ({_PHASES[memory.phase]})", memory.peak),
     ]
     lines.append("estimated memory per rank:")
     lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
