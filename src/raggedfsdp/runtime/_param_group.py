@@ -8,7 +8,7 @@ reductions in flight; the hooks only decide *when* to call it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -79,19 +79,13 @@ class SharedResources:
     pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
     unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
     #: what compressed collectives found non-finite, read at the end of forward and backward
-    non_finite: NonFiniteCheck
+    non_finite: NonFiniteCheck = field(default_factory=NonFiniteCheck)
 
     @classmethod
     def new(cls, device: torch.device | None = None) -> SharedResources:
         """``device``: the compute device, on which the stats time communication."""
         stats = RuntimeStats(device=device)
-        return cls(
-            stats,
-            ReduceQueue(),
-            BufferPool(stats),
-            BufferPool(stats, retain=False),
-            NonFiniteCheck(),
-        )
+        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
 
 
 class FSDPParamGroup:
