@@ -215,8 +215,12 @@ class BucketCodec:
         """Whether a block of the ``W`` ``messages`` (rank ``k``'s at ``k``, as encoded, not
         sealed) had a non-finite value (0-d bool), and the first bad scale slot, flattened
         over ``[W, slots]`` (1-D int64 of one, meaningful only then): on the device."""
-        if not self.scale_slots:
-            return torch.zeros((), dtype=torch.bool), torch.zeros(1, dtype=torch.int64)
+        if not self.scale_slots:  # no blocks: nothing can be bad
+            device = messages[0].device
+            return (
+                torch.zeros((), dtype=torch.bool, device=device),
+                torch.zeros(1, dtype=torch.int64, device=device),
+            )
         valid = self._tables_on(messages[0].device).valid
         scales = torch.stack([self.scales(message) for message in messages])  # [W, slots]
         bad = torch.isfinite(scales).logical_not_().logical_and_(valid).view(-1)

@@ -101,7 +101,8 @@ class QuantizedReduceScatter(ReduceScatter):
         non-finite gradient anywhere leaves on every rank of every replica group (the poisoned
         group's own finding, reported before, names the parameter)."""
         found = torch.isfinite(output).all().logical_not_()
-        self.report(Finding(found, torch.zeros(0, dtype=torch.int64), _replicated, gradient=True))
+        nowhere = torch.zeros(0, dtype=torch.int64, device=output.device)
+        self.report(Finding(found, nowhere, _replicated, gradient=True))
 
     def error_feedback_state(self) -> torch.Tensor | None:
         """The residual itself (loading copies into it)."""
