@@ -124,7 +124,8 @@ def _exact_and_bytes(rank, world, policy, dtype, native=False) -> list:
 
 
 def _message_bytes(plan, policy) -> int:
-    """Codes of the shard padded to 4 bytes, then the largest count of fp32 scales of a rank."""
+    """Codes of the shard padded to 16 bytes, then the largest count of fp32 scales of a rank,
+    the whole padded to 16 bytes."""
     blocks = [
         sum(
             quant_block(e.name, e.shape, rf.RaggedShard(block_size=policy)).num_blocks(end - start)
@@ -133,7 +134,11 @@ def _message_bytes(plan, policy) -> int:
         )
         for rank in range(plan.world_size)
     ]
-    return -(-plan.shard_numel // 4) * 4 + 4 * max(blocks)
+    return _ceil16(_ceil16(plan.shard_numel) + 4 * max(blocks))
+
+
+def _ceil16(n: int) -> int:
+    return -(-n // 16) * 16
 
 
 def _error_feedback(rank, world) -> dict[str, float]:

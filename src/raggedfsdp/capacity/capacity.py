@@ -66,6 +66,9 @@ class CapacityOptions:
         block_size: the :class:`RaggedShard` block.
         buffer_size: bucket cap in bytes (``None``: one bucket per FSDP unit).
         param_dtype: what the blocks compute and the collectives move in (mixed precision).
+        reduce_dtype: what the gradients are reduced in (``MixedPrecisionPolicy.reduce_dtype``;
+            ``None``: ``param_dtype``); another dtype adds the cast of a unit's gradients while
+            its reduce-scatter is in flight (fp32 of bf16: 3.4 GB for a Llama-70B layer).
         reserve: fraction of device memory kept free.
         compression: compressed communication of raggedfsdp (a :class:`raggedfsdp.
             CommCompression` or :class:`~.wire.CompressionSpec`): the plan keeps its
@@ -86,6 +89,7 @@ class CapacityOptions:
     block_size: BlockSize = None
     buffer_size: int | None = None
     param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype | None = None
     reserve: float = DEFAULT_RESERVE
     compression: Compression | None = None
     offload: bool = False
@@ -104,6 +108,7 @@ class CapacityOptions:
             batch=self.batch,
             seq_len=self.seq_len,
             param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
             checkpointing=self.checkpointing,
             gloo=hw.name == "cpu-gloo",
             compression=self.compression

@@ -21,6 +21,7 @@ Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.
 - **compression** (:class:`MemoryBreakdown` ``compression``, under compressed communication):
   the quantized master shard of each bucket (one message, :mod:`.wire`) and, with error
   feedback, each trainable bucket's 8-bit residual (``W`` messages).
+- **optimizer state**: :mod:`.optimizer_state` (re-exported here).
 
 - **CPU offload** (``StepShape.offload``, ``runtime/_offload.py``): shards, gradients and
   optimizer state move to the host (:attr:`MemoryBreakdown.host`); the device keeps the rest,
@@ -43,31 +44,23 @@ import torch
 
 from ..planner import ShardPlan
 from ..planner.quant_blocks import Compression
+from .optimizer_state import OPTIMIZERS, SHAMPOO_DIM, optimizer_state_bytes
 from .shapes import ModelShape
 from .systems import RAGGEDFSDP, HostCopies, System, as_system
 
 __all__ = [
     "OPTIMIZERS",
+    "SHAMPOO_DIM",
     "MemoryBreakdown",
     "UnitBytes",
     "compression_state_bytes",
+    "last_block_activation_bytes",
     "memory_breakdown",
     "offload_staging_bytes",
     "optimizer_state_bytes",
+    "reduction_bytes",
     "unit_bytes",
 ]
-
-#: Optimizers whose state the cost model knows (``raggedfsdp train --optimizer``).
-OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
-
-_STEP_BYTES = 4  # the fp32 ``step`` scalar tensor each optimizer keeps per parameter
-_ADAMW8BIT_BLOCK = 256  # AdamW8bit's default block_numel
-_ADAMW8BIT_MIN_NUMEL = 4096  # AdamW8bit's default min_8bit_numel
-SHAMPOO_DIM = 1024  # Shampoo's default max_preconditioner_dim
-#: AdamW8bit's nearest-code lookup tables, made once per process and device for each of its two
-#: code maps: 2^16 int32 cell starts and 255 fp32 midpoints (``optim/adamw8bit.py``).
-_ADAMW8BIT_TABLES = 2 * ((1 << 16) * 4 + 255 * 4)
-
 
 #: The runtime starts each bucket's buffer in a unit's storage on this many bytes
 #: (``runtime/_dbuffer.py``: ``packed_nbytes``).
@@ -176,87 +169,6 @@ def unit_bytes(
 
 
 # ---------------------------------------------------------------------------------------------
-# Optimizer state.
-
-
-def _shampoo_factor_numel(rows: int, cols: int, row_start: int, dim: int) -> int:
-    """Elements of ``L``, ``R`` and their inverse roots over the blocks (at most ``dim`` a
-    side) of rows ``[row_start, row_start + rows)`` of a ``[*, cols]`` matrix (whole row
-    blocks: the planner keeps them so)."""
-    col_sides = [min(dim, cols - c) for c in range(0, cols, dim)]
-    total = 0
-    for r in range(row_start, row_start + rows, dim):
-        side = min(dim, row_start + rows - r)
-        total += sum(2 * (side * side + c * c) for c in col_sides)
-    return total
-
-
-def _param_state(
-    optimizer: str,
-    name: str,
-    shape: tuple[int, ...],
-    local: int,
-    row_start: int,
-    itemsize: int,
-    shampoo_dim: int,
-) -> int:
-    """Optimizer state tensor bytes of one parameter whose local piece has ``local`` elements
-    starting at row ``row_start`` of its ``[rows, cols]`` view (the ``step`` scalar aside)."""
-    matrix = len(shape) >= 2
-    if optimizer == "adamw8bit" and math.prod(shape) >= _ADAMW8BIT_MIN_NUMEL:
-        return 2 * local + 2 * 4 * -(-local // _ADAMW8BIT_BLOCK)  # uint8 codes, fp32 scales
-    if optimizer == "muon" and matrix and _in_block(name):
-        return local * itemsize  # the momentum buffer
-    moments = 2 * local * itemsize
-    if optimizer == "shampoo" and matrix and local:
-        cols = math.prod(shape[1:])
-        moments += 4 * _shampoo_factor_numel(local // cols, cols, row_start, shampoo_dim)
-    return moments
-
-
-def _in_block(name: str) -> bool:
-    """Muon takes the matrices inside the blocks (a path with a layer index); embeddings and
-    the head go to its auxiliary AdamW."""
-    return any(part.isdigit() for part in name.split("."))
-
-
-def optimizer_state_bytes(
-    plans: Sequence[ShardPlan],
-    optimizer: str,
-    *,
-    rank: int | None = None,
-    itemsize: int = 4,
-    shampoo_dim: int = SHAMPOO_DIM,
-    tables: bool = True,
-) -> int:
-    """Optimizer state on one rank: exactly rank ``rank``'s, or (``None``) the average rank's
-    (each parameter's state over ``W``; a real rank differs by its share of the padding). Every
-    parameter also has a 4-byte ``step`` (Muon's momentum-only matrices aside). ``itemsize``:
-    the master dtype's; ``shampoo_dim``: Shampoo's ``max_preconditioner_dim``; ``tables``:
-    count AdamW8bit's per-process lookup tables (not in its ``state``)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZERS)}")
-    total = 0.0
-    if tables and optimizer == "adamw8bit":
-        total += _ADAMW8BIT_TABLES
-    for plan in plans:
-        for name, entry in plan.entries.items():
-            shape = entry.shape
-            if optimizer != "muon" or len(shape) < 2 or not _in_block(name):
-                total += _STEP_BYTES
-            if rank is None:
-                whole = _param_state(optimizer, name, shape, entry.numel, 0, itemsize, shampoo_dim)
-                total += whole / plan.world_size
-                continue
-            start, end = plan.local_range(name, rank)
-            cols = math.prod(shape[1:]) if len(shape) >= 2 else 1
-            total += _param_state(
-                optimizer, name, shape, end - start, start // cols, itemsize, shampoo_dim
-            )
-    return round(total)
-
-
-# ---------------------------------------------------------------------------------------------
 # The memory of one rank.
 
 
@@ -275,6 +187,12 @@ class StepShape:
     compression: Compression | None = None
     #: CPU offload (``CPUOffloadPolicy``): shards, gradients and optimizer state on the host
     offload: bool = False
+    #: the gradients' reduction dtype (``MixedPrecisionPolicy.reduce_dtype``; ``None``:
+    #: ``param_dtype``). Another one is a cast of each unit's unsharded gradients while its
+    #: reduce-scatter is in flight (raggedfsdp: a pooled block, ``runtime/_comm.py``
+    #: ``CastReduceScatter``; FSDP2: its reduce-scatter input), and the Gloo receive buffer and
+    #: divisor are in it.
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len"):
@@ -285,6 +203,29 @@ class StepShape:
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
+
+    def reduce_input_itemsize(self, system: System) -> int:
+        """Bytes per element of what ``system``'s plain reduce-scatter reads (and on Gloo
+        receives): the gradients' cast to the reduce dtype (:meth:`casts_for_reduce`), or the
+        gradients themselves."""
+        return (self.reduce_dtype if self.casts_for_reduce(system) else self.param_dtype).itemsize
+
+    def reduce_output_itemsize(self, system: System) -> int:
+        """Bytes per element of ``system``'s reduced shard: a compressed reduce-scatter sums
+        the dequantized codes in fp32."""
+        compression = system.compression(self.compression)
+        if compression is not None and compression.reduce_scatter is not None:
+            return 4
+        return self.reduce_input_itemsize(system)
+
+    def casts_for_reduce(self, system: System) -> bool:
+        """Whether ``system`` reduces a cast of the unsharded gradients (held beside them while
+        the reduce-scatter is in flight): a reduce dtype other than ``param_dtype``, outside a
+        compressed reduce-scatter (which reads the gradients themselves)."""
+        compression = system.compression(self.compression)
+        if compression is not None and compression.reduce_scatter is not None:
+            return False
+        return self.reduce_dtype is not None and self.reduce_dtype != self.param_dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -298,7 +239,9 @@ class MemoryBreakdown:
     optimizer: int
     unsharded: int  # unsharded parameters and gradients at the peak
     activations: int  # activations and backward gradients at the peak
-    phase: str  # where the peak is: "loss" (its backward) or "block" (the last block's backward)
+    #: where the peak is: "loss" (its backward), "block" (the last block's backward) or "reduce"
+    #: (the next block's backward, the last block's reduction in flight)
+    phase: str
     unsharded_peak: int  # the runtime's own unsharded high-water mark (any time in the step)
     #: the Gloo reduce-scatter's world-size divisor, one cached 0-d tensor of the reduce dtype
     constants: int = 0
@@ -390,7 +333,9 @@ def memory_breakdown(
 
     Unsharded at the loss's backward: the root's and the last block's parameters (the root
     prefetches nothing: the last block was never resharded). At the last block's backward: both
-    with their gradients, and the next block's all-gathered parameters (prefetch depth 1).
+    with their gradients, and the next block's all-gathered parameters (prefetch depth 1). At
+    the next block's backward: the root's, that block's and its prefetched neighbour's, and the
+    last block's reduction in flight (:func:`_peak_moments`).
 
     With ``step.offload`` the shards, gradients and optimizer state are host bytes
     (:attr:`MemoryBreakdown.host`) and the device keeps the rest: raggedfsdp's shard slot is
@@ -401,35 +346,84 @@ def memory_breakdown(
     system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
     local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
-    n = len(units) - 1  # blocks before the root
-    loss_act, block_act = activation_bytes(shape, step)
-    last = params[n - 1] if n else 0
-    loss = (params[-1] + last, loss_act)
-    block = (
-        params[-1]
-        + grads[-1]
-        + last
-        + (grads[n - 1] if n else 0)
-        + (gathered[n - 2] if n >= 2 else 0)
-        + (_copies_until_copy_in(units[n - 2], step, system) if n >= 2 else 0),
-        block_act,
-    )
+    moments = _peak_moments(shape, units, step, w, system, params, grads, gathered)
+    phase = max(moments, key=lambda name: sum(moments[name]))
+    unsharded, activations = moments[phase]
     staged = system.host_copies is HostCopies.COMPUTE_STREAM
     staging = offload_staging_bytes(units, step) if staged else 0
-    unsharded, activations = max(loss, block, key=sum)
     return MemoryBreakdown(
         params=local * master,
         grads=local_grads * master,
         optimizer=optimizer_bytes,
         unsharded=unsharded,
         activations=activations,
-        phase="loss" if sum(loss) >= sum(block) else "block",
+        phase=phase,
         unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system),
-        constants=comm if system.reduces_point_to_point(step.gloo) else 0,
+        constants=(
+            step.reduce_output_itemsize(system) if system.reduces_point_to_point(step.gloo) else 0
+        ),
         compression=compression_state_bytes(units, system.compression(step.compression), w),
         offload=step.offload,
         staging=staging,
     )
+
+
+def _peak_moments(
+    shape: ModelShape,
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    w: int,
+    system: System,
+    params: Sequence[int],
+    grads: Sequence[int],
+    gathered: Sequence[int],
+) -> dict[str, tuple[int, int]]:
+    """``(unsharded, activation)`` bytes at each moment where the tensor peak may lie
+    (:func:`memory_breakdown`): ``"loss"``, ``"block"`` and, with two blocks or more,
+    ``"reduce"``: the second-to-last block's backward while the last block's reduction is in
+    flight (its gradients, and their cast to an fp32 ``reduce_dtype``, a whole unit's worth:
+    3.4 GB for a Llama-70B layer), its activations freed."""
+    n = len(units) - 1  # blocks before the root
+    loss_act, block_act = activation_bytes(shape, step)
+    last = params[n - 1] if n else 0
+    moments = {
+        "loss": (params[-1] + last, loss_act),
+        "block": (
+            params[-1]
+            + grads[-1]
+            + last
+            + (grads[n - 1] if n else 0)
+            + (gathered[n - 2] if n >= 2 else 0)
+            + (_copies_until_copy_in(units[n - 2], step, system) if n >= 2 else 0),
+            block_act,
+        ),
+    }
+    if n >= 2 and shape.blocks:
+        in_flight = reduction_bytes(units[n - 1], step, w, system)
+        if system.zero_copy:  # the gradient block is read in place until the reduction ends
+            in_flight += grads[n - 1]
+        else:  # FSDP2 copies the gradients into its reduce-scatter input and frees them
+            in_flight += w * units[n - 1].shard(system) * step.reduce_input_itemsize(system)
+        moments["reduce"] = (
+            params[-1]
+            + grads[-1]
+            + params[n - 2]
+            + grads[n - 2]
+            + (gathered[n - 3] if n >= 3 else 0)
+            + (_copies_until_copy_in(units[n - 3], step, system) if n >= 3 else 0)
+            + in_flight,
+            block_act - last_block_activation_bytes(shape, step),
+        )
+    return moments
+
+
+def last_block_activation_bytes(shape: ModelShape, step: StepShape) -> int:
+    """What the last block keeps for its backward (:func:`activation_bytes`), freed once its
+    backward is done."""
+    act = step.param_dtype.itemsize
+    if step.checkpointing:
+        return round(step.tokens * shape.hidden * act)
+    return round(step.tokens * shape.block_activation_per_token(shape.blocks[-1]) * act)
 
 
 def _buffers(
@@ -501,19 +495,30 @@ def _unsharded_high_water(
     system: System,
 ) -> int:
     """The most unsharded bytes held at once: block ``i``'s backward with its parameters and
-    gradients, block ``i-1`` prefetched, block ``i+1``'s gradients (and Gloo receive buffer)
-    until its reduce-scatter completes; the root's for the whole step."""
-    comm = step.param_dtype.itemsize
+    gradients, block ``i-1`` prefetched, block ``i+1``'s reduction in flight (its gradients,
+    their cast to the reduce dtype, and the Gloo receive buffer) until it completes; the
+    root's for the whole step."""
     n = len(units) - 1
     root = params[-1] + grads[-1]
     best = root
     for i in range(n):
         held = params[i] + grads[i] + (params[i - 1] if i else 0)
         if i + 1 < n:
-            held += grads[i + 1]
-            if system.reduces_point_to_point(step.gloo):
-                held += (world_size - 1) * units[i + 1].shard(system) * comm
+            held += grads[i + 1] + reduction_bytes(units[i + 1], step, world_size, system)
         if not system.zero_copy:  # the reduce-scatter input it copies block i's gradients into
-            held += world_size * units[i].shard(system) * comm
+            held += world_size * units[i].shard(system) * step.reduce_input_itemsize(system)
         best = max(best, root + held)
     return best
+
+
+def reduction_bytes(unit: UnitBytes, step: StepShape, world_size: int, system: System) -> int:
+    """What ``unit``'s gradient reduction holds beside its unsharded gradients while in flight
+    (raggedfsdp): their cast to the reduce dtype (``W S`` per trainable bucket, a pooled block)
+    and, on Gloo, the point-to-point receive buffer (``(W - 1) S`` of what it reduces)."""
+    itemsize = step.reduce_input_itemsize(system)
+    held = 0
+    if system.zero_copy and step.casts_for_reduce(system):
+        held += world_size * unit.trainable_shard_numel * itemsize
+    if system.reduces_point_to_point(step.gloo):
+        held += (world_size - 1) * unit.shard(system) * itemsize
+    return held

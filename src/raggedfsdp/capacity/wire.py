@@ -2,10 +2,12 @@
 error-feedback residuals, and the memory traffic of quantizing and dequantizing.
 
 A bucket's *message* is what one rank sends per peer under compression, laid out as the
-runtime's codec lays it out (``runtime/compression/_codec.py``): its shard's ``S`` one-byte codes
-padded to 4 bytes, then one fp32 scale per quantization block of its pieces, padded to the largest
-count of any rank (all messages of a bucket have one size). The planner keeps every block whole
-(:mod:`.quant_blocks`), so a rank's pieces are whole blocks and the counts follow from the plan.
+runtime's codec lays it out (``runtime/compression/_codec.py``), both through
+:class:`~raggedfsdp.planner.MessageLayout`: its shard's ``S`` one-byte codes padded to 16 bytes,
+then one fp32 scale per quantization block of its pieces, padded to the largest count of any rank
+(all messages of a bucket have one size), the whole padded to 16 bytes. The planner keeps every
+block whole (:mod:`.quant_blocks`), so a rank's pieces are whole blocks and the counts follow from
+the plan.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import RaggedShard
-from ..planner import ShardPlan, quant_block
+from ..planner import MessageLayout, ShardPlan, quant_block
 from ..planner.quant_blocks import Compression
 
 __all__ = [
@@ -88,10 +90,10 @@ class CompressionSpec:
 def message_bytes(
     plan: ShardPlan, policy: RaggedShard, block_size: int | tuple[int, int] | None
 ) -> int:
-    """Bytes of one rank's message for bucket ``plan`` (module doc): ``ceil4(S)`` codes plus
-    4 bytes per block of the rank with the most blocks. Each entry visits only its first and
-    last rank; the ranks between hold ``S`` of it each, whole blocks from a block boundary, so
-    the same number of blocks (added to all of them at once)."""
+    """Bytes of one rank's message for bucket ``plan`` (module doc): ``ceil16(S)`` codes plus
+    4 bytes per block of the rank with the most blocks, to a multiple of 16. Each entry visits
+    only its first and last rank; the ranks between hold ``S`` of it each, whole blocks from a
+    block boundary, so the same number of blocks (added to all of them at once)."""
     size = plan.shard_numel
     counts = torch.zeros(plan.world_size, dtype=torch.int64)
     for entry in plan.entries.values():
@@ -105,7 +107,7 @@ def message_bytes(
             counts[rank] += block.num_blocks(end - start)
         if last - first > 1:
             counts[first + 1 : last] += block.num_blocks(size)
-    return -(-size // 4) * 4 + 4 * int(counts.max())
+    return MessageLayout(size, int(counts.max())).message_bytes
 
 
 def codec_traffic_bytes(

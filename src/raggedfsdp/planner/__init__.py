@@ -22,11 +22,12 @@ from .bucketing import (
     unit_buckets,
     wrap_units,
 )
-from .quant_blocks import QuantBlock, quant_block
+from .quant_blocks import MessageLayout, QuantBlock, quant_block
 
 __all__ = [
     "OPTIMIZER_TYPES",
     "Bucket",
+    "MessageLayout",
     "OptimizerType",
     "PlanEntry",
     "QuantBlock",

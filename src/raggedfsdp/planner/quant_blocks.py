@@ -23,12 +23,55 @@ import torch
 
 from ..layout import BlockSize, RaggedShard, row_numel
 
-__all__ = ["DEFAULT_RUN", "WHOLE_TILE", "Compression", "QuantBlock", "quant_block"]
+__all__ = [
+    "DEFAULT_RUN",
+    "MESSAGE_ALIGNMENT",
+    "WHOLE_TILE",
+    "Compression",
+    "MessageLayout",
+    "QuantBlock",
+    "quant_block",
+]
 
 #: Elements per block of the element policy and of 1-D parameters without a block size.
 DEFAULT_RUN = 256
 #: Tile side for the ``"whole"`` policy (the unit is the whole tensor; the blocks are tiles).
 WHOLE_TILE = 128
+
+
+#: Bytes to which a compressed message's codes and its whole length are padded: its fp32 scales
+#: then start 16-byte aligned and every message of a buffer of them starts 16-byte aligned, as
+#: vectorised device loads and NCCL's fast paths want (DESIGN.md's alignment of offsets).
+MESSAGE_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class MessageLayout:
+    """Where a bucket's message (one rank's codes and scales, ``runtime/compression/_codec.py``)
+    puts things, from its shard size ``S`` and the most blocks any rank's shard holds: ``S``
+    one-byte codes padded to :data:`MESSAGE_ALIGNMENT`, then the fp32 scales, the whole padded
+    to it again. The runtime's codec and the capacity model both read it, so they agree."""
+
+    shard_numel: int
+    max_blocks: int
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of the codes and their padding: where the scales start."""
+        return _ceil(self.shard_numel, MESSAGE_ALIGNMENT)
+
+    @property
+    def message_bytes(self) -> int:
+        return _ceil(self.code_bytes + 4 * self.max_blocks, MESSAGE_ALIGNMENT)
+
+    @property
+    def scale_slots(self) -> int:
+        """fp32 slots after the codes (``max_blocks``, plus the padding)."""
+        return (self.message_bytes - self.code_bytes) // 4
+
+
+def _ceil(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class Compression(Protocol):

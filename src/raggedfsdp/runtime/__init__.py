@@ -3,7 +3,8 @@ buffer per bucket, so the all-gather and the reduce-scatter run in place.
 
 Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sharded modules
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
-:class:`CommCompression`); the counters (:class:`RuntimeStats`); :class:`RaggedTensor`, the
+:class:`CommCompression`); the counters (:class:`RuntimeStats`) and the host synchronisations
+(:class:`HostSyncCounter`); :class:`RaggedTensor`, the
 DTensor class of sharded parameters, their gradients and optimizer state (with
 :func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`); for the checkpoint
 layer, :func:`full_parameters` and
@@ -16,7 +17,7 @@ record (``_param``), a unit's group (``_param_group``), reductions in flight (``
 (``_hooks``), state machines (``_state_machine``) and state dicts (``_state_dict``).
 """
 
-from ._metrics import RuntimeStats
+from ._metrics import HostSyncCounter, RuntimeStats
 from ._ragged_tensor import RaggedTensor, distribute, gather_full, local_flat, to_ragged_tensor
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
@@ -35,6 +36,7 @@ __all__ = [
     "DBufferConfig",
     "FSDPBackend",
     "FSDPModule",
+    "HostSyncCounter",
     "MixedPrecisionPolicy",
     "RaggedTensor",
     "RuntimeStats",

@@ -80,7 +80,7 @@ class RootContext:
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root
         self.states = states
-        self.shared = SharedResources.new()
+        self.shared = SharedResources.new(root.group.device)
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration (prefetch order)
         self.forward_order: list[FSDPState] = []
@@ -123,6 +123,7 @@ class RootContext:
             state.group.finish_iteration()
         self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.phase = RootPhase.READY
+        self.shared.non_finite.end_of_backward()  # compressed gradients: one host sync
 
 
 class _PostBackward(torch.autograd.Function):
@@ -308,6 +309,8 @@ class FSDPState:
             ctx.in_forward = False
             ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
         self._end_forward(ctx)
+        if self.is_root:
+            ctx.shared.non_finite.end_of_forward()  # compressed gathers: one host sync
         return output
 
     def _end_forward(self, ctx: RootContext) -> None:

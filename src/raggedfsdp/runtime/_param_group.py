@@ -39,7 +39,13 @@ from ._ragged_tensor import placed_like
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
-from .compression import BucketCodec, QuantizedAllGather, QuantizedReduceScatter, Residual
+from .compression import (
+    BucketCodec,
+    Finding,
+    QuantizedAllGather,
+    QuantizedReduceScatter,
+    Residual,
+)
 
 __all__ = ["FSDPParamGroup"]
 
@@ -139,9 +145,8 @@ class FSDPParamGroup:
         gather: AllGather
         group, rank = info.shard_group, info.shard_rank
         if codec is not None and compression.all_gather is not None:
-            gather = QuantizedAllGather(
-                group, codec, compression.all_gather, self.qualify, gloo_point_to_point=p2p
-            )
+            args = (codec, compression.all_gather, self.qualify, self._report)
+            gather = QuantizedAllGather(group, *args, gloo_point_to_point=p2p)
         elif self.offload is not None:
             gather = HostOffloadAllGather(group, rank, self.offload, gloo_point_to_point=p2p)
         elif bucket.comm_dtype != bucket.dtype:
@@ -158,7 +163,7 @@ class FSDPParamGroup:
                 residual = Residual(codec, compression.residual_storage, self.device)
             dtype = compression.reduce_scatter
             return gather, QuantizedReduceScatter(
-                info, codec, dtype, residual, self.qualify, gloo_point_to_point=p2p
+                info, codec, dtype, residual, self.qualify, self._report, gloo_point_to_point=p2p
             )
         reduce_dtype = self.mp_policy.reduce_dtype
         if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
@@ -223,6 +228,11 @@ class FSDPParamGroup:
         """A parameter's name in this unit's plans (below the unit's module) as the model
         names it: with the unit's path once the root has named the unit."""
         return name if self.paths is None else qualified_name(name, self.paths)
+
+    def _report(self, finding: Finding) -> None:
+        """What a compressed collective found, to the root's check ([Note: one finiteness
+        check per step] in ``compression/_finite.py``)."""
+        self.shared.non_finite.note(finding)
 
     def named_plans(self, paths: list[str] | None = None) -> list[ShardPlan]:
         """The unit's plans with the names ``StructAwarePlanner.plan_model`` gives them when

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
 from ._reduce import ReduceQueue
+from .compression import NonFiniteCheck
 
 __all__ = ["Knobs", "SharedResources"]
 
@@ -38,8 +41,11 @@ class SharedResources:
     reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
     pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
     unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
+    #: what compressed collectives found non-finite, read at the end of forward and backward
+    non_finite: NonFiniteCheck = field(default_factory=NonFiniteCheck)
 
     @classmethod
-    def new(cls) -> SharedResources:
-        stats = RuntimeStats()
+    def new(cls, device: torch.device | None = None) -> SharedResources:
+        """``device``: the compute device, on which the stats time communication."""
+        stats = RuntimeStats(device=device)
         return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))

@@ -19,7 +19,11 @@ peak memory is the maximum over ranks); only rank 0 prints and writes. A record 
   uncompressed: 1 without compression), ``padding_ratio`` of the shard plan;
 - peak memory, maximum over ranks: ``peak_rss_bytes`` (the process), ``framework_bytes``
   (sharded parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
-  ``cuda_peak_bytes`` on GPUs.
+  ``cuda_peak_bytes`` on GPUs (the most the allocator held during the record's window:
+  ``reset_stats`` restarts the device's peak every step, and the window takes the largest);
+- ``comm_exposed_s`` is the compute's stall on collectives as ``model.stats()`` times it: on
+  the CPU the thread blocked in ``wait()``, on a GPU the compute stream between CUDA events
+  around it (``runtime/_metrics.py``, [Note: timing waits on an accelerator]).
 
 On resume, records after the resumed step are dropped, so the file (and the report) describe one
 trajectory.
@@ -42,7 +46,7 @@ import torch.distributed as dist
 from .._console import format_bytes
 from .config import TrainConfig
 
-__all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics"]
+__all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics", "window_peaks"]
 
 METRICS = "metrics.jsonl"
 REPORT = "report.png"
@@ -97,6 +101,20 @@ def read_metrics(out: str | Path) -> list[dict[str, Any]]:
             }
         )
     return records
+
+
+def window_peaks(
+    window: list[dict[str, float]], stats: Mapping[str, float], optimizer_bytes: int
+) -> list[float]:
+    """This rank's peaks over a record's window of steps: the process's RSS (a high-water mark
+    since it started), the framework's bytes and the CUDA allocator's peak (each reset every
+    step, so the window's largest), the optimizer state now."""
+    return [
+        stats.get("process_peak_rss_bytes", 0),
+        max(w["framework_bytes"] for w in window),
+        optimizer_bytes,
+        max(w["cuda_peak_bytes"] for w in window),
+    ]
 
 
 class Monitor:
@@ -224,6 +242,7 @@ class Monitor:
                 + stats.get("all_reduce_bytes", 0),
                 "framework_bytes": stats.get("persistent_bytes", 0)
                 + stats.get("peak_unsharded_bytes", 0),
+                "cuda_peak_bytes": stats.get("cuda_max_allocated_bytes", 0),
             }
         )
         if self.rank == 0:
@@ -234,12 +253,7 @@ class Monitor:
         if step % self.cfg.log_every and step not in (1, self.cfg.steps):
             return
         peaks = torch.tensor(
-            [
-                stats.get("process_peak_rss_bytes", 0),
-                max(w["framework_bytes"] for w in self._window),
-                optimizer_bytes,
-                stats.get("cuda_max_allocated_bytes", 0),
-            ],
+            window_peaks(self._window, stats, optimizer_bytes),
             dtype=torch.float64,
             device=self.device,
         )

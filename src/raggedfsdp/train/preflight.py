@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -190,6 +191,7 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
         batch=cfg.batch_size // world_size // cfg.grad_accum,
         seq_len=cfg.tokens_per_seq,
         param_dtype=param_dtype,
+        reduce_dtype=policy.reduce_dtype if policy is not None else None,
         checkpointing=cfg.activation_checkpointing,
         gloo=not torch.cuda.is_available(),
     )
@@ -199,23 +201,51 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
     return memory_breakdown(shape, units, step, state, world_size=world_size)
 
 
-def _memory_per_rank(ranks_per_node: int) -> tuple[int, str]:
-    """Bytes one rank may use, and where the figure comes from: the GPU's free memory (NVML,
-    so the launcher makes no CUDA context; its total without NVML), else this node's available
-    RAM shared by its ranks, less each process's own overhead."""
+def _gpu_memory(index: int) -> tuple[int, int | None]:
+    """``(total, free)`` bytes of this node's GPU ``index`` (free through NVML, so the launcher
+    makes no CUDA context; ``None`` without it)."""
+    total = torch.cuda.get_device_properties(index).total_memory
+    try:
+        return total, total - torch.cuda.device_memory_used(index)
+    except (ImportError, RuntimeError):  # no pynvml: what is in use cannot be seen
+        return total, None
+
+
+def _memory_per_rank(
+    ranks_per_node: int, *, read: Callable[[int], tuple[int, int | None]] = _gpu_memory
+) -> tuple[int, str]:
+    """Bytes one rank may use, and where the figure comes from. With GPUs, local rank ``i``
+    computes on GPU ``i`` (``_host.local_device``), so each rank has its own GPU's free memory
+    (``read``: ``(total, free)``, free ``None`` without NVML, then the total counts) and the
+    tightest of the GPUs this node's ranks use bounds them all. Else this node's available RAM
+    shared by its ranks, less each process's own overhead."""
     if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        try:
-            free = total - torch.cuda.device_memory_used(0)
-        except (ImportError, RuntimeError):  # no pynvml: what is in use cannot be seen
-            return total, f"GPU 0's total memory, {format_bytes(total)}"
-        return free, f"GPU 0's free memory, {format_bytes(free)} of {format_bytes(total)}"
+        count = min(ranks_per_node, max(1, torch.cuda.device_count()))
+        return _tightest_gpu([(index, *read(index)) for index in range(count)])
     available = available_ram_bytes()
     share = available // ranks_per_node - PROCESS_BYTES
     return share, (
         f"the available RAM, {format_bytes(available)}, shared by {ranks_per_node} rank(s), "
         f"less {format_bytes(PROCESS_BYTES)} per process"
     )
+
+
+def _tightest_gpu(gpus: list[tuple[int, int, int | None]]) -> tuple[int, str]:
+    """The budget of the GPU with the least memory of ``(index, total, free)`` (the first of
+    equals), and how the error names it."""
+
+    def budget(gpu: tuple[int, int, int | None]) -> int:
+        _, total, free = gpu
+        return total if free is None else free
+
+    index, total, free = min(gpus, key=lambda gpu: (budget(gpu), gpu[0]))
+    if free is None:
+        source = f"GPU {index}'s total memory, {format_bytes(total)}"
+    else:
+        source = f"GPU {index}'s free memory, {format_bytes(free)} of {format_bytes(total)}"
+    if len({budget(gpu) for gpu in gpus}) > 1:
+        source += f" (the least of the {len(gpus)} GPUs this node's ranks use)"
+    return budget((index, total, free)), source
 
 
 def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None:
@@ -247,6 +277,14 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
         f"{source}, with {100 * DEFAULT_RESERVE:.0f}% in reserve. Try "
         f"{', '.join(advice)}; or --force to start anyway"
     )
+
+
+#: Where the peak lies (``MemoryBreakdown.phase``), as the dry run says it.
+_PHASES = {
+    "loss": "the loss's backward",
+    "block": "last block's backward",
+    "reduce": "the next block's backward, the last one's reduction in flight",
+}
 
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
@@ -282,12 +320,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
         (f"optimizer state ({cfg.optimizer})", memory.optimizer),
         ("unsharded parameters + gradients at the peak", memory.unsharded),
         (f"activations at the peak (micro-batch of {micro})", memory.activations),
-        (
-            "peak (the loss's backward)"
-            if memory.phase == "loss"
-            else "peak (last block's backward)",
-            memory.peak,
-        ),
+        (f"peak ({_PHASES[memory.phase]})", memory.peak),
     ]
     lines.append("estimated memory per rank:")
     lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]

@@ -6,7 +6,9 @@ message (codes, then scales: :mod:`._codec`) and the messages are all-gathered i
 rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
 dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
 forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
-The message is valid until an iteration that reduces gradients ends (or the shard changes): with
+A non-finite master weight is found on the device and raised at the end of the root's forward
+([Note: one finiteness check per step] in ``_finite.py``). The message is valid until an
+iteration that reduces gradients ends (or the shard changes): with
 ``reshard_after_forward`` the second all-gather before backward does not quantize again, nor do
 the micro-batches of gradient accumulation (``no_sync``) after the first: once per optimizer
 step. That costs one message per bucket, about a quarter of the fp32 shard, kept for the
@@ -27,6 +29,7 @@ from .._metrics import RuntimeStats
 from .._pool import BufferPool
 from .._transport import Tag, all_gather_tensor, exchange, peers, point_to_point
 from ._codec import BucketCodec
+from ._finite import Finding
 
 __all__ = ["QuantizedAllGather"]
 
@@ -41,6 +44,7 @@ class QuantizedAllGather(AllGather):
         codec: BucketCodec,
         dtype: torch.dtype,
         qualify: Callable[[str], str],
+        report: Callable[[Finding], None],
         *,
         gloo_point_to_point: bool = True,
     ) -> None:
@@ -51,6 +55,9 @@ class QuantizedAllGather(AllGather):
         self.gloo_point_to_point = gloo_point_to_point
         #: a parameter's name in the codec -> its name in the model, read when raising
         self.qualify = qualify
+        #: hands what each gather found on the device to the root's check of non-finite
+        #: values ([Note: one finiteness check per step] in ``_finite.py``)
+        self.report = report
         #: the quantized master shard ``[message_bytes]`` (one buffer, re-encoded in place,
         #: allocated at the first all-gather) and the shard version it encodes (-1: stale)
         self._quantized: torch.Tensor | None = None
@@ -102,20 +109,23 @@ class QuantizedAllGather(AllGather):
 
         def dequantize() -> None:
             with record_function("raggedfsdp::dequantize"):
+                # A non-finite master weight left a non-finite scale, which dequantizes to NaN
+                # or inf: the root raises once it reads the finding (every rank the same: each
+                # decodes every message).
+                found, slot = codec.find_non_finite(messages)
+                self.report(Finding(found, slot, self._describe, gradient=False))
                 for k, message in enumerate(messages):
-                    self._check_finite(message, k)
                     codec.decode(message, k, full[k * size : (k + 1) * size], self.dtype)
             pool.give(received)
 
         return Pending([w for w in works if w is not None], stats, dequantize)
 
-    def _check_finite(self, message: torch.Tensor, rank: int) -> None:
-        """Raise naming the parameter if a block of rank ``rank``'s message had a non-finite
-        master weight (every rank raises the same: each decodes every message)."""
-        name = self.codec.non_finite_parameter(message, rank)
-        if name is not None:
-            raise ValueError(
-                f"raggedfsdp: the master weight of parameter {self.qualify(name)!r} has a "
-                f"non-finite value (in rank {rank}'s shard); compressed communication cannot "
-                f"quantize it"
-            )
+    def _describe(self, detail: list[int]) -> str:
+        """The error of a finding of :meth:`BucketCodec.find_non_finite` at scale slot
+        ``detail[0]``."""
+        rank, name = self.codec.piece_at(detail[0])
+        return (
+            f"raggedfsdp: the master weight of parameter {self.qualify(name)!r} has a "
+            f"non-finite value (in rank {rank}'s shard); compressed communication cannot "
+            f"quantize it"
+        )

@@ -3,7 +3,7 @@
 A piece of a parameter is viewed as a 2-D matrix (``QuantBlock.view_shape``) cut into tiles of
 ``rows x cols``; partial tiles at the right and bottom edges are blocks of their own. The tiles
 of one size form at most four rectangular regions (body, right edge, bottom edge, corner), cut
-into chunks of whole tiles (:data:`CHUNK`), and each is a strided 3-D view ``[rows, tiles
+into chunks of whole tiles (:class:`Kernels`), and each is a strided 3-D view ``[rows, tiles
 across, cols]`` of the matrix with its scales repeated per row, so every formula below is a
 handful of tensor operations per chunk, never a loop over blocks.
 
@@ -12,17 +12,32 @@ codes ``clamp(round(x / s), -127, 127)`` (int8) or ``(x / s).to(fp8)``; dequanti
 * s``. ``x / s`` and ``amax / code_max`` are true divisions by tensors on ``x``'s device (CUDA
 divides by a host scalar through its reciprocal, which would change bits), so every device and
 every world size gives the same codes and scales.
+
+[Note: codec kernels per device] How the regions are cut is the device's business, never the
+numbers': every operation is element-wise or a maximum within one tile, so any cut into whole
+tiles gives the same bits (``tests/test_quant.py`` checks both shapes against a block-by-block
+reference). On the CPU a region is cut into chunks of :data:`CHUNK` elements (1 MiB of fp32),
+so its five passes over memory hit the L2 cache. On an accelerator that chunking would launch
+~10 kernels per 2^18 elements (about half a million per step for a 7B model at W = 8), each
+too small to fill the device; there a chunk is :data:`DEVICE_CHUNK` = 2^24 elements, so a
+piece of a parameter is one pass per region for every matrix up to 4096 x 4096 (one region,
+~10 kernels) and a few for larger ones, while the fp32 scratch stays at 64 MiB however large
+the piece (one pass per *bucket* would need a per-element block index as large as the codes,
+or a compiled kernel per bucket layout). fp8 codes become fp32 through a 256-entry table on
+the CPU (~7x faster than the conversion there) and by the conversion itself on accelerators
+(one fused kernel instead of an int32 index and a gather); both are exact.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from ...planner import QuantBlock
 
-__all__ = ["CODE_MAX", "dequantize", "quantize"]
+__all__ = ["CHUNK", "CODE_MAX", "DEVICE_CHUNK", "Kernels", "dequantize", "quantize"]
 
 #: The largest code magnitude of each code dtype: a block's amax maps onto it.
 CODE_MAX: dict[torch.dtype, float] = {
@@ -35,19 +50,42 @@ CODE_MAX: dict[torch.dtype, float] = {
 _Region = tuple[slice, slice, slice, slice, int, int]
 
 
-#: Elements of the largest region processed at once (1 MiB of fp32): a region's temporaries
-#: then come from one reused scratch buffer (:func:`_scratch`), and its passes over memory
-#: (|x|, x / s, rounding, encoding) hit the CPU's L2 cache instead of main memory.
+#: Elements of the largest region processed at once on the CPU (1 MiB of fp32): a region's
+#: temporaries then come from one reused scratch buffer (:func:`_scratch`), and its passes over
+#: memory (|x|, x / s, rounding, encoding) hit the CPU's L2 cache instead of main memory.
 CHUNK = 1 << 18
+#: The same on an accelerator: large enough that a chunk is a whole piece of all but the
+#: largest parameters, small enough to bound the fp32 scratch (64 MiB) ([Note: codec kernels
+#: per device]).
+DEVICE_CHUNK = 1 << 24
 
 
-def _regions(shape: tuple[int, int], block: QuantBlock) -> list[_Region]:
+@dataclass(frozen=True)
+class Kernels:
+    """How the codec's kernels cut their work on one kind of device ([Note: codec kernels per
+    device]); the codes and scales do not depend on it."""
+
+    #: elements of the largest chunk of a region processed at once
+    chunk: int
+    #: fp8 codes become fp32 through a 256-entry table (else by conversion)
+    fp8_table: bool
+
+    @staticmethod
+    def for_device(device: torch.device | str) -> Kernels:
+        """The CPU's shape (cache-sized chunks, the table) or an accelerator's (large chunks,
+        conversion). Read at each call, so :data:`CHUNK` may be patched (tests)."""
+        if torch.device(device).type == "cpu":
+            return Kernels(chunk=CHUNK, fp8_table=True)
+        return Kernels(chunk=DEVICE_CHUNK, fp8_table=False)
+
+
+def _regions(shape: tuple[int, int], block: QuantBlock, chunk: int) -> list[_Region]:
     """The regions of a ``shape`` matrix in which all tiles have one size (body, right edge,
-    bottom edge, corner), each cut into whole tiles of at most :data:`CHUNK` elements."""
+    bottom edge, corner), each cut into whole tiles of at most ``chunk`` elements."""
     rows, cols = shape
-    across = _spans(cols, block.cols, max(1, CHUNK // (block.rows * block.cols)))
+    across = _spans(cols, block.cols, max(1, chunk // (block.rows * block.cols)))
     width = max((cs.stop - cs.start for cs, _, _ in across), default=0)
-    down = _spans(rows, block.rows, max(1, CHUNK // max(1, block.rows * width)))
+    down = _spans(rows, block.rows, max(1, chunk // max(1, block.rows * width)))
     return [(rs, cs, ts, us, r, c) for rs, ts, r in down for cs, us, c in across]
 
 
@@ -69,7 +107,8 @@ _SCRATCH: dict[torch.device, torch.Tensor] = {}
 
 def _scratch(shape: torch.Size, device: torch.device) -> torch.Tensor:
     """A contiguous fp32 tensor of ``shape`` in a buffer reused by every call on ``device``
-    (:data:`CHUNK` elements, more only for a single tile larger than that): no allocation (and
+    (:data:`CHUNK` elements, more for a larger region: a single tile larger than that on the
+    CPU, a region of up to :data:`DEVICE_CHUNK` elements on an accelerator): no allocation (and
     no page faults) per region. Its contents are garbage; callers are not re-entrant (the
     compute thread only)."""
     numel = shape.numel()
@@ -110,9 +149,9 @@ def _fp8_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8, device=device).view(dtype).float()
 
 
-def _values_into(out: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+def _values_into(out: torch.Tensor, codes: torch.Tensor, kernels: Kernels) -> torch.Tensor:
     """``out = codes.float()`` (``out``: contiguous fp32 of ``codes``' shape); returns ``out``."""
-    if codes.dtype == torch.int8:
+    if codes.dtype == torch.int8 or not kernels.fp8_table:
         return out.copy_(codes)
     table = _fp8_values(codes.dtype, codes.device)
     index = codes.reshape(-1).view(torch.uint8).int()
@@ -136,15 +175,18 @@ def quantize(
     scales: torch.Tensor,
     *,
     residual: torch.Tensor | None = None,
+    kernels: Kernels | None = None,
 ) -> None:
     """Quantize the piece ``x`` (1-D, whole blocks of ``block``) into ``codes`` (1-D, same
     numel, the code dtype) and ``scales`` (1-D fp32, one per block, row-major over the tiles).
     ``residual`` (1-D fp32, optional) receives ``x - dequantized``: what quantizing dropped.
-    A non-finite value leaves a non-finite scale (the caller names the parameter)."""
+    A non-finite value leaves a non-finite scale (the caller names the parameter).
+    ``kernels``: how to cut the work (default: ``x``'s device's; the bits are the same)."""
+    kernels = kernels or Kernels.for_device(x.device)
     shape = block.view_shape(x.numel())
     matrix = x.view(shape)
     scale_grid = scales.view(block.grid(x.numel()))
-    for region in _regions(shape, block):
+    for region in _regions(shape, block, kernels.chunk):
         bands = _bands(matrix, region).float()  # [rows, tiles across, c]
         # One fp32 scratch takes |x|, then x / s, then the dequantized values: no temporary
         # (and abs then amax is ~4x faster on CPU than aminmax).
@@ -159,7 +201,7 @@ def quantize(
         code_bands = _bands(codes.view(shape), region)
         _encode_into(code_bands, torch.div(bands, s, out=y))
         if residual is not None:
-            _values_into(y, code_bands)
+            _values_into(y, code_bands, kernels)
             torch.sub(bands, y.mul_(s), out=_bands(residual.view(shape), region))
 
 
@@ -170,21 +212,23 @@ def dequantize(
     out: torch.Tensor,
     *,
     accumulate: bool = False,
+    kernels: Kernels | None = None,
 ) -> None:
     """``out = codes.float() * scale`` per block (cast to ``out``'s dtype), or ``out +=`` it
     with ``accumulate``; ``codes`` and ``out`` 1-D of one numel, ``scales`` as :func:`quantize`
-    writes them."""
+    writes them; ``kernels`` as there."""
+    kernels = kernels or Kernels.for_device(out.device)
     shape = block.view_shape(codes.numel())
     code_matrix, out_matrix = codes.view(shape), out.view(shape)
     scale_grid = scales.view(block.grid(codes.numel()))
-    for region in _regions(shape, block):
+    for region in _regions(shape, block, kernels.chunk):
         target = _bands(out_matrix, region)
         code_bands = _bands(code_matrix, region)
         s = _per_row(scale_grid, region)
         if not accumulate and target.dtype == torch.float32 and target.is_contiguous():
-            _values_into(target, code_bands).mul_(s)  # in place: no temporary
+            _values_into(target, code_bands, kernels).mul_(s)  # in place: no temporary
             continue
-        values = _values_into(_scratch(code_bands.shape, out.device), code_bands)
+        values = _values_into(_scratch(code_bands.shape, out.device), code_bands, kernels)
         if accumulate:
             target.add_(values.mul_(s))
         else:

@@ -4,7 +4,8 @@
 one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
 precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
 rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
-sends, so every rank raises the same error ([Note: non-finite gradients]). With error feedback a
+sends, so every rank raises the same error at the end of backward ([Note: non-finite
+gradients]; [Note: one finiteness check per step] in ``_finite.py``). With error feedback a
 rank adds what quantizing dropped last time (its residual, ``[W*S]``) to the gradient before
 quantizing, and keeps the new residual (:class:`~._error_feedback.Residual`).
 """
@@ -25,6 +26,7 @@ from .._pool import BufferPool
 from .._transport import Tag, exchange, peers, point_to_point, world_tensor
 from ._codec import BucketCodec
 from ._error_feedback import Residual
+from ._finite import Finding
 
 __all__ = ["QuantizedReduceScatter", "quantize_gradient"]
 
@@ -40,6 +42,7 @@ class QuantizedReduceScatter(ReduceScatter):
         dtype: torch.dtype,
         residual: Residual | None,
         qualify: Callable[[str], str],
+        report: Callable[[Finding], None],
         *,
         gloo_point_to_point: bool = True,
     ) -> None:
@@ -49,17 +52,17 @@ class QuantizedReduceScatter(ReduceScatter):
         self.residual = residual  # error feedback's, kept across steps; None without it
         #: a parameter's name in the codec -> its name in the model, read when raising
         self.qualify = qualify
-        #: the error of the last reduce-scatter's poisoned message, deferred under HSDP until
-        #: the all-reduce over the replicas has carried the poison to every group
-        self.error: str | None = None
+        #: hands what each reduction found on the device to the root's check of non-finite
+        #: values ([Note: one finiteness check per step] in ``_finite.py``)
+        self.report = report
 
     def reduce_scatter(
         self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> BucketReduce:
         """The reduced shard (fp32 ``[S]``) is the mean over ranks of their dequantized messages
-        for this rank, from each rank's ``full_grad``. A poisoned message raises when the wait
-        ends; under HSDP that waits for :meth:`check_replicated`, after the all-reduce over the
-        replicas, and the shard is filled with NaN for that all-reduce to carry ([Note:
+        for this rank, from each rank's ``full_grad``. A poisoned message is reported as a
+        finding (the root raises at the end of backward) and fills the shard with NaN, which
+        under HSDP the all-reduce over the replicas carries to the other groups ([Note:
         non-finite gradients])."""
         codec, group = self.codec, self.group
         nbytes, world = codec.message_bytes, codec.world_size
@@ -83,53 +86,52 @@ class QuantizedReduceScatter(ReduceScatter):
 
         def reduce() -> None:
             with record_function("raggedfsdp::dequantize_sum"):
-                self.error = self._poison_error(received)
-                if self.error is None:
-                    output.zero_()
-                    for message in received:  # in rank order, summed in fp32
-                        codec.decode(message, rank, output, self.dtype, accumulate=True)
-                    output.div_(world_tensor(world, output.dtype, output.device))
-                else:
-                    output.fill_(float("nan"))  # what the replicas' all-reduce carries (HSDP)
+                found, where = codec.find_poison(received)
+                self.report(Finding(found, where, self._describe, gradient=True))
+                output.zero_()
+                for message in received:  # in rank order, summed in fp32
+                    codec.decode(message, rank, output, self.dtype, accumulate=True)
+                output.div_(world_tensor(world, output.dtype, output.device))
+                output.masked_fill_(found, float("nan"))  # what the replicas' all-reduce carries
             pool.give(outgoing)
             pool.give(incoming)
-            if self.error is not None and self.replicate_group is None:
-                raise ValueError(self.error)
 
         pending = Pending([w for w in works if w is not None], stats, reduce)
         return BucketReduce(pending, output, full_grad)
 
     def check_replicated(self, output: torch.Tensor) -> None:
-        """HSDP, after the all-reduce of ``output`` over the replicas: raise on every rank of
-        every replica group if a gradient was non-finite anywhere (the poisoned group names the
-        parameter; the others see its NaN in ``output``)."""
-        if self.error is not None:
-            raise ValueError(self.error)
-        if not bool(torch.isfinite(output).all()):
-            raise ValueError(
-                "raggedfsdp: a non-finite gradient reached this rank's reduced shard through "
-                "the all-reduce over the replicas (HSDP): another replica group had a non-finite "
-                "gradient, and its ranks name the parameter"
-            )
+        """HSDP, after the all-reduce of ``output`` over the replicas: report NaN in it, which a
+        non-finite gradient anywhere leaves on every rank of every replica group (the poisoned
+        group's own finding, reported before, names the parameter)."""
+        found = torch.isfinite(output).all().logical_not_()
+        nowhere = torch.zeros(0, dtype=torch.int64, device=output.device)
+        self.report(Finding(found, nowhere, _replicated, gradient=True))
 
     def error_feedback_state(self) -> torch.Tensor | None:
         """The residual itself (loading copies into it)."""
         return None if self.residual is None else self.residual.data
 
-    def _poison_error(self, received: list[torch.Tensor]) -> str | None:
-        """The error of the first poisoned message in rank order, naming the parameter and the
-        sender's global rank: the same on every rank of the group ([Note: non-finite
-        gradients])."""
-        for k, message in enumerate(received):
-            name = self.codec.poisoned_parameter(message)
-            if name is not None:
-                sender = k if self.group is None else dist.get_global_rank(self.group, k)
-                return (
-                    f"raggedfsdp: the gradient of parameter {self.qualify(name)!r} on rank "
-                    f"{sender} has a non-finite value; compressed communication cannot quantize "
-                    f"it (every rank raises this error before its next collective)"
-                )
-        return None
+    def _describe(self, detail: list[int]) -> str:
+        """The error of a finding of :meth:`BucketCodec.find_poison`: ``[sender, parameter
+        index]``, naming the sender by its global rank ([Note: non-finite gradients])."""
+        sender, index = detail
+        if self.group is not None:
+            sender = dist.get_global_rank(self.group, sender)
+        name = self.qualify(self.codec.parameter_named(index))
+        return (
+            f"raggedfsdp: the gradient of parameter {name!r} on rank {sender} has a non-finite "
+            f"value; compressed communication cannot quantize it (every rank raises this error "
+            f"at the end of backward)"
+        )
+
+
+def _replicated(detail: list[int]) -> str:
+    """The error of a replica group that found another group's poison in its reduced shard."""
+    return (
+        "raggedfsdp: a non-finite gradient reached this rank's reduced shard through the "
+        "all-reduce over the replicas (HSDP): another replica group had a non-finite gradient, "
+        "and its ranks name the parameter"
+    )
 
 
 def quantize_gradient(

@@ -1,0 +1,151 @@
+"""Host synchronisations as a budget: what a training step makes the host wait for on a GPU,
+counted on this CPU machine with :class:`raggedfsdp.runtime.HostSyncCounter` (the ops that read
+a tensor's value on the host, data-dependent sizes, device-to-host copies), 2 Gloo ranks.
+
+- uncompressed (fp32 and bf16 mixed precision): none in forward, backward or an SGD step;
+- compressed: one per compressed direction and forward+backward, at the end of the root's
+  forward (all-gather) and of backward (reduce-scatter) ([Note: one finiteness check per step]);
+- negative control: with the per-message checks the runtime made before (one host read per
+  all-gather message, ``W`` per reduce-scatter received and one per sealed send), the counter
+  sees exactly those too: ``W`` more per all-gather, ``W + 1`` more per reduce-scatter.
+
+benchmarks/host_syncs.py counts the same on a 16-layer GPT (docs/results/compression.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import raggedfsdp as rf
+from harness import run_distributed
+from raggedfsdp.models import GPT
+from raggedfsdp.models.gpt import GPTConfig
+from raggedfsdp.runtime import HostSyncCounter
+from raggedfsdp.runtime.compression import BucketCodec
+
+pytestmark = pytest.mark.slow
+
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+#: name -> (all-gather codes, reduce-scatter codes, param_dtype)
+SETTINGS: dict[str, tuple[torch.dtype | None, torch.dtype | None, torch.dtype | None]] = {
+    "fp32": (None, None, None),
+    "bf16": (None, None, torch.bfloat16),
+    "all_gather": (FP8, None, None),
+    "reduce_scatter": (None, INT8, None),
+    "both": (FP8, INT8, None),
+}
+
+
+def _count(setting: str) -> dict[str, Any]:
+    """Host syncs of the forward, the backward and an SGD step of the second step of a
+    4-block GPT (the first forward checks the plans across ranks once), and the collectives."""
+    all_gather, reduce_scatter, param_dtype = SETTINGS[setting]
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    compression = None
+    if all_gather is not None or reduce_scatter is not None:
+        compression = rf.CommCompression(all_gather=all_gather, reduce_scatter=reduce_scatter)
+    mp = rf.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        rf.fully_shard(block, compression=compression, mp_policy=mp)
+    rf.fully_shard(model, compression=compression, mp_policy=mp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    idx = torch.randint(cfg.vocab_size, (2, cfg.seq_len + 1))
+    counts: dict[str, Any] = {}
+    for _ in range(2):
+        model.reset_stats()
+        forward, backward, step = HostSyncCounter(), HostSyncCounter(), HostSyncCounter()
+        with forward:
+            loss = model(idx[:, :-1], idx[:, 1:])
+        with backward:
+            loss.backward()
+        with step:
+            optimizer.step()
+            optimizer.zero_grad()
+        counts = {"forward": forward.total, "backward": backward.total, "step": step.total}
+    stats = model.stats()
+    counts["gathers"] = int(stats["all_gather_calls"])
+    counts["reductions"] = int(stats["reduce_scatter_calls"])
+    return counts
+
+
+def _per_message_checks(codec_cls: type[BucketCodec]) -> dict[str, Any]:
+    """BucketCodec's finders and seal, each preceded by the host reads the runtime made before
+    issue 23 (one ``bool(isfinite(...).all())`` per message, and one per sealed send)."""
+    find_non_finite, find_poison, seal = (
+        codec_cls.find_non_finite,
+        codec_cls.find_poison,
+        codec_cls.seal,
+    )
+
+    def old_find_non_finite(self, messages):
+        for k, message in enumerate(messages):
+            bool(torch.isfinite(self.scales(message)[: self.scale_counts[k]]).all())
+        return find_non_finite(self, messages)
+
+    def old_find_poison(self, received):
+        for message in received:
+            bool(torch.isfinite(self.scales(message)).all())
+        return find_poison(self, received)
+
+    def old_seal(self, outgoing):
+        seal(self, outgoing)
+        bool(torch.isfinite(outgoing.view(self.world_size, -1)[:, self.code_bytes :]).all())
+
+    return {
+        "find_non_finite": old_find_non_finite,
+        "find_poison": old_find_poison,
+        "seal": old_seal,
+    }
+
+
+def _cases(rank: int, world: int) -> dict[str, Any]:
+    out = {setting: _count(setting) for setting in SETTINGS}
+    originals = {name: getattr(BucketCodec, name) for name in ("find_non_finite", "find_poison")}
+    originals["seal"] = BucketCodec.seal
+    for name, old in _per_message_checks(BucketCodec).items():
+        setattr(BucketCodec, name, old)
+    try:
+        out["both_per_message"] = _count("both")
+    finally:
+        for name, original in originals.items():
+            setattr(BucketCodec, name, original)
+    return out
+
+
+@pytest.fixture(scope="module")
+def counts() -> list[dict[str, Any]]:
+    return run_distributed(_cases, 2, timeout=300.0)
+
+
+@pytest.mark.parametrize("setting", ["fp32", "bf16"])
+def test_uncompressed_steps_never_wait_for_the_device(counts, setting):
+    for rank_counts in counts:
+        got = rank_counts[setting]
+        assert (got["forward"], got["backward"], got["step"]) == (0, 0, 0), got
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [("all_gather", (1, 0)), ("reduce_scatter", (0, 1)), ("both", (1, 1))],
+)
+def test_compressed_steps_wait_once_per_direction(counts, setting, expected):
+    for rank_counts in counts:
+        got = rank_counts[setting]
+        assert (got["forward"], got["backward"]) == expected, got
+        assert got["step"] == 0, got  # SGD adds none
+
+
+def test_per_message_checks_are_counted(counts):
+    """Negative control: the old checks cost W per all-gather and W + 1 per reduce-scatter."""
+    world = len(counts)
+    for rank_counts in counts:
+        new, old = rank_counts["both"], rank_counts["both_per_message"]
+        assert (old["gathers"], old["reductions"]) == (new["gathers"], new["reductions"])
+        extra = world * old["gathers"] + (world + 1) * old["reductions"]
+        assert old["forward"] + old["backward"] == new["forward"] + new["backward"] + extra
+        assert extra > 0
