@@ -2,7 +2,7 @@
 
 Layering runs one way: hooks (``_hooks.py``) -> this group -> each bucket's strategies
 (``_comm.py``, ``compression/``) -> collectives -> DBuffers. The group chooses each bucket's
-strategies once, when it builds the bucket, and owns the state of its parameters and of their
+strategies once (``_strategies.py``), when it builds the bucket, and owns the state of its parameters and of their
 reductions in flight; the hooks only decide *when* to call it.
 """
 
@@ -14,19 +14,11 @@ from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from ..layout import RaggedShard
-from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
+from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
 from ._adopt import adopt
 from ._collectives import Pending, all_gather
 from ._comm import (
-    AllGather,
     BucketReduce,
-    CastAllGather,
-    CastReduceScatter,
-    CopyInAllGather,
-    HostOffloadAllGather,
-    InPlaceAllGather,
-    InPlaceReduceScatter,
     ReduceScatter,
 )
 from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
@@ -38,13 +30,10 @@ from ._pool import BufferPool
 from ._ragged_tensor import placed_like
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
+from ._strategies import UnitComm
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import (
-    BucketCodec,
     Finding,
-    QuantizedAllGather,
-    QuantizedReduceScatter,
-    Residual,
 )
 
 __all__ = ["FSDPParamGroup"]
@@ -83,8 +72,16 @@ class FSDPParamGroup:
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
         #: this unit's reductions, one per trainable bucket in order, from issue to finish
         self._reduces: list[BucketReduce] = []
-        self._policy = planner.shard_policy  # for the strategies, chosen again by rebind()
-        self._compression = compression
+        #: what each bucket's strategies are chosen from, at construction and by rebind()
+        self._comm = UnitComm(
+            mesh_info,
+            config,
+            self.mp_policy,
+            planner.shard_policy,
+            compression,
+            self.qualify,
+            self._report,
+        )
         self.buckets = self._build_buckets(registrations, planner)
         #: every parameter of the unit, bucket by bucket in buffer order
         self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
@@ -116,7 +113,7 @@ class FSDPParamGroup:
         out = []
         for bucket in buckets:
             plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
-            gather, reduce = self._collectives(bucket, plan)
+            gather, reduce = self._comm.choose(bucket, plan, self.device, self.offload)
             out.append(
                 DBuffer(
                     plan,
@@ -130,47 +127,6 @@ class FSDPParamGroup:
                 )
             )
         return out
-
-    def _collectives(
-        self, bucket: Bucket | DBuffer, plan: ShardPlan
-    ) -> tuple[AllGather, ReduceScatter | None]:
-        """The bucket's all-gather and (trainable buckets) reduce-scatter, chosen once: all
-        they depend on is fixed by now. For each, the first that applies: compressed, then
-        (all-gather) offloaded, cast, in place, copied in; (reduce-scatter) cast, in place."""
-        info, compression = self.mesh_info, self._compression
-        p2p = self.config.gloo_point_to_point  # or, on Gloo, the calls NCCL gets
-        codec = None
-        if compression is not None and compression.enabled:
-            codec = _codec(bucket.dtype, plan, self._policy, compression)
-        gather: AllGather
-        group, rank = info.shard_group, info.shard_rank
-        if codec is not None and compression.all_gather is not None:
-            args = (codec, compression.all_gather, self.qualify, self._report)
-            gather = QuantizedAllGather(group, *args, gloo_point_to_point=p2p)
-        elif self.offload is not None:
-            gather = HostOffloadAllGather(group, rank, self.offload, gloo_point_to_point=p2p)
-        elif bucket.comm_dtype != bucket.dtype:
-            gather = CastAllGather(group, rank, gloo_point_to_point=p2p)
-        elif self.config.zero_copy:
-            gather = InPlaceAllGather(group, rank, gloo_point_to_point=p2p)
-        else:
-            gather = CopyInAllGather(group, rank, gloo_point_to_point=p2p)
-        if not bucket.requires_grad:
-            return gather, None
-        if codec is not None and compression.reduce_scatter is not None:
-            residual = None
-            if compression.error_feedback:
-                residual = Residual(codec, compression.residual_storage, self.device)
-            dtype = compression.reduce_scatter
-            return gather, QuantizedReduceScatter(
-                info, codec, dtype, residual, self.qualify, self._report, gloo_point_to_point=p2p
-            )
-        reduce_dtype = self.mp_policy.reduce_dtype
-        if reduce_dtype is None or reduce_dtype == bucket.comm_dtype:
-            return gather, InPlaceReduceScatter(info, plan.shard_numel, gloo_point_to_point=p2p)
-        return gather, CastReduceScatter(
-            info, plan.shard_numel, reduce_dtype, gloo_point_to_point=p2p
-        )
 
     def _bind_storages(self) -> None:
         """Storage for the all-gather outputs, on the compute device in each bucket's
@@ -192,7 +148,9 @@ class FSDPParamGroup:
         """After a bucket's shard moved to another dtype or device (:func:`~._adopt.adopt`):
         its strategies chosen again and the unit's storages made anew, as at construction."""
         for bucket in self.buckets:
-            bucket.gather, bucket.reduce = self._collectives(bucket, bucket.plan)
+            bucket.gather, bucket.reduce = self._comm.choose(
+                bucket, bucket.plan, self.device, self.offload
+            )
         self._bind_storages()
 
     def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
@@ -577,19 +535,6 @@ class FSDPParamGroup:
         return sum(r.numel() * r.element_size() for r in residuals) + sum(
             bucket.persistent_bytes() for bucket in self.buckets
         )
-
-
-def _codec(
-    dtype: torch.dtype, plan: ShardPlan, policy: RaggedShard, compression: CommCompression
-) -> BucketCodec:
-    """The bucket's codec under ``compression``: floating-point parameters only."""
-    if not dtype.is_floating_point:
-        raise ValueError(
-            f"parameter {plan.model_order[0]!r} is {dtype}: compressed communication "
-            f"quantizes floating-point parameters only; make it a buffer or shard it without "
-            f"compression"
-        )
-    return BucketCodec(plan, policy, compression.block_size)
 
 
 def _reducer(bucket: DBuffer) -> ReduceScatter:
