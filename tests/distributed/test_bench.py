@@ -14,7 +14,6 @@ from raggedfsdp.cli import bench as bench_command
 FSDP2_COPY_OPS = ("fsdp::all_gather_copy_in", "fsdp::split_with_sizes_copy", "fsdp::chunk_cat")
 
 
-@pytest.mark.slow
 def test_bench_gpt_tiny_reports_fewer_copies_than_fsdp2():
     parser = argparse.ArgumentParser()
     bench_command.configure(parser)

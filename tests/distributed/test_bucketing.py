@@ -12,8 +12,6 @@ from torch import nn
 import raggedfsdp as rf
 from harness import run_distributed
 
-pytestmark = pytest.mark.slow
-
 POLICIES = (None, 4, (4, 4), "whole")
 OPTIMIZERS = (None, "muon", "shampoo", "adamw8bit")
 PARAM_DTYPES = (None, torch.bfloat16)

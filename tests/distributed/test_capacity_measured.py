@@ -65,7 +65,6 @@ def _predict(
     return memory_breakdown(model_shape(module), units, step, state, world_size=world)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("world", "model", "optimizer"), CASES)
 def test_memory_prediction_matches_bench(world, model, optimizer):
     measured = run_distributed(_measure, world, model, optimizer, timeout=600)

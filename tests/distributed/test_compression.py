@@ -17,8 +17,6 @@ from compression_reduce import reduce_grid
 from harness import run_distributed
 from raggedfsdp.planner import QuantBlock
 
-pytestmark = pytest.mark.slow
-
 WORLDS = (1, 2, 3, 4)
 
 

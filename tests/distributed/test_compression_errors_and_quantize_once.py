@@ -15,8 +15,6 @@ from compression_reduce import SHAPES, Probe
 from harness import error_message, run_distributed
 from raggedfsdp.runtime.compression import BucketCodec
 
-pytestmark = pytest.mark.slow
-
 INT8 = rf.CommCompression(reduce_scatter=torch.int8)
 
 

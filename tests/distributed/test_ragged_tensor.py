@@ -30,7 +30,7 @@ from harness import error_message, run_distributed
 from parity_models import OddModel
 from raggedfsdp.runtime import RaggedTensor, local_flat, to_ragged_tensor
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "raggedfsdp"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "raggedfsdp"
 WORLD = 3
 # What torch says when a ShardedTensor is made (its deprecation warning).
 DEPRECATED = ("ShardedTensor", "Please use DTensor instead")

@@ -25,7 +25,6 @@ def _namespaces() -> str:
     return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
 
 
-@pytest.mark.slow
 @can_throttle
 def test_the_bed_gives_each_rank_its_share_of_the_rate():
     probe = probe_link(1.0, burst_kb=32, timeout=120)

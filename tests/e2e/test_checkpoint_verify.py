@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from launches import assert_same_tensors, ok, run_cli, stdlib_corpus
+from launches import assert_same_tensors, ok, run_cli
 from raggedfsdp import cli
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import (
@@ -75,13 +75,6 @@ def _one_error_naming(stderr: str, fragment: str) -> str:
     copies = [line for line in naming if line != first[0]]
     assert all(re.fullmatch(rf"{prefix}rank \d+: {re.escape(message)}", c) for c in copies), stderr
     return message
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """200 KB of the standard library's sources (fast to load, plenty for 6 steps)."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    return stdlib_corpus(path, num_files=20, num_bytes=200_000)
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +175,6 @@ def test_newest_verifying_checkpoint_is_chosen(tmp_path):
 # Real launches.
 
 
-@pytest.mark.slow
 def test_saved_checkpoints_record_every_file(reference):
     path = reference["out"] / STEP6
     records = json.loads((path / COMPLETE).read_text())["files"]
@@ -192,7 +184,6 @@ def test_saved_checkpoints_record_every_file(reference):
     assert verify_checkpoint(path) is None
 
 
-@pytest.mark.slow
 def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
     size, expected = _truncate(damaged / STEP4 / "__0_0.distcp")
     proc = ok(_run("train", *COMMON, f"--data={corpus}", f"--out={damaged}", "--resume"))
@@ -208,7 +199,6 @@ def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
     assert verify_checkpoint(damaged / STEP4) is None  # saved again, whole
 
 
-@pytest.mark.slow
 def test_strict_resume_refuses_a_truncated_checkpoint(damaged, corpus):
     size, expected = _truncate(damaged / STEP4 / "__0_0.distcp")
     proc = _run(
@@ -223,7 +213,6 @@ def test_strict_resume_refuses_a_truncated_checkpoint(damaged, corpus):
     assert verify_checkpoint(damaged / STEP4) is not None  # nothing overwritten
 
 
-@pytest.mark.slow
 def test_flipped_byte_is_caught_by_the_checksum(reference, damaged, corpus, tmp_path, capsys):
     payload = damaged / STEP4 / "__1_0.distcp"
     size = payload.stat().st_size

@@ -36,7 +36,6 @@ from launches import (
     kill_tree,
     ok,
     run_cli,
-    stdlib_corpus,
 )
 from raggedfsdp import cli
 from raggedfsdp.cli.train import configure as configure_train_parser
@@ -47,19 +46,11 @@ from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.launch import torchrun_argv
 from raggedfsdp.train.run_dir import latest_checkpoint
 
-pytestmark = pytest.mark.slow
-
 # Rendezvous settings that keep the tests short: a lost node is declared dead after 6 s of
 # silence (default 15 s), and an elastic round waits 10 s for more nodes once one is there
 # (default 30 s): long enough for the second node's launcher to start, so the job starts at 2.
 RDZV = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=10"
 DEADLINE_S = 180  # for any one wait of a test (a loaded machine is slow to start workers)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
 
 
 def _args(corpus: Path, out: Path, *, steps: int, batch: int) -> list[str]:

@@ -19,8 +19,6 @@ from raggedfsdp.train.checkpoints import export_checkpoint
 from raggedfsdp.train.preemption import PREEMPTED_EXIT_CODE
 from raggedfsdp.train.run_dir import latest_checkpoint
 
-pytestmark = pytest.mark.slow
-
 STEPS = 24
 ARGS = [
     "--model=gpt-tiny",

@@ -34,7 +34,6 @@ from launches import (
     ok,
     one_error_line,
     run_cli,
-    stdlib_corpus,
 )
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
@@ -48,8 +47,6 @@ from raggedfsdp.train.checkpoints import (
 )
 from raggedfsdp.train.config import TrainConfig, config_from_args, load_toml, train_argv
 from raggedfsdp.train.run_dir import COMPLETE
-
-pytestmark = pytest.mark.slow
 
 # gpt-tiny, 6 steps, 2 micro-batches per step (no_sync), activation checkpointing; a short
 # warm-up so that the cosine part of the schedule matters for resume exactness.
@@ -78,13 +75,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """400 KB of the standard library's sources (fast to load, plenty for 6 steps)."""
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import shutil
 
-import pytest
 import torch
 
-from launches import assert_same_tensors, ok, run_cli, stdlib_corpus
+from launches import assert_same_tensors, ok, run_cli
 from raggedfsdp.capacity.capacity import CapacityOptions, capacity_report
 from raggedfsdp.capacity.hardware import hardware
 from raggedfsdp.capacity.wire import CompressionSpec
 from raggedfsdp.train.checkpoints import export_checkpoint
-
-pytestmark = pytest.mark.slow
 
 COMMON = [
     "--model=gpt-tiny",
@@ -49,8 +46,7 @@ def _predicted_wire_bytes() -> int:
     return predicted.all_gather_bytes + predicted.reduce_scatter_bytes
 
 
-def test_compressed_run_reports_wire_bytes_and_resumes_bit_for_bit(tmp_path):
-    corpus = stdlib_corpus(tmp_path / "corpus.txt", num_files=40, num_bytes=400_000)
+def test_compressed_run_reports_wire_bytes_and_resumes_bit_for_bit(tmp_path, corpus):
     out = tmp_path / "run"
     proc = ok(run_cli("train", *COMMON, f"--data={corpus}", f"--out={out}"))
     assert "compression ratio" in proc.stdout

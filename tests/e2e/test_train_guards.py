@@ -15,8 +15,6 @@ import torch
 from harness import run_distributed
 from launches import ENV, cli_command, run_cli
 
-pytestmark = pytest.mark.slow
-
 TINY = ["--model=gpt-tiny", "--batch-size=4", "--eval-batches=1", "--log-every=1"]
 
 

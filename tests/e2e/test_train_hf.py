@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launches import ENV, assert_same_tensors, ok, one_error_line, run_cli, stdlib_corpus
+from launches import ENV, assert_same_tensors, ok, one_error_line, run_cli
 from raggedfsdp import cli
 from raggedfsdp.data import eval_batches, load_corpus
 from raggedfsdp.models import hf
@@ -63,12 +63,6 @@ def _losses(out: Path) -> dict[int, float]:
 def _val_loss(out: Path) -> float:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["val_loss"] for r in records if r.get("kind") == "eval"][-1]
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.txt"
-    return stdlib_corpus(path, num_files=40, num_bytes=400_000)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +111,6 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
     return found
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_two_ranks_match_one_process(runs, name):
     w2, w1 = _losses(runs[name]["w2"]), _losses(runs[name]["w1"])
@@ -127,7 +120,6 @@ def test_two_ranks_match_one_process(runs, name):
         assert abs(w2[step] - w1[step]) <= 1e-5, (step, w2[step], w1[step])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", RESUMED)
 def test_resume_is_bit_exact(runs, name, tmp_path):
     assert _losses(runs[name]["resumed"]) == {
@@ -138,7 +130,6 @@ def test_resume_is_bit_exact(runs, name, tmp_path):
     assert_same_tensors(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "full.pt"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_generate_after_loading_the_export(runs, name, corpus, tmp_path):
     transformers = pytest.importorskip("transformers")
@@ -192,7 +183,6 @@ def group_of_one():
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
 def test_compile_matches_eager_without_recompiling(group_of_one, corpus):
     pytest.importorskip("transformers")
     import torch._dynamo
@@ -294,7 +284,6 @@ def test_config_file_key_folder_and_dry_run(command, tmp_path):
     assert "--hf-config" in out and "--compile" in out
 
 
-@pytest.mark.slow
 def test_export_needs_no_file_outside_the_checkpoint(corpus, tmp_path):
     """Trained from a relative path to a config.json, the checkpoint carries the config: it
     exports from another folder after the file is gone, as the model the run trained."""

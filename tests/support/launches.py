@@ -1,5 +1,5 @@
 """What the tests that launch real ``raggedfsdp train`` jobs share: the environment, the command
-in a fresh interpreter, a corpus file, and the comparisons they make of the results."""
+in a fresh interpreter, and the comparisons they make of the results."""
 
 from __future__ import annotations
 
@@ -34,17 +34,6 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """``proc``, after asserting it exited 0 (the output in the message when not)."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
-
-
-def stdlib_corpus(path: Path, *, num_files: int, num_bytes: int) -> Path:
-    """A corpus file of the first ``num_bytes`` of the standard library's first ``num_files``
-    modules (fast to load, plenty for a few steps)."""
-    import sysconfig
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    data = b"\n".join(p.read_bytes() for p in sorted(stdlib.glob("*.py"))[:num_files])
-    path.write_bytes(data[:num_bytes])
-    return path
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -18,7 +18,7 @@ from raggedfsdp.layout import parse_block_size
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import parse_buffer_size
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 FIELDS = {
     "model",

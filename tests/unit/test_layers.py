@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "raggedfsdp"
+PACKAGE = Path(__file__).resolve().parents[2] / "src" / "raggedfsdp"
 
 #: What torchrun's worker (``python -m raggedfsdp.train``) imports.
 WORKER_MODULES = (

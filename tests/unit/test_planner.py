@@ -288,7 +288,7 @@ def test_deterministic_across_processes():
 # ---------------------------------------------------------------------------------------------
 # No loss of quality: S per bucket never larger than the planner's before the type-count search.
 
-FIXTURE = Path(__file__).with_name("planner_fixture.json")
+FIXTURE = Path(__file__).parents[1] / "support" / "planner_fixture.json"
 BUFFERS = {
     "unit": None,
     "4 MiB": 4 << 20,

@@ -45,7 +45,6 @@ def test_refusal_names_the_numbers_and_what_to_change(monkeypatch: pytest.Monkey
     preflight.check_memory(cfg, 2, 2)
 
 
-@pytest.mark.slow
 def test_train_refuses_before_any_worker_starts(tmp_path: Path) -> None:
     """gpt-medium with 8,192 sequences per rank needs far more than this machine's RAM."""
     out = tmp_path / "run"

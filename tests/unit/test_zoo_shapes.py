@@ -1,11 +1,11 @@
 """Every zoo model's parameters and buffers, names and shapes in model order, against a record.
 
-The record (``zoo_shapes.json``) holds, per name in ``MODEL_NAMES``, how many parameters the
-model has, their total elements, and a SHA-256 of the ordered ``name shape`` lines; the same for
-buffers. A refactor of the zoo must leave every model's lists identical. A change meant to alter
-a model rewrites the record with ``PYTHONPATH=src python tests/test_zoo_shapes.py`` and shows
-the changed rows in its diff. Built on the meta device, so the 671B models cost seconds, not
-memory.
+The record (``tests/support/zoo_shapes.json``) holds, per name in ``MODEL_NAMES``, how many
+parameters the model has, their total elements, and a SHA-256 of the ordered ``name shape``
+lines; the same for buffers. A refactor of the zoo must leave every model's lists identical. A
+change meant to alter a model rewrites the record with ``PYTHONPATH=src python
+tests/unit/test_zoo_shapes.py`` and shows the changed rows in its diff. Built on the meta device,
+so the 671B models cost seconds, not memory.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from raggedfsdp.models import MODEL_NAMES, build_model
 
-RECORD = Path(__file__).with_name("zoo_shapes.json")
+RECORD = Path(__file__).parents[1] / "support" / "zoo_shapes.json"
 
 
 def _summary(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, object]:
