@@ -5,7 +5,7 @@ one line), ``--strict-resume`` refuses, and ``raggedfsdp export`` of a run folde
 The launches are real ``raggedfsdp train`` runs (torchrun's agent, Gloo, 2 workers on CPU) of
 gpt-tiny for 6 steps with a checkpoint every 2: one uninterrupted run is the yardstick; the others
 resume a copy of its checkpoints of steps 2 and 4 (a run stopped after step 4) whose step 4 is
-damaged.
+damaged. (verify_checkpoint on hand-made folders: tests/unit/test_verify_checkpoint.py.)
 """
 
 from __future__ import annotations
@@ -23,14 +23,7 @@ import torch
 from launches import assert_same_tensors, ok, run_cli
 from raggedfsdp import cli
 from raggedfsdp.train.checkpoints import load_full
-from raggedfsdp.train.run_dir import (
-    COMPLETE,
-    checkpoint_files,
-    describe_fallback,
-    resolve_checkpoint,
-    verified_checkpoint,
-    verify_checkpoint,
-)
+from raggedfsdp.train.run_dir import COMPLETE, verify_checkpoint
 
 COMMON = [
     "--model=gpt-tiny",
@@ -92,87 +85,6 @@ def damaged(reference, tmp_path) -> Path:
     for step in (STEP2, STEP4):
         shutil.copytree(reference["out"] / step, out / step)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# verify_checkpoint on a hand-made folder.
-
-
-def _hand_made(root: Path, step: int, **extra: Any) -> Path:
-    path = root / "checkpoints" / f"step_{step:06d}"
-    (path / "rng").mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(bytes(range(256)) * 96)  # 24,576 bytes
-    (path / ".metadata").write_bytes(b"metadata")
-    (path / "rng" / "rank_00000.pt").write_bytes(b"rng state")
-    meta = {"step": step, "world_size": 1, "config": {}, "data": {"step": step}, **extra}
-    if "files" not in meta:
-        meta["files"] = checkpoint_files(path)
-    (path / COMPLETE).write_text(json.dumps(meta))
-    return path
-
-
-def test_verify_checkpoint_on_a_hand_made_folder(tmp_path):
-    path = _hand_made(tmp_path, 30)
-    records = json.loads((path / COMPLETE).read_text())["files"]
-    assert sorted(records) == [".metadata", "__0_0.distcp", "rng/rank_00000.pt"]
-    assert records["__0_0.distcp"]["bytes"] == 24_576
-    assert len(records["__0_0.distcp"]["sha256"]) == 64
-    assert verify_checkpoint(path) is None
-
-    payload = path / "__0_0.distcp"
-    original = payload.read_bytes()
-    payload.write_bytes(original[:12_288])
-    assert verify_checkpoint(path) == "__0_0.distcp: 12,288 bytes, expected 24,576"
-    payload.write_bytes(original)
-    _flip_byte(path / "rng" / "rank_00000.pt")
-    reason = verify_checkpoint(path)
-    assert reason is not None and reason.startswith("rng/rank_00000.pt: sha256 "), reason
-    (path / "rng" / "rank_00000.pt").unlink()
-    assert verify_checkpoint(path) == "rng/rank_00000.pt: missing"
-
-    # Before this change COMPLETE.json recorded no files: verified by COMPLETE.json alone.
-    old = _hand_made(tmp_path / "old", 10)
-    meta = json.loads((old / COMPLETE).read_text())
-    del meta["files"]
-    (old / COMPLETE).write_text(json.dumps(meta))
-    (old / "__0_0.distcp").write_bytes(b"anything")
-    assert verify_checkpoint(old) is None
-
-    assert verify_checkpoint(tmp_path / "nowhere") == f"it has no {COMPLETE}"
-    (old / COMPLETE).write_text("{not json")
-    assert verify_checkpoint(old).startswith(f"{COMPLETE} is corrupt")
-    (old / COMPLETE).write_text(json.dumps({"step": 1, "config": {}}))
-    assert verify_checkpoint(old) == f"{COMPLETE} lacks world_size, data"
-    escape = _hand_made(tmp_path / "escape", 1, files={"../x": {"bytes": 1, "sha256": "0"}})
-    assert "file name '../x'" in verify_checkpoint(escape)
-
-
-def test_newest_verifying_checkpoint_is_chosen(tmp_path):
-    good = _hand_made(tmp_path, 20)
-    bad = _hand_made(tmp_path, 30)
-    (bad / "__0_0.distcp").write_bytes(b"x" * 12_288)
-    assert verified_checkpoint(tmp_path) == (
-        good,
-        [(bad, "__0_0.distcp: 12,288 bytes, expected 24,576")],
-    )
-    assert verified_checkpoint(tmp_path, fallback=False) == (None, [(bad, verify_checkpoint(bad))])
-    chosen, skipped = verified_checkpoint(tmp_path)
-    assert describe_fallback(tmp_path, skipped, chosen, "resuming from") == (
-        "skipped checkpoints/step_000030 (__0_0.distcp: 12,288 bytes, expected 24,576); "
-        "resuming from checkpoints/step_000020"
-    )
-    logged: list[str] = []
-    assert resolve_checkpoint(tmp_path, log=logged.append) == good
-    assert logged == [describe_fallback(tmp_path, skipped, chosen, "using")]
-    with pytest.raises(ValueError, match=r"step_000030' does not verify \(__0_0\.distcp: 12,288"):
-        resolve_checkpoint(bad)
-    (good / ".metadata").unlink()
-    with pytest.raises(ValueError, match=r"no checkpoint of .* verifies: .*\.metadata: missing"):
-        resolve_checkpoint(tmp_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# Real launches.
 
 
 def test_saved_checkpoints_record_every_file(reference):

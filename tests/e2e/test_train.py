@@ -37,7 +37,7 @@ from launches import (
 )
 from raggedfsdp.layout import ShardLayout, row_numel, shard_info
 from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.train import build_model, build_optimizer, build_parser, health
+from raggedfsdp.train import build_model, build_optimizer, health
 from raggedfsdp.train.checkpoints import (
     check_entries,
     export_checkpoint,
@@ -45,7 +45,7 @@ from raggedfsdp.train.checkpoints import (
     load_full,
     save_checkpoint,
 )
-from raggedfsdp.train.config import TrainConfig, config_from_args, load_toml, train_argv
+from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.run_dir import COMPLETE
 
 # gpt-tiny, 6 steps, 2 micro-batches per step (no_sync), activation checkpointing; a short
@@ -409,58 +409,8 @@ def test_watchdog_aborts_a_stuck_step():
 
 
 # ---------------------------------------------------------------------------------------------
-# Bad input: one line on stderr, a non-zero status, no traceback, nothing overwritten.
-
-
-def test_bad_data_paths(command, tmp_path):
-    status, _, err = command(
-        "train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "o")
-    )
-    assert status != 0
-    one_error_line(err, "does not exist", "missing")
-    empty = tmp_path / "empty.txt"
-    empty.write_bytes(b"")
-    status, _, err = command("train", "--data", str(empty), "--out", str(tmp_path / "o"))
-    assert status != 0
-    one_error_line(err, "is empty")
-
-
-def test_bad_config_files(command, tmp_path):
-    unknown = tmp_path / "unknown.toml"
-    unknown.write_text('model = "gpt-tiny"\nbogus_option = 3\n')
-    status, _, err = command("train", "--config", str(unknown))
-    assert status != 0
-    one_error_line(err, "unknown key 'bogus_option'")
-    mistyped = tmp_path / "mistyped.toml"
-    mistyped.write_text('steps = "many"\n')
-    status, _, err = command("train", "--config", str(mistyped))
-    assert status != 0
-    one_error_line(err, "'steps'", "integer")
-    broken = tmp_path / "broken.toml"
-    broken.write_text("steps = \n")
-    status, _, err = command("train", "--config", str(broken))
-    one_error_line(err, "not valid TOML")
-
-
-def test_batch_must_divide(command, tmp_path):
-    status, _, err = command(
-        "train", "--batch-size", "6", "--grad-accum", "2", "--out", str(tmp_path)
-    )
-    assert status != 0
-    one_error_line(err, "batch_size", "6", "2 rank(s) x 2 micro-batch(es)")
-
-
-def test_non_empty_out_is_refused_and_kept(command, tmp_path, corpus):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
-    status, _, err = command("train", "--data", str(corpus), "--out", str(out))
-    assert status != 0
-    one_error_line(err, "not empty", "--resume", "--overwrite")
-    status, _, err = command("train", "--data", str(corpus), "--out", str(out), "--overwrite")
-    assert status != 0
-    one_error_line(err, "--overwrite refused", "notes.txt")
-    assert (out / "notes.txt").read_text() == "mine"
+# Bad checkpoints: one line on stderr, a non-zero status, no traceback (bad options and paths,
+# which need no launch: tests/unit/test_train_options_and_bad_input.py).
 
 
 def _copy_step3(reference: dict, out: Path) -> Path:
@@ -496,7 +446,7 @@ def test_incompatible_and_corrupt_checkpoints(command, reference, tmp_path, corp
 def test_corrupt_checkpoint_data_is_refused_before_launch(reference, tmp_path, corpus):
     """The only checkpoint fails its checksums: refused in one line before any worker starts
     (it used to fail in the workers); with an older intact one, resume falls back to it
-    (tests/test_checkpoint_verify.py)."""
+    (tests/e2e/test_checkpoint_verify.py)."""
     out = tmp_path / "truncated"
     ckpt = _copy_step3(reference, out)
     payload = ckpt / "__0_0.distcp"
@@ -507,45 +457,3 @@ def test_corrupt_checkpoint_data_is_refused_before_launch(reference, tmp_path, c
     errors = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error:")]
     assert len(errors) == 1, proc.stderr
     assert "could not be read" in errors[0] and "__0_0.distcp: 100 bytes" in errors[0], errors
-
-
-def test_debug_shows_the_traceback(command, tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
-        command("train", "--debug", "--data", str(tmp_path / "missing"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Options.
-
-
-def test_config_file_then_command_line(tmp_path):
-    config = tmp_path / "run.toml"
-    config.write_text('model = "gpt-tiny"\nsteps = 7\nlr = 1\nblock-size = "128x128"\n')
-    assert load_toml(config) == {
-        "model": "gpt-tiny",
-        "steps": 7,
-        "lr": 1.0,
-        "block_size": "128x128",
-    }
-    args = build_parser().parse_args(["--config", str(config), "--steps", "9", "--no-tensorboard"])
-    cfg = config_from_args(args)
-    assert (cfg.model, cfg.steps, cfg.lr, cfg.block_size, cfg.tensorboard) == (
-        "gpt-tiny",
-        9,
-        1.0,
-        "128x128",
-        False,
-    )
-    again = config_from_args(build_parser().parse_args(train_argv(args)))
-    assert again == cfg  # what a launcher hands the workers means the same
-
-
-def test_help_and_dry_run(command):
-    status, out, _ = command("train", "--help")
-    assert status == 0 and "--batch-size" in out and "--max-restarts" in out
-    assert "--inject-fault" in out  # rehearsing recovery is a documented option
-    status, out, err = command(
-        "train", "--dry-run", "--model=gpt-small", "--nproc=4", "--block-size=32"
-    )
-    assert status == 0, err
-    assert "4 rank(s)" in out and "estimated memory per rank" in out and "padding" in out

@@ -1,12 +1,10 @@
-"""``raggedfsdp plan``: output shape, figures checked by hand, one-line user errors, entry point."""
+"""``raggedfsdp plan`` in this process: output shape, figures checked by hand, one-line user
+errors. (Through ``python -m raggedfsdp.cli``:
+tests/e2e/test_commands_in_a_fresh_interpreter.py.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,6 @@ from raggedfsdp.cli.plan import parse_world_sizes
 from raggedfsdp.layout import parse_block_size
 from raggedfsdp.models import build_model
 from raggedfsdp.planner import parse_buffer_size
-
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 FIELDS = {
     "model",
@@ -186,30 +182,3 @@ def test_value_parsers() -> None:
     for bad in ("", "x", "0", "-1", "4XB", "MiB"):
         with pytest.raises(ValueError, match="invalid buffer size"):
             parse_buffer_size(bad)
-
-
-def _module_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
-    return env
-
-
-def test_module_entry_point() -> None:
-    """The real command in a fresh interpreter: JSON on success, one line and 2 on error."""
-    cmd = [sys.executable, "-m", "raggedfsdp.cli", "plan", "--model", "gpt-tiny", "--world", "4"]
-    ok = subprocess.run(
-        [*cmd, "--json"], capture_output=True, text=True, env=_module_env(), timeout=120
-    )
-    assert ok.returncode == 0, ok.stderr
-    (record,) = json.loads(ok.stdout)
-    assert record["world_size"] == 4 and record["padding_ratio"] >= 0
-
-    bad = subprocess.run(
-        [*cmd, "--block-size", "nope"],
-        capture_output=True,
-        text=True,
-        env=_module_env(),
-        timeout=120,
-    )
-    assert bad.returncode == 2
-    assert bad.stderr.count("\n") == 1 and "nope" in bad.stderr and "Traceback" not in bad.stderr
