@@ -60,6 +60,18 @@ def command(capsys):
     return run
 
 
+@pytest.fixture
+def group_of_one():
+    """A process group of this process alone (Gloo), for the test's duration."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A corpus file of 400 KB of the standard library's sources (its first 40 modules): fast to

@@ -1,5 +1,8 @@
 """One bucketing for plan, dry run and runtime: what ``plan_model`` plans is what
-``FSDPBackend`` builds, and ranks that planned differently are told where."""
+``FSDPBackend`` builds, and ranks that planned differently are told where.
+
+One launch of 4 ranks runs every case at each world size W = 1..4, as if launched on W ranks
+(harness.run_world_grid, ``as_launches``); the tests judge the collected results."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import torch
 from torch import nn
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import world_grid_fixture
 
 POLICIES = (None, 4, (4, 4), "whole")
 OPTIMIZERS = (None, "muon", "shampoo", "adamw8bit")
@@ -74,9 +77,20 @@ def _grid_on_rank(rank: int, world: int) -> list[dict]:
     return out
 
 
+def _cases(rank: int, world: int, group: None) -> dict[str, list[dict] | str]:
+    """Every case at this world size; at W = 2, a rank that planned differently too."""
+    out: dict[str, list[dict] | str] = {"grid": _grid_on_rank(rank, world)}
+    if world == 2:
+        out["disagreeing"] = _disagreeing_rank(rank, world)
+    return out
+
+
+grid = world_grid_fixture(_cases, [1, 2, 3, 4], as_launches=True, timeout=600)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_plan_model_is_what_the_runtime_builds(world: int) -> None:
-    per_rank = run_distributed(_grid_on_rank, world)
+def test_plan_model_is_what_the_runtime_builds(grid, world: int) -> None:
+    per_rank = [result["grid"] for result in grid[world]]
     cases = per_rank[0]
     assert len(cases) == len(POLICIES) * len(OPTIMIZERS) * len(PARAM_DTYPES) * len(BUFFER_SIZES)
     for case in cases:
@@ -108,8 +122,8 @@ def _disagreeing_rank(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_ranks_that_planned_differently_are_told_where() -> None:
-    messages = run_distributed(_disagreeing_rank, 2)
+def test_ranks_that_planned_differently_are_told_where(grid) -> None:
+    messages = [result["disagreeing"] for result in grid[2]]
     assert messages[0] == messages[1]
     assert "ranks planned different buckets: bucket 'blocks.0/float32/0'" in messages[0]
     assert "on rank 0 and" in messages[0] and "on rank 1" in messages[0]

@@ -1,6 +1,6 @@
 """The capacity planner's CPU-offload split against the runtime's own counters: real Gloo ranks
 on the offload copy path (``DBufferConfig(host_copies_on_cpu=True)``, the same code an
-accelerator runs), W = 2 and 3 (one launch each, every case inside it), two models, two
+accelerator runs), W = 2 and 3 (one launch for both, every case inside it), two models, two
 optimizers, and two variants (bf16 mixed precision, an int8 reduce-scatter with error feedback)
 that put something besides the unsharded units on the device. Predicted host bytes equal
 ``stats()["offloaded_bytes"]``, the device's persistent bytes ``persistent_bytes -
@@ -17,7 +17,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import world_grid_fixture
 from raggedfsdp.capacity.cost import (
     MemoryBreakdown,
     StepShape,
@@ -86,16 +86,14 @@ def _step(rank: int, world: int, case: str) -> dict[str, int]:
     }
 
 
-def _cases(rank: int, world: int) -> dict[str, dict[str, int]]:
+def _cases(rank: int, world: int, group: None = None) -> dict[str, dict[str, int]]:
     torch.set_num_threads(1)
     return {case: _step(rank, world, case) for case in CASES}
 
 
-@pytest.fixture(scope="module")
-def grid() -> dict[int, list[dict[str, dict[str, int]]]]:
-    """One launch per world size (``fully_shard``'s mesh must cover the whole launch), every
-    case inside it."""
-    return {world: run_distributed(_cases, world) for world in WORLDS}
+# One launch for both world sizes, each as if launched on its own (``fully_shard``'s mesh must
+# cover the whole group: harness.run_world_grid remakes it), every case inside it.
+grid = world_grid_fixture(_cases, WORLDS, as_launches=True, timeout=600)
 
 
 def predict(case: str, world: int, rank: int, *, offload: bool = True) -> MemoryBreakdown:

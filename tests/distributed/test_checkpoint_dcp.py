@@ -1,11 +1,16 @@
-"""DCP checkpoints of ragged shards: save at one world size, load at others and elsewhere."""
+"""DCP checkpoints of ragged shards: save at one world size, load at others and elsewhere.
+
+One launch of 4 ranks saves at W=4, then loads at W=2 and W=3, each as if launched on W ranks
+(harness.run_world_grid, ``as_launches``); the tests judge the collected results."""
 
 from __future__ import annotations
 
 import copy
-import tempfile
+import functools
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -13,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import run_world_grid
 from parity_models import OddModel, make_batches
 
 
@@ -44,26 +49,27 @@ def _load_full(rank: int, world: int, full: dict) -> dict[str, torch.Tensor]:
     return rf.full_state_dict(model)
 
 
-def test_save_at_4_reload_at_2_3_and_single_process():
-    with tempfile.TemporaryDirectory() as path:
-        saved = run_distributed(_save, 4, path)[0]
-        for world, block in ((2, None), (3, "whole")):
-            for got in run_distributed(_load, world, path, block):
-                assert got.keys() == saved.keys()
-                for k in saved:
-                    assert torch.equal(got[k], saved[k]), (world, k)
-        # One process, no raggedfsdp at all: DCP fills plain full tensors.
-        plain = OddModel()
-        state = plain.state_dict()
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-        for k in saved:
-            assert torch.equal(state[k], saved[k]), k
+def test_save_at_4_reload_at_2_3_and_single_process(runs):
+    path = runs["paths"]["saved"]
+    saved = runs[4][0]["saved"]
+    for world in (2, 3):
+        for rank in runs[world]:
+            got = rank["loaded"]
+            assert got.keys() == saved.keys()
+            for k in saved:
+                assert torch.equal(got[k], saved[k]), (world, k)
+    # One process, no raggedfsdp at all: DCP fills plain full tensors.
+    plain = OddModel()
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    for k in saved:
+        assert torch.equal(state[k], saved[k]), k
 
 
-def test_load_full_state_dict_into_sharded_model():
-    torch.manual_seed(7)
-    full = copy.deepcopy(OddModel().state_dict())
-    for got in run_distributed(_load_full, 3, full):
+def test_load_full_state_dict_into_sharded_model(runs):
+    full = runs["full"]
+    for rank in runs[3]:
+        got = rank["loaded_full"]
         for k in full:
             assert torch.equal(got[k], full[k]), k
 
@@ -107,11 +113,38 @@ def _async_save(rank: int, world: int, path: str) -> dict[str, Any]:
             "loaded_then_stepped": rf.full_state_dict(fresh)}  # fmt: skip
 
 
-def test_async_save_writes_the_state_as_it_was_when_called():
-    with tempfile.TemporaryDirectory() as path:
-        for rank in run_distributed(_async_save, 2, path):
-            for key, value in rank["snapshot"].items():
-                assert torch.equal(rank["loaded"][key], value), key
-                trained = not key.startswith("frozen")
-                assert trained != torch.equal(rank["stepped"][key], value), key  # it changed
-                assert torch.equal(rank["loaded_then_stepped"][key], rank["stepped"][key]), key
+def test_async_save_writes_the_state_as_it_was_when_called(runs):
+    for rank in runs[2]:
+        rank = rank["async"]
+        for key, value in rank["snapshot"].items():
+            assert torch.equal(rank["loaded"][key], value), key
+            trained = not key.startswith("frozen")
+            assert trained != torch.equal(rank["stepped"][key], value), key  # it changed
+            assert torch.equal(rank["loaded_then_stepped"][key], rank["stepped"][key]), key
+
+
+def _cases(paths: dict[str, str], full: dict, rank: int, world: int, group: None) -> dict:
+    """W=4 saves; W=2 loads it (element policy) and saves asynchronously; W=3 loads it (whole
+    tensors) and loads a full state dict."""
+    if world == 4:
+        return {"saved": _save(rank, world, paths["saved"])}
+    if world == 2:
+        return {
+            "loaded": _load(rank, world, paths["saved"], None),
+            "async": _async_save(rank, world, paths["async"]),
+        }
+    return {
+        "loaded": _load(rank, world, paths["saved"], "whole"),
+        "loaded_full": _load_full(rank, world, full),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[Any, Any]:
+    root: Path = tmp_path_factory.mktemp("dcp")
+    paths = {"saved": str(root / "saved"), "async": str(root / "async")}
+    torch.manual_seed(7)
+    full = copy.deepcopy(OddModel().state_dict())
+    cases = functools.partial(_cases, paths, full)
+    grid = run_world_grid(cases, [4, 2, 3], as_launches=True, timeout=600)
+    return {**grid, "paths": paths, "full": full}

@@ -1,6 +1,7 @@
-"""Compressed communication on real Gloo groups, one launch per world size W = 1..4 running every
-case (the cases are in ``compression_gather.py``, ``compression_reduce.py`` and
-``compression_everywhere.py``): the parameters forward sees equal the single-process
+"""Compressed communication on real Gloo groups, one launch of 4 ranks running every case at each
+world size W = 1..4, as if launched on W ranks (harness.run_world_grid; the cases are in
+``compression_gather.py``, ``compression_reduce.py`` and ``compression_everywhere.py``): the
+parameters forward sees equal the single-process
 quantize-dequantize bit for bit, codes and scales do not depend on W, the reduce-scatter is
 within the quantizer's bound per element and exact on representable blocks, the bytes on the wire
 are exactly codes plus scales, error feedback drives the accumulated error down, and everything
@@ -14,22 +15,20 @@ import torch
 from compression_everywhere import everywhere
 from compression_gather import gather_grid, quant_dequant
 from compression_reduce import reduce_grid
-from harness import run_distributed
+from harness import world_grid_fixture
 from raggedfsdp.planner import QuantBlock
 
 WORLDS = (1, 2, 3, 4)
 
 
-def _all_cases(rank: int, world: int) -> dict:
+def _all_cases(rank: int, world: int, group: None = None) -> dict:
     out = {"gather": gather_grid(rank, world), "reduce": reduce_grid(rank, world)}
     if world == 4:  # HSDP needs a 2 x 2 mesh
         out["everywhere"] = everywhere(rank, world)
     return out
 
 
-@pytest.fixture(scope="module")
-def grid() -> dict[int, list[dict]]:
-    return {w: run_distributed(_all_cases, w) for w in WORLDS}
+grid = world_grid_fixture(_all_cases, WORLDS, as_launches=True, timeout=600)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -1,14 +1,17 @@
 """Error-feedback residuals are training state: saved per rank with the checkpoint, resumed
-bit for bit at the same world size, dropped with a warning at another one."""
+bit for bit at the same world size, dropped with a warning at another one. One launch of 2 ranks:
+W=2, then W=1, each as if launched on its own (harness.run_world_grid)."""
 
 from __future__ import annotations
 
+import functools
 import warnings
+from pathlib import Path
 
 import torch
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import run_world_grid
 from parity_models import OddModel, make_batches
 from raggedfsdp.train.checkpoints import load_checkpoint, save_checkpoint
 
@@ -59,9 +62,18 @@ def _other_world(rank: int, world: int, path: str) -> list[str]:
     return [str(w.message) for w in caught] + ([] if zero else ["residuals not zero"])
 
 
+def _cases(out: str, rank: int, world: int, group: None) -> dict | list[str]:
+    """Saved and resumed at W=2; the same checkpoint loaded at W=1."""
+    if world == 2:
+        return _save_and_resume(rank, world, out)
+    return _other_world(rank, world, str(Path(out) / "checkpoints" / "step_000002"))
+
+
 def test_residuals_resume_bit_for_bit_and_drop_at_another_world_size(tmp_path):
-    results = run_distributed(_save_and_resume, 2, str(tmp_path))
+    grid = run_world_grid(functools.partial(_cases, str(tmp_path)), [2, 1], as_launches=True)
+    results = grid[2]
     assert all(r["same"] and r["nonzero"] for r in results), results
-    messages = run_distributed(_other_world, 1, results[0]["path"])[0]
+    assert results[0]["path"] == str(tmp_path / "checkpoints" / "step_000002")
+    messages = grid[1][0]
     assert any("world size 2; resuming at 1" in m and "dropped" in m for m in messages), messages
     assert "residuals not zero" not in messages

@@ -2,25 +2,36 @@
 ``torch.distributed.fsdp.fully_shard`` and with ``rf.fully_shard`` in one launch gives the same
 norms from torch's ``clip_grad_norm_``, the same full model and optimizer state through
 ``torch.distributed.checkpoint.state_dict``, and DCP checkpoints that load into either, at W=2
-and resharded to W=3, and train on to the same parameters.
+and resharded to W=3, and train on to the same parameters. One launch of 3 ranks: the script at
+W=2, then at W=3, each as if launched on W ranks (harness.run_world_grid, ``as_launches``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
 import fsdp2_script as script
-from harness import run_distributed
+from harness import run_world_grid
 
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def _cases(root: str, rank: int, world: int, group: None) -> dict:
+    """At W=2 train and save, then load both checkpoints; at W=3 load them resharded."""
+    out = {"saved": script.train_and_save(rank, world, root)} if world == 2 else {}
+    out["loaded"] = script.load_and_continue(rank, world, root, 2)
+    return out
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("dcp"))
-    saved = run_distributed(script.train_and_save, 2, root)
-    loaded = {w: run_distributed(script.load_and_continue, w, root, 2) for w in (2, 3)}
+    grid = run_world_grid(functools.partial(_cases, root), [2, 3], as_launches=True, timeout=600)
+    saved = [result["saved"] for result in grid[2]]
+    loaded = {w: [result["loaded"] for result in grid[w]] for w in (2, 3)}
     return saved, loaded
 
 

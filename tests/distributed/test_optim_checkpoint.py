@@ -1,8 +1,10 @@
 """Optimizer state reshards through DCP with its blocks: Shampoo's per-block factors and
-AdamW8bit's codes and scales, saved at W=2, loaded at W=1 and W=3 with another layout."""
+AdamW8bit's codes and scales, saved at W=2, loaded at W=1 and W=3 with another layout: one
+launch of 3 ranks, each world size as if launched on its own (harness.run_world_grid)."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 
 import torch
@@ -10,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import run_world_grid
 from raggedfsdp.checkpoint import (
     init_optimizer_state,
     load_optim_state_dict,
@@ -98,14 +100,22 @@ def _concat(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.cat([r[k] for r in per_rank]) for k in per_rank[0]}
 
 
+def _cases(path: str, rank: int, world: int, group: None) -> dict[str, dict[str, torch.Tensor]]:
+    """Saved at W=2; loaded at W=1 (blocks of DIM rows) and W=3 (blocks of 2 * DIM rows)."""
+    if world == 2:
+        return _save(rank, world, path)
+    return _load(rank, world, path, DIM if world == 1 else 2 * DIM)
+
+
 def test_block_state_reshards_bitwise():
     with tempfile.TemporaryDirectory() as path:
-        saved_runs = run_distributed(_save, 2, path)
+        grid = run_world_grid(functools.partial(_cases, path), [2, 1, 3], as_launches=True)
+        saved_runs = grid[2]
         saved = {kind: _concat([r[kind] for r in saved_runs]) for kind in KINDS}
         assert any(k.endswith(":L") for k in saved["shampoo"])
         assert any(k.endswith("_scales") for k in saved["adamw8bit"])
-        for world, block in ((1, DIM), (3, 2 * DIM)):
-            runs = run_distributed(_load, world, path, block)
+        for world in (1, 3):
+            runs = grid[world]
             for kind in KINDS:
                 loaded = _concat([r[kind] for r in runs])
                 assert loaded.keys() == saved[kind].keys()

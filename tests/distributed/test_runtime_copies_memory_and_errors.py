@@ -1,10 +1,16 @@
-"""Runtime behaviour beyond parity: zero copy, memory, meta init, and bad input."""
+"""Runtime behaviour beyond parity: zero copy, memory, meta init, and bad input.
+
+One launch of 4 ranks runs the cases at W = 2, 3 and 4, each as if launched on W ranks
+(harness.run_world_grid, ``as_launches``); the tests judge the collected results. A rank that
+fails runs in a launch of its own (it leaves its group unusable)."""
 
 from __future__ import annotations
 
 import copy
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import raggedfsdp as rf
-from harness import error_message, run_distributed
+from harness import error_message, run_distributed, world_grid_fixture
 from parity_models import OddModel, make_batches
 from raggedfsdp.materialize import init_sharded_
 from raggedfsdp.models import GPT, GPT_CONFIGS
@@ -102,7 +108,7 @@ def _zero_copy(rank: int, world: int) -> dict[str, tuple[Counter, Counter] | dic
     return out
 
 
-def test_zero_copy_profile():
+def test_zero_copy_profile(grid):
     """fp32: around the reduce-scatter the framework copies nothing. Around the all-gather, a
     parameter a rank holds whole is a view of its shard, so nothing is copied for it; only the
     rank's piece of a parameter that crosses a rank boundary is placed into its slot of the
@@ -111,7 +117,7 @@ def test_zero_copy_profile():
     two pieces per all-gather (one at each end of the rank's slot) with element cuts. The backend
     copies nothing either. The FSDP2-style path and FSDP2 itself copy in and out (negative
     controls)."""
-    for counts in run_distributed(_zero_copy, 2):
+    for counts in grid_of(grid, _zero_copy):
         plain, _ = counts["plain"]
         for name in ("zero_copy", "zero_copy_whole"):
             framework, backend = counts[name]
@@ -176,13 +182,13 @@ def name_trainable(plan) -> bool:
     return not plan.name.endswith("/frozen/0") and "/frozen/" not in plan.name
 
 
-def test_memory_at_w4():
+def test_memory_at_w4(grid):
     """Persistent bytes per rank are (params + grads) / W plus padding; unsharded memory (what
     the framework holds beyond that, pooled scratch included) peaks at the root unit plus two
     blocks (one computing, one prefetched; the gradients of the one still reducing fit in the
     prefetched one's gradient share) plus the reduce-scatter's receive buffer ((W-1)/W of a
     block's gradients on Gloo), and is all freed between steps."""
-    for m in run_distributed(_memory, 4):
+    for m in grid_of(grid, _memory):
         assert m["persistent"] == m["expected_persistent"]
         assert m["persistent"] * 4 <= m["params_and_grads"] + 2 * m["padding"]
         receive = m["largest_grads"] * 3 // 4
@@ -214,13 +220,13 @@ def _traffic(rank: int, world: int) -> dict[str, dict[str, float] | dict[str, in
     return {"steps": steps, "units": units, "layers": cfg.n_layer}
 
 
-def test_collectives_per_step():
+def test_collectives_per_step(grid):
     """Bytes moved per step, exactly: the root is gathered once (it stays unsharded through
     backward), each block twice except the one that runs forward last, which stays unsharded
     into backward (one all-gather fewer per step than FSDP2's defaults; in the first step the
     order is not known yet, so it is freed and gathered again: the negative control); every unit
     is reduce-scattered once."""
-    for r in run_distributed(_traffic, 2):
+    for r in grid_of(grid, _traffic):
         layers, units = r["layers"], r["units"]
         shard = {name: s for name, (s, _) in units.items()}
         full = sum(f for _, f in units.values())
@@ -249,8 +255,8 @@ def _meta_init(rank: int, world: int) -> bool:
     return full.keys() == whole.keys() and all(torch.equal(full[k], whole[k]) for k in whole)
 
 
-def test_meta_model_materialised_as_if_whole():
-    assert all(run_distributed(_meta_init, 3))
+def test_meta_model_materialised_as_if_whole(grid):
+    assert all(grid_of(grid, _meta_init))
 
 
 def _bad_input(rank: int, world: int) -> dict[str, str]:
@@ -284,8 +290,8 @@ def _bad_input(rank: int, world: int) -> dict[str, str]:
     return errors
 
 
-def test_bad_input_errors_before_any_collective():
-    for errors in run_distributed(_bad_input, 2):
+def test_bad_input_errors_before_any_collective(grid):
+    for errors in grid_of(grid, _bad_input):
         assert "applied to it twice" in errors["twice"]
         assert "1 ranks but the process group has 2" in errors["mesh"]
         assert "'weight'" in errors["contiguous"] and "not contiguous" in errors["contiguous"]
@@ -332,7 +338,28 @@ def _originals_freed(rank: int, world: int) -> tuple[int, int]:
     return sum(r() is not None for r in refs), len(refs)
 
 
-def test_wrapping_frees_the_original_parameters():
+def test_wrapping_frees_the_original_parameters(grid):
     """Only shards stay: nothing keeps the unsharded model's parameters alive after wrapping."""
-    for alive, total in run_distributed(_originals_freed, 2):
+    for alive, total in grid_of(grid, _originals_freed):
         assert (alive, total) == (0, 17)
+
+
+#: The cases by world size, in one launch (the failing rank's case runs apart).
+CASES_BY_WORLD = {
+    2: (_zero_copy, _traffic, _bad_input, _originals_freed),
+    3: (_meta_init,),
+    4: (_memory,),
+}
+
+
+def _cases(rank: int, world: int, group: None) -> dict[str, Any]:
+    return {case.__name__: case(rank, world) for case in CASES_BY_WORLD[world]}
+
+
+grid = world_grid_fixture(_cases, list(CASES_BY_WORLD), as_launches=True, timeout=600)
+
+
+def grid_of(grid: dict[int, list[dict[str, Any]]], case: Callable) -> list[Any]:
+    """Every rank's result of ``case``, at the world size it runs at."""
+    [world] = [w for w, cases in CASES_BY_WORLD.items() if case in cases]
+    return [result[case.__name__] for result in grid[world]]

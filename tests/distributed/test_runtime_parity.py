@@ -1,6 +1,8 @@
 """Sharded training equals one process on the global batch (real Gloo groups, W = 1..4).
 
-Each world size is one launch that runs a grid of cases (launching ranks costs seconds).
+One launch of 4 ranks runs the grid of cases for every world size W = 1..4, each as if launched
+on W ranks (the first W, in a default group of their own), then HSDP and bf16 on all four
+(launching ranks costs seconds); the tests judge the collected results.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import world_grid_fixture
 from parity_models import OddModel, make_batches, train_reference
 
 GLOBAL_BATCH = 24  # divisible by W * micro-batches for W = 1..4 and 2 micro-batches
@@ -127,9 +129,20 @@ def _rank_major(batches, world: int, micro: int):
     return out
 
 
+def _cases(rank: int, world: int, group: None) -> dict[str, dict[str, float]]:
+    """The grid at this world size; on all four ranks, HSDP and bf16 too."""
+    out = {"grid": _grid(rank, world)}
+    if world == 4:
+        out["hsdp"] = _hsdp_and_mixed_precision(rank, world)
+    return out
+
+
+grid = world_grid_fixture(_cases, [1, 2, 3, 4], as_launches=True, timeout=600)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_parity_grid(world):
-    results = run_distributed(_grid, world)
+def test_parity_grid(grid, world):
+    results = [result["grid"] for result in grid[world]]
     for errors in results:
         for name, err in errors.items():
             assert err <= 1e-5, f"W={world} case {name}: max relative error {err:.3g}"
@@ -162,8 +175,8 @@ def _hsdp_and_mixed_precision(rank: int, world: int) -> dict[str, float]:
     return errors
 
 
-def test_hsdp_2x2_and_bf16():
-    results = run_distributed(_hsdp_and_mixed_precision, 4)
+def test_hsdp_2x2_and_bf16(grid):
+    results = [result["hsdp"] for result in grid[4]]
     for errors in results:
         assert errors["hsdp"] <= 1e-5
         assert errors["hsdp_all_reduces"] > 0

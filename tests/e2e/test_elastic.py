@@ -32,18 +32,37 @@ from launches import (
     descendants,
     free_port,
     kill_tree,
-    ok,
     run_cli,
 )
 from raggedfsdp.train import health
 from raggedfsdp.train.checkpoints import export_checkpoint
 from raggedfsdp.train.run_dir import latest_checkpoint
 
-# Rendezvous settings that keep the tests short: a lost node is declared dead after 6 s of
-# silence (default 15 s), and an elastic round waits 10 s for more nodes once one is there
-# (default 30 s): long enough for the second node's launcher to start, so the job starts at 2.
-RDZV = "keep_alive_interval=2,keep_alive_max_attempt=3,last_call_timeout=10"
+# Rendezvous settings that keep the tests short: a lost node is declared dead after 3 s of
+# silence (default 15 s), and an elastic round waits 5 s for more nodes once one is there
+# (default 30 s): long enough for the other nodes' launchers, imported ahead (NODE), to join,
+# so the job starts at full size.
+RDZV = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=5"
 DEADLINE_S = 180  # for any one wait of a test (a loaded machine is slow to start workers)
+
+# A node's launcher, started ahead of its time: it pays for its imports (seconds) at once, then
+# waits for its gate file and, unless it hosts the rendezvous (port 0), for the rendezvous port
+# before it runs ``raggedfsdp train`` as ``python -m raggedfsdp.cli`` does.
+NODE = """
+import os, socket, sys, time
+import torch.distributed.run
+from raggedfsdp import cli
+import raggedfsdp.cli.train, raggedfsdp.train.launch
+gate, port, argv = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+while not os.path.exists(gate):
+    time.sleep(0.02)
+while port:
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) == 0:
+            break
+    time.sleep(0.02)
+sys.exit(cli.main(argv))
+"""
 
 
 def _args(corpus: Path, out: Path, *, steps: int, batch: int) -> list[str]:
@@ -63,14 +82,18 @@ def _args(corpus: Path, out: Path, *, steps: int, batch: int) -> list[str]:
 
 @contextlib.contextmanager
 def _cluster(
-    tmp: Path, args: list[str], *, store: bool = False
+    tmp: Path, args: list[str], nodes: dict[str, int], *, store: bool = False
 ) -> Iterator[Callable[[str, int], subprocess.Popen]]:
-    """``start(name, node_rank)`` starts a node (its output in ``tmp/name.txt``); all the nodes
-    started are killed, with their workers, when the block ends. With ``store``, a ``raggedfsdp
-    rendezvous`` process hosts the rendezvous first (its output in ``tmp/store.log``)."""
+    """``start(name, node_rank)`` starts node ``name`` of ``nodes`` (name -> node rank; its
+    output in ``tmp/name.txt``), whose launcher began, to import, with the block; all of them are
+    killed, with their workers, when the block ends. The first of ``nodes`` hosts the rendezvous
+    (its store dies with it): the others wait for it to bind the port before they come, so the
+    node the tests lose is never the host. With ``store``, a ``raggedfsdp rendezvous`` process
+    hosts it instead (its output in ``tmp/store.log``)."""
     started: list[subprocess.Popen] = []
     port = free_port()
     common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={RDZV}"]
+    ahead: dict[str, subprocess.Popen] = {}
     if store:
         with open(tmp / "store.log", "w") as log:
             started.append(
@@ -85,23 +108,25 @@ def _cluster(
         _wait_for("the rendezvous store", lambda: _listening(port))
 
     def start(name: str, node_rank: int) -> subprocess.Popen:
-        log = open(tmp / f"{name}.txt", "w")  # noqa: SIM115 - the child holds it
-        node = subprocess.Popen(
-            cli_command("train", *common, f"--node-rank={node_rank}"),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=ENV,
-            start_new_session=True,
-        )
-        log.close()
-        started.append(node)
-        if len(started) == 1 and not store:
-            # The first node hosts the rendezvous (its store dies with it): let it bind the
-            # port before the others come, so the node the tests lose is never the host.
-            _wait_for("the rendezvous host", lambda: _listening(port))
-        return node
+        assert nodes[name] == node_rank, (name, node_rank)
+        (tmp / f"{name}.go").touch()
+        return ahead[name]
 
     try:
+        for i, (name, node_rank) in enumerate(nodes.items()):
+            log = open(tmp / f"{name}.txt", "w")  # noqa: SIM115 - the child holds it
+            wait_for_port = port if store or i > 0 else 0
+            gate = str(tmp / f"{name}.go")
+            launcher = [sys.executable, "-c", NODE, gate, str(wait_for_port), "train", *common]
+            ahead[name] = subprocess.Popen(
+                [*launcher, f"--node-rank={node_rank}"],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=ENV,
+                start_new_session=True,
+            )
+            log.close()
+            started.append(ahead[name])
         yield start
     except BaseException:
         # What each node and agent said, for the failure report (pytest shows stdout then).
@@ -174,17 +199,31 @@ def _finish(tmp: Path, *nodes: tuple[str, subprocess.Popen]) -> dict[str, str]:
 def test_replacement_node_joins_a_fixed_size_job(tmp_path, corpus):
     steps = 50
     reference = tmp_path / "reference"
-    ok(run_cli("train", *_args(corpus, reference, steps=steps, batch=4), "--nproc=2"))
     out = tmp_path / "run"
     args = [*_args(corpus, out, steps=steps, batch=4), "--nnodes=2", "--nproc=1"]
-    with _cluster(tmp_path, [*args, "--max-restarts=2"]) as start:
-        a, b = start("a", 0), start("b", 1)
-        _wait_for("the checkpoint of step 10", _complete(out, 10))
-        _lose(b)
-        lost = time.monotonic()
-        c = start("c", 1)  # the replacement: node 1's command, on another machine
-        outputs = _finish(tmp_path, ("a", a), ("c", c))
-        print(f"replacement: {time.monotonic() - lost:.1f} s from the loss to the end")
+    # The uninterrupted run goes beside the cluster, whose waits leave the cores idle.
+    uninterrupted = subprocess.Popen(
+        cli_command("train", *_args(corpus, reference, steps=steps, batch=4), "--nproc=2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    try:
+        with _cluster(tmp_path, [*args, "--max-restarts=2"], {"a": 0, "b": 1, "c": 1}) as start:
+            a, b = start("a", 0), start("b", 1)
+            _wait_for("the checkpoint of step 10", _complete(out, 10))
+            _lose(b)
+            lost = time.monotonic()
+            c = start("c", 1)  # the replacement: node 1's command, on another machine
+            outputs = _finish(tmp_path, ("a", a), ("c", c))
+            print(f"replacement: {time.monotonic() - lost:.1f} s from the loss to the end")
+        said = uninterrupted.communicate(timeout=DEADLINE_S)[0]
+        assert uninterrupted.returncode == 0, f"exit {uninterrupted.returncode}\n{said}"
+    finally:
+        if uninterrupted.poll() is None:
+            kill_tree(uninterrupted)
     # Rank 0 prints the resume. torchrun ranks the nodes by their agents' PIDs, so the
     # replacement is rank 0 when its PID is the smaller (after the PIDs wrap around).
     resumed = _resumed(tmp_path)
@@ -207,7 +246,7 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
     steps = 300
     out = tmp_path / "run"
     args = [*_args(corpus, out, steps=steps, batch=16), "--nnodes=1:2", "--nproc=1"]
-    with _cluster(tmp_path, [*args, "--max-restarts=3"]) as start:
+    with _cluster(tmp_path, [*args, "--max-restarts=3"], {"a": 0, "b": 1, "c": 1}) as start:
         a, b = start("a", 0), start("b", 1)
         _wait_for("the checkpoint of step 20", _complete(out, 20))
         _lose(b)
@@ -249,7 +288,7 @@ def test_losing_the_first_node_behind_a_rendezvous_store(tmp_path, corpus, store
     steps = 60
     out = tmp_path / "run"
     args = [*_args(corpus, out, steps=steps, batch=8), "--nnodes=1:2", "--nproc=1"]
-    with _cluster(tmp_path, [*args, "--max-restarts=2"], store=store) as start:
+    with _cluster(tmp_path, [*args, "--max-restarts=2"], {"a": 0, "b": 1}, store=store) as start:
         a, b = start("a", 0), start("b", 1)
         _wait_for("the checkpoint of step 20", _complete(out, 20))
         _lose(a)
@@ -276,7 +315,8 @@ def test_three_nodes_lose_one_and_take_a_late_joiner(tmp_path, corpus):
     steps = 300
     out = tmp_path / "run"
     args = [*_args(corpus, out, steps=steps, batch=12), "--nnodes=2:3", "--nproc=1"]
-    with _cluster(tmp_path, [*args, "--max-restarts=4"]) as start:
+    nodes = {"a": 0, "b": 1, "c": 2, "d": 2}
+    with _cluster(tmp_path, [*args, "--max-restarts=4"], nodes) as start:
         a, b, c = start("a", 0), start("b", 1), start("c", 2)
         # The job may start at 2 and grow when the third launcher is late: wait for 3 ranks,
         # then for a checkpoint those 3 ranks saved.

@@ -5,12 +5,13 @@ One uninterrupted 6-step run (``reference``) is the yardstick: a run resumed fro
 checkpoint, a run whose worker is SIGKILLed mid-run and restarted by the agent, a run killed while
 saving and then resumed, and a run over two torchrun agents (two "nodes") must all end with the
 same parameters, bit for bit. Checkpoints are also reloaded at other world sizes and shard
-policies (through the multi-process harness), into PyTorch FSDP2, and exported to a plain state
-dict. Launching costs seconds, so each launch serves several checks.
+policies (through the multi-process harness: one launch of 3 ranks), into PyTorch FSDP2, and
+exported to a plain state dict. Launching costs seconds, so each launch serves several checks.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import shutil
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import run_world_grid
 from launches import (
     ENV,
     assert_same_tensors,
@@ -338,22 +339,31 @@ def _reload(rank: int, world: int, block: str, adamw: tuple, toy: tuple | None) 
     return {"full": full, "world": dist.get_world_size()}
 
 
+def _reloads(paths: dict[str, str], rank: int, world: int, group: None) -> dict:
+    """World 2 (FSDP2, the loss judged globally, the toy optimizer saved), then 3 and 1."""
+    if world == 2:
+        return _on_two_ranks(rank, world, paths["step6"], paths["toy2"])
+    if world == 3:
+        return _reload(
+            rank, world, "whole", (paths["step3"], paths["adamw3"]), (paths["toy"], paths["toy3"])
+        )
+    return _reload(rank, world, "32", (paths["step3"], paths["adamw1"]), None)
+
+
 @pytest.fixture(scope="module")
 def reloaded(reference, tmp_path_factory) -> dict[str, Any]:
+    """One launch of 3 ranks: world 2, then 3, then 1, each as if launched on its own."""
     root = tmp_path_factory.mktemp("reload")
     step3 = reference["out"] / "checkpoints" / "step_000003"
     toy = root / "toy2" / "checkpoints" / "step_000002"
-    two = run_distributed(
-        _on_two_ranks, 2, str(reference["out"] / "checkpoints" / "step_000006"), str(root / "toy2")
-    )
-    three = run_distributed(
-        _reload,
-        3,
-        "whole",
-        (str(step3), str(root / "adamw3")),
-        (str(toy), str(root / "toy3")),
-    )
-    one = run_distributed(_reload, 1, "32", (str(step3), str(root / "adamw1")), None)
+    paths = {
+        "step3": str(step3),
+        "step6": str(reference["out"] / "checkpoints" / "step_000006"),
+        "toy": str(toy),
+        **{name: str(root / name) for name in ("toy2", "toy3", "adamw3", "adamw1")},
+    }
+    runs = run_world_grid(functools.partial(_reloads, paths), [2, 3, 1], as_launches=True)
+    two, three, one = runs[2], runs[3], runs[1]
     return {"root": root, "step3": step3, "toy": toy, "two": two, "three": three, "one": one}
 
 

@@ -1,10 +1,12 @@
 """The job's guards: a NaN skip policy that gives up, strict-JSON metrics, and optional extras
-that cost one line when missing. Real ``raggedfsdp train`` launches (gpt-tiny, 2 ranks)."""
+that cost one line when missing. Real ``raggedfsdp train`` launches (gpt-tiny, 2 ranks); what is
+refused before any launch runs the command in this process."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from launches import ENV, cli_command, run_cli
+from raggedfsdp import cli
 
 TINY = ["--model=gpt-tiny", "--batch-size=4", "--eval-batches=1", "--log-every=1"]
 
@@ -52,16 +55,36 @@ def test_skip_policy_gives_up_and_metrics_stay_strict_json(tmp_path: Path) -> No
     assert "2 steps in this launch (--max-skipped-steps)" in proc.stderr
 
 
-def test_missing_report_extras_cost_one_line_each(tmp_path: Path) -> None:
-    """A plain install (no matplotlib, no tensorboard) trains, reports what it skipped and
-    exits 0: here both modules are made unimportable for the workers too."""
-    stubs = tmp_path / "stubs"
+def _in_this_process(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``raggedfsdp train`` with TINY and ``args`` in this process (a refusal before the launch
+    needs no interpreter of its own): its status, and what this process or any it started wrote
+    to stderr."""
+    capfd.readouterr()
+    status = cli.main(["train", *TINY, *args])
+    return status, capfd.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def plain_install(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A 3-step run of a plain install (no matplotlib, no tensorboard): here both modules are
+    made unimportable for the workers too. Its folder and its launch."""
+    tmp = tmp_path_factory.mktemp("plain")
+    stubs = tmp / "stubs"
     stubs.mkdir()
     for name in ("matplotlib", "tensorboard"):
         (stubs / f"{name}.py").write_text(f'raise ImportError("No module named {name}")\n')
     env = {**ENV, "PYTHONPATH": os.pathsep.join([str(stubs), ENV.get("PYTHONPATH", "")])}
-    out = tmp_path / "run"
-    proc = _train(out, "--steps=2", "--tensorboard", "--checkpoint-every=0", env=env)
+    out = tmp / "run"
+    return {
+        "out": out,
+        "proc": _train(out, "--steps=3", "--tensorboard", "--checkpoint-every=0", env=env),
+    }
+
+
+def test_missing_report_extras_cost_one_line_each(plain_install: dict) -> None:
+    """A plain install (no matplotlib, no tensorboard) trains, reports what it skipped and
+    exits 0: here both modules are made unimportable for the workers too."""
+    out, proc = plain_install["out"], plain_install["proc"]
     assert proc.returncode == 0, proc.stderr
     assert "report.png skipped: pip install 'raggedfsdp[report]' (matplotlib)" in proc.stdout
     assert "tensorboard skipped: pip install 'raggedfsdp[report]' (tensorboard)" in proc.stdout
@@ -79,26 +102,26 @@ def test_missing_report_extras_cost_one_line_each(tmp_path: Path) -> None:
     ],
     ids=["timeout", "seed", "block", "corpus"],
 )
-def test_refused_before_launch_leaving_out_untouched(tmp_path: Path, args, message) -> None:
+def test_refused_before_launch_leaving_out_untouched(tmp_path: Path, capfd, args, message) -> None:
     data = tmp_path / "tiny.txt"
     data.write_bytes(b"x" * 40)
     args = [a.replace("DATA", str(data)) for a in args]
     out = tmp_path / "run"
-    proc = _train(out, "--steps=2", *args)
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1, proc.stderr  # one line, no worker started
-    assert message.replace("DATA", str(data)) in proc.stderr
+    status, err = _in_this_process(capfd, f"--out={out}", "--steps=2", *args)
+    assert status == 2
+    assert err.count("\n") == 1, err  # one line, no worker started
+    assert message.replace("DATA", str(data)) in err
     assert not out.exists()
 
 
-def test_resume_past_the_last_step_is_refused(tmp_path: Path) -> None:
+def test_resume_past_the_last_step_is_refused(plain_install: dict, tmp_path: Path, capfd) -> None:
     out = tmp_path / "run"
     # Judged by what the run left, not its exit status: Gloo may abort at exit (DESIGN.md).
-    _train(out, "--steps=3", "--checkpoint-every=0", "--eval-every=0")
+    shutil.copytree(plain_install["out"], out)
     assert (out / "checkpoints" / "step_000003" / "COMPLETE.json").is_file()
-    proc = _train(out, "--steps=2", "--resume")
-    assert proc.returncode == 2
-    assert "is at step 3, not before --steps 2: nothing to train" in proc.stderr
+    status, err = _in_this_process(capfd, f"--out={out}", "--steps=2", "--resume")
+    assert status == 2
+    assert "is at step 3, not before --steps 2: nothing to train" in err
 
 
 def _on_small_disk(size: str, command: list[str], mount: Path) -> subprocess.CompletedProcess:

@@ -7,8 +7,9 @@ checkpoint ends with the same parameters bit for bit (the tied Llama and the MoE
 full state dict loads into a plain ``transformers`` model whose ``generate()`` works, whose
 logits are those the model computes without a cache, and whose validation loss is the sharded
 run's. The three single-process references share one interpreter (a launch costs seconds).
-What needs no launch (building, ``--compile``, the one-line errors):
-tests/unit/test_train_hf_build_and_errors.py.
+In this process, on a group of one: ``--compile`` equals eager without a compile per block (here,
+not with the pure logic, for the compiler's minutes while its cache is cold). What needs no
+launch (building, the one-line errors): tests/unit/test_train_hf_build_and_errors.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from launches import ENV, assert_same_tensors, ok, run_cli
 from raggedfsdp import cli
 from raggedfsdp.data import eval_batches, load_corpus
 from raggedfsdp.models import hf
+from raggedfsdp.train.build import build_model
 from raggedfsdp.train.checkpoints import export_checkpoint
+from raggedfsdp.train.config import TrainConfig
 
 CASES = ("tiny-llama", "tiny-llama-tied", "tiny-mixtral")
 # Resumed: the tied model (one parameter under two names) and the MoE (3-D expert tensors); the
@@ -162,6 +165,37 @@ def test_generate_after_loading_the_export(runs, name, corpus, tmp_path):
     for i, logits in enumerate(out.logits):
         torch.testing.assert_close(logits, full[:, 15 + i], atol=1e-5, rtol=1e-5)
         assert torch.equal(out.sequences[:, 16 + i], logits.argmax(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# --compile, in this process on a group of one.
+
+
+def test_compile_matches_eager_without_recompiling(group_of_one, corpus):
+    pytest.importorskip("transformers")
+    import torch._dynamo
+
+    for model_args in ({"model": "gpt-tiny"}, {"hf_config": "tiny-llama-tied"}):
+        x, y = eval_batches(load_corpus(corpus, seed=0).val, 1, seq_len=32, global_batch=2, seed=0)[
+            0
+        ]
+        losses = []
+        for compiled in (False, True):
+            cfg = TrainConfig(**model_args, compile=compiled, activation_checkpointing=True)
+            model = build_model(cfg, torch.device("cpu"))
+            loss = model(x, y)
+            loss.backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            losses.append((loss.item(), grads))
+        torch.testing.assert_close(losses[1][0], losses[0][0], atol=1e-5, rtol=1e-5)
+        for got, want in zip(losses[1][1], losses[0][1], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch._dynamo.reset()
+    # Blocks of one class share compiled code: a second block recompiling would raise here.
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        cfg = TrainConfig(hf_config="tiny-llama", compile=True)
+        build_model(cfg, torch.device("cpu"))(x, y).backward()
+    torch._dynamo.reset()
 
 
 def test_export_needs_no_file_outside_the_checkpoint(corpus, tmp_path):
