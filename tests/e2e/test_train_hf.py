@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from launches import ENV, assert_same_tensors, ok, run_cli
+from launches import ENV, assert_same_tensors, cli_command, ok, run_side_by_side
 from raggedfsdp import cli
 from raggedfsdp.data import eval_batches, load_corpus
 from raggedfsdp.models import hf
@@ -70,9 +70,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
     root = tmp_path_factory.mktemp("hf")
     found: dict[str, dict[str, Any]] = {}
     for name in CASES:
-        out = root / name / "w2"
-        ok(run_cli("train", f"--hf-config={name}", *COMMON, f"--data={corpus}", f"--out={out}"))
-        found[name] = {"w2": out, "w1": root / name / "w1", "resumed": root / name / "resumed"}
+        found[name] = {k: root / name / k for k in ("w2", "w1", "resumed")}
     # The worker without torchrun is a group of one: the three references in one interpreter.
     argvs = [
         [f"--hf-config={name}", *COMMON, f"--data={corpus}", f"--out={found[name]['w1']}"]
@@ -82,29 +80,37 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
         "import json, sys\nfrom raggedfsdp.train import main\n"
         "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
     )
-    ok(
-        subprocess.run(
-            [sys.executable, "-c", code, *map(json.dumps, argvs)],
-            capture_output=True,
-            text=True,
-            env=ENV,
-            timeout=180,
-        )
-    )
-    for name in RESUMED:
-        resumed = found[name]["resumed"]
-        step3 = found[name]["w2"] / "checkpoints" / "step_000003"
-        shutil.copytree(step3, resumed / "checkpoints" / "step_000003")
-        ok(
-            run_cli(
+    # The launches and the references are independent: side by side, their waits overlap.
+    for proc in run_side_by_side(
+        *(
+            cli_command(
                 "train",
                 f"--hf-config={name}",
                 *COMMON,
                 f"--data={corpus}",
-                f"--out={resumed}",
-                "--resume",
+                f"--out={found[name]['w2']}",
             )
+            for name in CASES
+        ),
+        [sys.executable, "-c", code, *map(json.dumps, argvs)],
+    ):
+        ok(proc)
+    for name in RESUMED:
+        step3 = found[name]["w2"] / "checkpoints" / "step_000003"
+        shutil.copytree(step3, found[name]["resumed"] / "checkpoints" / "step_000003")
+    resumes = (
+        cli_command(
+            "train",
+            f"--hf-config={name}",
+            *COMMON,
+            f"--data={corpus}",
+            f"--out={found[name]['resumed']}",
+            "--resume",
         )
+        for name in RESUMED
+    )
+    for proc in run_side_by_side(*resumes):
+        ok(proc)
     return found
 
 

@@ -1,5 +1,6 @@
 """What the tests that launch real ``raggedfsdp train`` jobs share: the environment, the command
-in a fresh interpreter, and the comparisons they make of the results."""
+in a fresh interpreter, independent launches side by side, and the comparisons they make of the
+results."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +31,43 @@ def run_cli(
     return subprocess.run(
         cli_command(*args), capture_output=True, text=True, env=env or ENV, timeout=timeout
     )
+
+
+def run_side_by_side(
+    *commands: list[str], timeout: float = 600, env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
+    """Run ``commands`` at once, each to the end (within ``timeout`` seconds in all), for
+    independent jobs: a launch spends much of its time waiting (its workers' imports, its agent,
+    teardown), and these waits overlap. Their exit statuses and outputs, in order; whatever is
+    still running when this returns or fails is killed."""
+    with contextlib.ExitStack() as files:
+        # Files, not pipes: a pipe nobody reads yet would stop a command that fills it.
+        outputs = [
+            [files.enter_context(tempfile.TemporaryFile("w+")) for _ in ("stdout", "stderr")]
+            for _ in commands
+        ]
+        procs = [
+            subprocess.Popen(
+                command, stdout=out, stderr=err, text=True, env=env or ENV, start_new_session=True
+            )
+            for command, (out, err) in zip(commands, outputs, strict=True)
+        ]
+        try:
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    kill_tree(proc)
+        done = []
+        for command, proc, (out, err) in zip(commands, procs, outputs, strict=True):
+            out.seek(0)
+            err.seek(0)
+            done.append(
+                subprocess.CompletedProcess(command, proc.returncode, out.read(), err.read())
+            )
+        return done
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
