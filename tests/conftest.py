@@ -34,9 +34,10 @@ TIERS = {"unit": ("unit",), "distributed": ("distributed", "slow"), "e2e": ("e2e
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     outside = set()
     for item in items:
-        parts = item.path.resolve().relative_to(TESTS).parts
+        path = item.path.resolve()
+        parts = path.relative_to(TESTS).parts if path.is_relative_to(TESTS) else ()
         if len(parts) < 2 or parts[0] not in TIERS:
-            outside.add(str(item.path))
+            outside.add(item.nodeid.split("::")[0])
             continue
         for marker in TIERS[parts[0]]:
             item.add_marker(marker)
