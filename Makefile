@@ -1,11 +1,12 @@
 # Two entry points, both self-contained on a fresh machine with only Python:
 #   make run   -- set up, then run the main job
-#   make test  -- set up, then lint and run the test suite
+#   make test  -- set up, then lint and run the test suite (every tier)
+#   make test-fast -- set up, then run the unit tier only (tests/unit: pure logic, no launches)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint
+.PHONY: setup run test test-fast lint
 
 setup: $(VENV)/.installed
 
@@ -29,3 +30,6 @@ lint: setup
 
 test: lint
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q tests/unit

@@ -16,8 +16,8 @@ It also times single buckets (``--parts buckets``): for every model, policy (ele
 ``--repeats``, a fresh planner each run), a synthetic 2,002-tensor bucket, and the whole
 DeepSeek-V3 with separate experts, against the targets of 0.3 s per bucket and 1 s per model.
 And it checks the planner against the fixture of shard sizes recorded before the type-count
-search (``--parts fixture``, ``tests/planner_fixture.json``): no bucket of any recorded case may
-get a larger ``S`` (``--record-fixture PATH`` writes a new one from the current planner).
+search (``--parts fixture``, ``tests/support/planner_fixture.json``): no bucket of any recorded
+case may get a larger ``S`` (``--record-fixture PATH`` writes a new one from the current planner).
 
 Usage::
 

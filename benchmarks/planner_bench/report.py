@@ -357,7 +357,7 @@ def bucket_markdown(
             else "none larger"
         )
         targets.append(
-            f"- Fixture (S recorded before this search, tests/planner_fixture.json): "
+            f"- Fixture (S recorded before this search, tests/support/planner_fixture.json): "
             f"{check.cases} cases, {check.buckets:,} bucket plans compared; {larger}, "
             f"{check.better:,} smaller; worst S / bound {check.worst_ratio:.4f} "
             f"({check.worst_where})"

@@ -184,8 +184,8 @@ def _case_plans(
 
 
 def record_fixture(path: Path, models: Sequence[str]) -> None:
-    """Write the current planner's S per bucket of every case (see tests/planner_fixture.json
-    for the format)."""
+    """Write the current planner's S per bucket of every case (see
+    tests/support/planner_fixture.json for the format)."""
     cases = {}
     by_model: dict[str, list[tuple[str, str, int]]] = {}
     for model, policy, buffer, w in fixture_keys(models):

@@ -47,7 +47,7 @@ BUCKET_TARGET_S = 0.3
 MODEL_TARGET_S = 1.0
 WHOLE_MODEL = "deepseek-v3-671b-experts"
 #: The shard sizes recorded before the type-count search (``--parts fixture``).
-FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "planner_fixture.json"
+FIXTURE = Path(__file__).resolve().parents[2] / "tests" / "support" / "planner_fixture.json"
 #: The name of the synthetic 2,002-tensor bucket in the single-bucket tables.
 SYNTHETIC = "synthetic-2002"
 
@@ -68,7 +68,7 @@ def planner_of(block: BlockSize) -> StructAwarePlanner:
 
 def bucket_signature(planner: StructAwarePlanner, bucket: Bucket) -> str:
     """How the fixture names a bucket: its parameters' shapes and units in model order and its
-    planning dtype (the same function as tests/test_planner.py's)."""
+    planning dtype (the same function as tests/unit/test_planner.py's)."""
     parts = [
         (tuple(p.shape), planner.unit_numel(n, tuple(p.shape))) for n, p in bucket.params.items()
     ]

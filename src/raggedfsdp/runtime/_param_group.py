@@ -2,8 +2,8 @@
 
 Layering runs one way: hooks (``_hooks.py``) -> this group -> each bucket's strategies
 (``_comm.py``, ``compression/``) -> collectives -> DBuffers. The group chooses each bucket's
-strategies once (``_strategies.py``), when it builds the bucket, and owns the state of its parameters and of their
-reductions in flight; the hooks only decide *when* to call it.
+strategies once (``_strategies.py``), when it builds the bucket, and owns the state of its
+parameters and of their reductions in flight; the hooks only decide *when* to call it.
 """
 
 from __future__ import annotations

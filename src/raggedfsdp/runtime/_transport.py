@@ -14,7 +14,7 @@ collectives make (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all
 ``all_reduce``, ``isend``, ``irecv``) finds torch's function on ``torch.distributed`` when it is
 made, never through a name bound at import, so a wrapper of torch's functions sees all of them:
 the tests' emulation of NCCL's asynchrony and their recorder of the collectives each rank
-issues (``tests/collective_wrap.py``).
+issues (``tests/support/collective_wrap.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ corrects: it is per-rank training state, not a shard of anything (``runtime/resi
 and loads it). How it is stored is ``CommCompression.residual_storage``: 8-bit (int8 codes of
 the residual, in the gradient's own blocks) keeps the error of a sum over 256 steps of a fixed
 gradient where fp32 keeps it, and bf16 lets it drift ~20% further, at 1/4 and 1/2 of fp32's
-memory (``tests/test_quant.py``, docs/results/compression.md).
+memory (``tests/unit/test_quant.py``, docs/results/compression.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ every world size gives the same codes and scales.
 
 [Note: codec kernels per device] How the regions are cut is the device's business, never the
 numbers': every operation is element-wise or a maximum within one tile, so any cut into whole
-tiles gives the same bits (``tests/test_quant.py`` checks both shapes against a block-by-block
+tiles gives the same bits (``tests/unit/test_quant.py`` checks both shapes against a block-by-block
 reference). On the CPU a region is cut into chunks of :data:`CHUNK` elements (1 MiB of fp32),
 so its five passes over memory hit the L2 cache. On an accelerator that chunking would launch
 ~10 kernels per 2^18 elements (about half a million per step for a 7B model at W = 8), each
