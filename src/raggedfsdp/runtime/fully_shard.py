@@ -258,6 +258,20 @@ def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list
     return [Registration(fqn, param, tuple(owners)) for fqn, param, owners in found.values()]
 
 
+def _with_parallel_specs(
+    registrations: list[Registration], info: MeshInfo, policy: RaggedShard
+) -> list[Registration]:
+    """``registrations`` with how each parameter is split over the mesh's other (tensor- or
+    expert-parallel) dims, each checked against the shard policy's units."""
+    registrations = [
+        dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
+        for r in registrations
+    ]
+    for registration in registrations:
+        _check_parallel_cuts(registration, policy)
+    return registrations
+
+
 def _check_parallel_cuts(registration: Registration, policy: RaggedShard) -> None:
     """A DTensor parameter's tensor-parallel split must not cut a block the policy keeps whole
     (a 128x128 tile split across tp ranks would be quantized, or orthogonalised, as two): one
@@ -357,12 +371,7 @@ def fully_shard(
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
     info = mesh_info(mesh, device)
-    registrations = [
-        dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
-        for r in registrations
-    ]
-    for registration in registrations:
-        _check_parallel_cuts(registration, planner.shard_policy)
+    registrations = _with_parallel_specs(registrations, info, planner.shard_policy)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
