@@ -361,10 +361,9 @@ def fully_shard(
     devices (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator the shards,
     gradients and optimizer state live on the host and only the unsharded parameters on the
     device (not with a compressed all-gather). ``ignored_params`` stay unsharded and unmanaged
-    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather
-    and/or the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must
-    carry the same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed
-    reduce-scatter)."""
+    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather and/or
+    the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
+    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     registrations = _registrations(modules, ignored_params or set())
