@@ -13,9 +13,10 @@ The layers, each a room of its own (imports flow down this list only):
 - ``cli``         the ``raggedfsdp`` commands, each ``configure(parser)`` and ``run(args)``
 
 Importing the package calls :func:`raggedfsdp.integration.install` once (idempotent): torch's
-``register_fsdp_forward_method``, ``clip_grad_norm_`` and
-``torch.distributed.checkpoint.state_dict`` then handle raggedfsdp's sharded modules. It is the
-only change to torch made at import.
+``register_fsdp_forward_method``, ``distribute_tensor`` and
+``torch.distributed.checkpoint.state_dict`` then handle raggedfsdp's sharded modules, and its
+RaggedTensor joins torch's foreach-supported types. It is the only change to torch made at
+import.
 """
 
 # First, before torch loads (seconds): a worker of ``raggedfsdp train`` dies with its launcher
