@@ -121,7 +121,9 @@ def parallel_spec(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> DTensor
             f"(mesh['tp'] for the parameter, mesh['dp'] for fully_shard)"
         )
     root = dp_mesh._get_root_mesh()
-    if mesh._get_root_mesh() is not root:
+    # Equal, not identical: a model parallelized over one init_device_mesh's slices may be
+    # sharded over another's of the same layout (torch's own FSDP2 tests do so).
+    if mesh._get_root_mesh() != root:
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on a mesh that is not a slice of the mesh "
             f"fully_shard shards over ({dp_names}); slice both from one init_device_mesh"
