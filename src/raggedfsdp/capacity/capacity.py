@@ -4,7 +4,10 @@ FSDP2 on the same shapes (memory per rank, bytes per step, step time), against a
 
 The logic behind ``raggedfsdp plan --gpu ...`` and the preflight of ``raggedfsdp train``; pure
 Python over shapes. Memory comes from :mod:`.cost`, time from :mod:`.steptime`, what a model
-computes and keeps from :mod:`.shapes`.
+computes and keeps from :mod:`.shapes`. Under tensor and expert parallelism (``tp``, ``ep``)
+each rank's pieces are planned over their FSDP groups (:mod:`.parallel`), their activations'
+and tokens' traffic is :mod:`.parallel_comm`, and :func:`search_mesh` finds the ``(dp, tp,
+ep)`` that fit a number of devices.
 """
 
 from __future__ import annotations
@@ -19,31 +22,37 @@ from torch import nn
 
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
-from ..planner import Bucket, StructAwarePlanner, model_buckets
+from ..planner import Bucket, ShardPlan, StructAwarePlanner, model_buckets
 from ..planner.quant_blocks import Compression
 from .cost import (
     OPTIMIZERS,
     MemoryBreakdown,
     StepShape,
+    UnitBytes,
     memory_breakdown,
     optimizer_state_bytes,
     unit_bytes,
 )
 from .hardware import Hardware
+from .parallel import ModelSplit, ParallelDims, UnsplittableModel, split_model
+from .parallel_comm import ParallelBytes, parallel_bytes, with_parallel_time
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
-from .systems import RAGGEDFSDP, SYSTEMS
+from .systems import RAGGEDFSDP, SYSTEMS, System
 from .wire import message_bytes
 
 __all__ = [
     "DEFAULT_RESERVE",
     "CapacityOptions",
     "CapacityReport",
+    "MeshFit",
+    "MeshSearch",
     "SystemCost",
     "UnshardableWorld",
     "WorldCapacity",
     "capacity_report",
     "plan_capacity",
+    "search_mesh",
 ]
 
 #: Device memory kept free for what the model does not see: the allocator's fragmentation,
@@ -80,6 +89,9 @@ class CapacityOptions:
             on the host; ``fits`` is then the device's peak. Needs a preset with a host link.
         pin_memory: the policy's ``pin_memory`` (reported; the model gives pinned and pageable
             copies the same PCIe bandwidth, docs/capacity.md).
+        tp: tensor-parallel degree (:mod:`.parallel`: ``batch`` is then the sequences of a
+            tensor-parallel group, which its ``tp`` devices share).
+        ep: expert-parallel degree, borrowed from the data-parallel ranks.
     """
 
     batch: int
@@ -94,14 +106,21 @@ class CapacityOptions:
     compression: Compression | None = None
     offload: bool = False
     pin_memory: bool = False
+    tp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
+        ParallelDims(self.tp, self.ep)  # positive integers
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}"
             )
         if not 0 <= self.reserve < 1:
             raise ValueError(f"reserve must be a fraction in [0, 1), got {self.reserve!r}")
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.tp, self.ep)
 
     def step(self, hw: Hardware) -> StepShape:
         return StepShape(
@@ -138,6 +157,46 @@ class WorldCapacity:
     world_size: int
     plan_seconds: float  # planning and costing, wall clock
     systems: dict[str, SystemCost]  # by the name of each of :data:`~.systems.SYSTEMS`
+    dims: ParallelDims = dataclasses.field(default_factory=ParallelDims)
+    #: tensor and expert parallelism's traffic per rank (the same for both systems; their
+    #: seconds are in each system's step time); ``None`` without them
+    parallel: ParallelBytes | None = None
+
+    @property
+    def dp(self) -> int:
+        """The experts' FSDP degree, ``W / (tp x ep)`` (every parameter's without experts)."""
+        return self.dims.dp(self.world_size)
+
+
+@dataclass(frozen=True)
+class MeshFit:
+    """One ``(dp, tp, ep)`` that fits at a world size, and what raggedfsdp costs there."""
+
+    world_size: int
+    dp: int
+    tp: int
+    ep: int
+    peak: int  # bytes per device
+    step_s: float
+    tokens_per_s: float  # per device
+
+
+@dataclass(frozen=True)
+class MeshSearch:
+    """The meshes tried at one world size (:func:`search_mesh`).
+
+    Attributes:
+        tried: ``(tp, ep)`` pairs the model could be split and sharded by (and so costed).
+        smallest: the one that fits with the least model parallelism: smallest ``tp x ep``,
+            then the smaller ``tp`` (tensor parallelism's all-reduces are in every layer,
+            expert parallelism's all-to-alls only in the MoE layers); ``None``: none fits.
+        fastest: the one that fits with the most tokens per second per device (modelled).
+    """
+
+    world_size: int
+    tried: int
+    smallest: MeshFit | None
+    fastest: MeshFit | None
 
 
 @dataclass(frozen=True)
@@ -147,10 +206,13 @@ class CapacityReport:
     options: CapacityOptions
     param_numel: int
     worlds: tuple[WorldCapacity, ...]
-    #: the smallest power of two W (up to 16,384) at which raggedfsdp fits, or None
+    #: the smallest power of two W (up to 16,384; ``tp x ep`` times one under tensor or expert
+    #: parallelism) at which raggedfsdp fits, or None
     smallest_world: int | None
     #: under offload, the same search without it (None otherwise, or when none fits)
     smallest_world_without_offload: int | None = None
+    #: the ``(dp, tp, ep)`` search at each world size, when asked for (:func:`search_mesh`)
+    meshes: tuple[MeshSearch, ...] = ()
 
     @property
     def usable_bytes(self) -> int:
@@ -168,24 +230,67 @@ class UnshardableWorld(ValueError):
 
 
 def _check_shardable(
-    planner: StructAwarePlanner, buckets: Sequence[Bucket], world_size: int
+    planner: StructAwarePlanner, buckets: Sequence[Bucket], sizes: Sequence[int], world_size: int
 ) -> None:
-    """Each bucket has at least ``world_size`` policy blocks: with fewer, some rank holds
-    nothing of it whatever the plan, and the extra ranks only add padding. Counted from the
-    shapes before any planning, so a world size too large is refused at once, naming the
-    largest the model supports."""
-    for bucket in buckets:
+    """Each bucket has at least as many policy blocks as the ranks of its FSDP group
+    (``sizes``): with fewer, some rank holds nothing of it whatever the plan, and the extra
+    ranks only add padding. Counted from the shapes before any planning, so a world size too
+    large is refused at once, naming the largest the model supports."""
+    for bucket, size in zip(buckets, sizes, strict=True):
         blocks = sum(
             -(-p.numel() // planner.unit_numel(name, tuple(p.shape)))
             for name, p in bucket.params.items()
             if p.numel()
         )
-        if blocks < world_size:
+        if blocks < size:
+            who = f"W={size:,}" if size == world_size else f"W={world_size:,} ({size:,} FSDP ranks)"
             raise UnshardableWorld(
-                f"W={world_size:,} is more ranks than bucket {bucket.name!r} has blocks "
+                f"{who} is more ranks than bucket {bucket.name!r} has blocks "
                 f"({blocks:,} under this block size): some rank would hold none of it. Use W <= "
-                f"{blocks:,} or a smaller --block-size"
+                f"{blocks * world_size // size:,} or a smaller --block-size"
             )
+
+
+def _planner(options: CapacityOptions, step: StepShape) -> tuple[StructAwarePlanner, RaggedShard]:
+    policy = RaggedShard(block_size=options.block_size)
+    planner = StructAwarePlanner(
+        optimizer_type=None if options.optimizer == "adamw" else options.optimizer,  # type: ignore[arg-type]
+        shard_policy=policy,
+        compression=step.compression,
+    )
+    return planner, policy
+
+
+def _plans(
+    module: nn.Module,
+    planner: StructAwarePlanner,
+    split: ModelSplit,
+    world_size: int,
+    options: CapacityOptions,
+) -> list[ShardPlan]:
+    """Every bucket of the rank's pieces, each planned over its FSDP group."""
+    buckets = model_buckets(
+        module,
+        param_dtype=options.param_dtype,
+        buffer_size=options.buffer_size,
+        wrap=split.wrap_policy,
+        local=split.local if split.splits else None,
+    )
+    sizes = [split.fsdp_size(bucket.name, world_size) for bucket in buckets]
+    _check_shardable(planner, buckets, sizes, world_size)
+    return [planner.plan_bucket(b, size) for b, size in zip(buckets, sizes, strict=True)]
+
+
+def _split_for(options: CapacityOptions, split: ModelSplit | None) -> ModelSplit:
+    """The split ``plan_capacity`` costs: ``split`` (made for ``options``' degrees), or none."""
+    if split is None and options.dims.model_parallel == 1:
+        return ModelSplit.whole()
+    if split is None or split.dims != options.dims:
+        raise ValueError(
+            f"tp={options.tp}, ep={options.ep} needs the model's split for them "
+            f"(split_model(module, ParallelDims(tp, ep))) and its shape with it"
+        )
+    return split
 
 
 def plan_capacity(
@@ -194,64 +299,180 @@ def plan_capacity(
     world_size: int,
     hw: Hardware,
     options: CapacityOptions,
+    *,
+    split: ModelSplit | None = None,
 ) -> WorldCapacity:
-    """Plan ``module`` (master dtype, best on meta) at ``world_size`` and cost both systems."""
+    """Plan ``module`` (master dtype, best on meta) at ``world_size`` and cost both systems.
+
+    Under tensor or expert parallelism (``options.tp``, ``options.ep``) ``split`` is the
+    model's :func:`~.parallel.split_model` for them and ``shape`` its
+    :func:`~.shapes.model_shape` with it: the buckets hold the rank's pieces, each planned over
+    its FSDP group, and the step adds their traffic (:mod:`.parallel_comm`)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world size must be an integer >= 1, got {world_size!r}")
+    split = _split_for(options, split)
+    options.dims.check_world(world_size)
     if options.offload:
         hw.offload_rates(world_size)  # raises for a preset without a host link
     start = time.perf_counter()
     step = options.step(hw)
-    policy = RaggedShard(block_size=options.block_size)
-    planner = StructAwarePlanner(
-        optimizer_type=None if options.optimizer == "adamw" else options.optimizer,  # type: ignore[arg-type]
-        shard_policy=policy,
-        compression=step.compression,
-    )
-    buckets = model_buckets(
-        module, param_dtype=options.param_dtype, buffer_size=options.buffer_size
-    )
-    _check_shardable(planner, buckets, world_size)
-    plans = [planner.plan_bucket(bucket, world_size) for bucket in buckets]
+    planner, policy = _planner(options, step)
+    plans = _plans(module, planner, split, world_size, options)
     messages = None
     if step.compression is not None:
         messages = [message_bytes(p, policy, step.compression.block_size) for p in plans]
-    units = unit_bytes(plans, messages)
-    state = optimizer_state_bytes(plans, options.optimizer)
-    usable = hw.memory_bytes * (1 - options.reserve)
-    host_usable = (hw.host_memory_bytes or 0) * (1 - options.reserve)
-    systems = {}
-    for system in SYSTEMS:
-        memory = memory_breakdown(shape, units, step, state, world_size=world_size, system=system)
-        host_per_node = memory.host * min(world_size, hw.devices_per_node)
+    costing = _Costing(
+        shape=shape,
+        units=unit_bytes(plans, messages),
+        step=step,
+        state=optimizer_state_bytes(plans, options.optimizer),
+        hw=hw,
+        world_size=world_size,
+        reserve=options.reserve,
+        split=split,
+        parallel=parallel_bytes(shape, step, hw, split),
+    )
+    systems = {system.name: costing.cost(system) for system in SYSTEMS}
+    parallel = costing.parallel if split.splits else None
+    return WorldCapacity(world_size, time.perf_counter() - start, systems, options.dims, parallel)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Costing:
+    """One world size's plans, costed for one system at a time."""
+
+    shape: ModelShape
+    units: list[UnitBytes]
+    step: StepShape
+    state: int
+    hw: Hardware
+    world_size: int
+    reserve: float
+    split: ModelSplit
+    parallel: ParallelBytes
+
+    def cost(self, system: System) -> SystemCost:
+        hw, w, step = self.hw, self.world_size, self.step
+        memory = memory_breakdown(
+            self.shape, self.units, step, self.state, world_size=w, system=system
+        )
+        host_per_node = memory.host * min(w, hw.devices_per_node)
+        host_usable = (hw.host_memory_bytes or 0) * (1 - self.reserve)
         host_fits = hw.host_memory_bytes is None or host_per_node <= host_usable
-        systems[system.name] = SystemCost(
+        took = step_time(
+            self.shape, self.units, step, hw, w, optimizer_bytes=self.state, system=system
+        )
+        return SystemCost(
             memory=memory,
-            bytes=collective_bytes(units, step, world_size, system),
-            time=step_time(
-                shape, units, step, hw, world_size, optimizer_bytes=state, system=system
-            ),
-            fits=memory.peak <= usable and host_fits,
+            bytes=collective_bytes(self.units, step, w, system),
+            time=with_parallel_time(took, self.parallel, step, self.split),
+            fits=memory.peak <= hw.memory_bytes * (1 - self.reserve) and host_fits,
             host_per_node=host_per_node,
             host_fits=host_fits,
         )
-    return WorldCapacity(world_size, time.perf_counter() - start, systems)
 
 
 def _smallest_world(
-    module: nn.Module, shape: ModelShape, hw: Hardware, options: CapacityOptions
+    module: nn.Module,
+    shape: ModelShape,
+    hw: Hardware,
+    options: CapacityOptions,
+    split: ModelSplit | None = None,
 ) -> int | None:
-    """The smallest power of two at which raggedfsdp fits; ``None`` when even 16,384 ranks do
-    not (activations do not shrink with W) or the model cannot be sharded further."""
-    w = 1
+    """The smallest ``tp x ep x`` a power of two at which raggedfsdp fits (a power of two
+    without them); ``None`` when even 16,384 ranks do not (activations do not shrink with W)
+    or the model cannot be sharded further."""
+    w = options.dims.model_parallel
     while w <= _SEARCH_LIMIT:
         try:
-            if plan_capacity(module, shape, w, hw, options).systems[RAGGEDFSDP.name].fits:
-                return w
+            cost = plan_capacity(module, shape, w, hw, options, split=split)
         except UnshardableWorld:
             return None  # more ranks than some bucket has blocks: larger W cannot help
+        if cost.systems[RAGGEDFSDP.name].fits:
+            return w
         w *= 2
     return None
+
+
+def _smallest_worlds(
+    module: nn.Module,
+    shape: ModelShape,
+    hw: Hardware,
+    options: CapacityOptions,
+    split: ModelSplit | None,
+) -> tuple[int | None, int | None]:
+    """The smallest world that fits, and under offload the smallest without it (else None)."""
+    smallest = _smallest_world(module, shape, hw, options, split)
+    if not options.offload:
+        return smallest, None
+    without = dataclasses.replace(options, offload=False, pin_memory=False)
+    return smallest, _smallest_world(module, shape, hw, without, split)
+
+
+def _split_and_shape(
+    module: nn.Module, options: CapacityOptions, experts_per_token: int | None, name: str
+) -> tuple[ModelSplit | None, ModelShape]:
+    """The model's split under ``options``' degrees (``None`` without them) and the rank's
+    shape with it; the split's checks run here, before any planning."""
+    if options.dims.model_parallel == 1:
+        return None, model_shape(module, experts_per_token=experts_per_token)
+    split = split_model(
+        module,
+        options.dims,
+        policy=RaggedShard(block_size=options.block_size),
+        experts_per_token=experts_per_token,
+        model_name=name,
+    )
+    return split, model_shape(module, experts_per_token=experts_per_token, split=split)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_mesh(
+    module: nn.Module,
+    world_size: int,
+    hw: Hardware,
+    options: CapacityOptions,
+    *,
+    experts_per_token: int | None = None,
+    model_name: str | None = None,
+) -> MeshSearch:
+    """Every ``(tp, ep)`` with ``tp x ep`` dividing ``world_size`` and ``tp`` inside a node
+    (``hw.devices_per_node``: tensor parallelism's per-layer all-reduces stay on NVLink, as
+    Megatron and torchtitan run it), costed for raggedfsdp with ``options`` (its ``tp`` and
+    ``ep`` replaced); those the model cannot take (heads, experts, blocks, more ranks than
+    blocks) are skipped. Returns the smallest and the fastest (tokens per second per device) that
+    fit (:class:`MeshSearch`)."""
+    name = model_name or type(module).__name__
+    fits, tried = [], 0
+    for tp in [d for d in _divisors(world_size) if d <= hw.devices_per_node]:
+        for ep in _divisors(world_size // tp):
+            opts = dataclasses.replace(options, tp=tp, ep=ep)
+            try:
+                split, shape = _split_and_shape(module, opts, experts_per_token, name)
+                cost = plan_capacity(module, shape, world_size, hw, opts, split=split)
+            except (UnsplittableModel, UnshardableWorld):
+                continue
+            tried += 1
+            ours = cost.systems[RAGGEDFSDP.name]
+            if ours.fits:
+                fits.append(
+                    MeshFit(
+                        world_size,
+                        cost.dp,
+                        tp,
+                        ep,
+                        ours.memory.peak,
+                        ours.time.total_s,
+                        ours.time.tokens_per_s,
+                    )
+                )
+    smallest = min(fits, key=lambda f: (f.tp * f.ep, f.tp), default=None)
+    # per device: a tensor-parallel group's devices share its tokens, so steps do not compare
+    fastest = max(fits, key=lambda f: f.tokens_per_s, default=None)
+    return MeshSearch(world_size, tried, smallest, fastest)
 
 
 def capacity_report(
@@ -264,34 +485,46 @@ def capacity_report(
     find_smallest: bool = True,
     model_name: str | None = None,
     up_to_shardable: bool = False,
+    search_meshes: bool = False,
 ) -> CapacityReport:
     """Cost ``model`` (a zoo name or a module in its master dtype) at each world size
     (``up_to_shardable``: increasing sizes, stopping at the first the model cannot be sharded
-    over instead of raising).
+    over instead of raising), with ``options``' tensor and expert parallelism;
+    ``search_meshes``: also :func:`search_mesh` at each world size.
 
     Raises:
         ValueError: an unknown model (the message lists the zoo), a bad world size, or one the
-            model cannot be sharded over; offload on a preset without a host link.
+            model cannot be sharded over; ``tp x ep`` not dividing a world size, a split the
+            model cannot take (:class:`~.parallel.UnsplittableModel`), both before any
+            planning; offload on a preset without a host link.
     """
     if isinstance(model, str):
         name, module = model, build_model(model, device="meta")
         experts_per_token = experts_per_token or EXPERTS_PER_TOKEN.get(model)
     else:
         name, module = model_name or type(model).__name__, model
-    shape = model_shape(module, experts_per_token=experts_per_token)
+    if not up_to_shardable:
+        for w in world_sizes:
+            options.dims.check_world(w)
+    split, shape = _split_and_shape(module, options, experts_per_token, name)
     worlds: list[WorldCapacity] = []
     for w in world_sizes:
         try:
-            worlds.append(plan_capacity(module, shape, w, hw, options))
+            worlds.append(plan_capacity(module, shape, w, hw, options, split=split))
         except UnshardableWorld:
             if not up_to_shardable:
                 raise
             break
-    smallest = _smallest_world(module, shape, hw, options) if find_smallest else None
-    plain = None
-    if find_smallest and options.offload:
-        without = dataclasses.replace(options, offload=False, pin_memory=False)
-        plain = _smallest_world(module, shape, hw, without)
+    smallest, plain = (None, None)
+    if find_smallest:
+        smallest, plain = _smallest_worlds(module, shape, hw, options, split)
+    meshes = ()
+    if search_meshes:
+        k = experts_per_token
+        meshes = tuple(
+            search_mesh(module, w, hw, options, experts_per_token=k, model_name=name)
+            for w in world_sizes
+        )
     return CapacityReport(
         model=name,
         hardware=hw,
@@ -300,4 +533,5 @@ def capacity_report(
         worlds=tuple(worlds),
         smallest_world=smallest,
         smallest_world_without_offload=plain,
+        meshes=meshes,
     )

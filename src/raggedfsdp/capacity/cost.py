@@ -79,6 +79,14 @@ class UnitBytes:
     param_numel: int  # elements of the unit's parameters
     #: each bucket's message bytes under compression (:func:`.wire.message_bytes`); () without
     messages: tuple[int, ...] = ()
+    #: the ranks its FSDP group shards it over (its plans' ``W``); ``None``: the run's world
+    #: size. Under expert parallelism the routed experts' units are sharded over fewer ranks
+    #: than the rest (:mod:`.parallel`), so every ``W`` of a formula is the unit's own.
+    world_size: int | None = None
+
+    def group(self, world_size: int) -> int:
+        """The ranks the unit is sharded over in a run of ``world_size``."""
+        return self.world_size if self.world_size is not None else world_size
 
     @property
     def buckets(self) -> int:
@@ -128,9 +136,11 @@ class UnitBytes:
 
     def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
         """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
-        bucket's ``W S`` elements, each started on :data:`STORAGE_ALIGN` bytes."""
+        bucket's ``W S`` elements (``W`` its group's, :meth:`group`), each started on
+        :data:`STORAGE_ALIGN` bytes."""
+        w = self.group(world_size)
         return sum(
-            -(-world_size * s * itemsize // STORAGE_ALIGN) * STORAGE_ALIGN
+            -(-w * s * itemsize // STORAGE_ALIGN) * STORAGE_ALIGN
             for s, t in zip(self.shards, self.trainable, strict=True)
             if t or not trainable
         )
@@ -147,13 +157,16 @@ def unit_bytes(
 ) -> list[UnitBytes]:
     """Group the plans by unit (plan order: nested units first, the root last); a bucket is
     trainable unless its name says ``/frozen/`` (:mod:`raggedfsdp.planner.bucketing`).
-    ``messages``: each plan's message bytes under compression (:func:`.wire.message_bytes`)."""
+    ``messages``: each plan's message bytes under compression (:func:`.wire.message_bytes`).
+    Each unit is sharded over its plans' world size."""
     units: dict[str, tuple[list[int], list[bool], list[int], list[int]]] = {}
+    worlds: dict[str, int] = {}
     sizes = messages if messages is not None else [0] * len(plans)
     for plan, message in zip(plans, sizes, strict=True):
-        shards, trainable, numels, codes = units.setdefault(
-            _unit_path(plan.name), ([], [], [0, 0], [])
-        )
+        path = _unit_path(plan.name)
+        if worlds.setdefault(path, plan.world_size) != plan.world_size:
+            raise ValueError(f"unit {path!r} has buckets planned at different world sizes")
+        shards, trainable, numels, codes = units.setdefault(path, ([], [], [0, 0], []))
         shards.append(plan.shard_numel)
         trainable.append("/frozen/" not in plan.name)
         codes.append(message)
@@ -163,7 +176,14 @@ def unit_bytes(
             rows, *rest = entry.shape or (1,)
             numels[0] += -(-rows // plan.world_size) * math.prod(rest)
     return [
-        UnitBytes(path, tuple(shards), tuple(trainable), *numels, tuple(codes) if messages else ())
+        UnitBytes(
+            path,
+            tuple(shards),
+            tuple(trainable),
+            *numels,
+            tuple(codes) if messages else (),
+            worlds[path],
+        )
         for path, (shards, trainable, numels, codes) in units.items()
     ]
 
@@ -403,7 +423,8 @@ def _peak_moments(
         if system.zero_copy:  # the gradient block is read in place until the reduction ends
             in_flight += grads[n - 1]
         else:  # FSDP2 copies the gradients into its reduce-scatter input and frees them
-            in_flight += w * units[n - 1].shard(system) * step.reduce_input_itemsize(system)
+            unit = units[n - 1]
+            in_flight += unit.group(w) * unit.shard(system) * step.reduce_input_itemsize(system)
         moments["reduce"] = (
             params[-1]
             + grads[-1]
@@ -444,7 +465,7 @@ def _buffers(
         local_grads,
         [u.param_numel * comm for u in units],
         [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units],
-        [w * u.shard(system) * comm for u in units],
+        [u.group(w) * u.shard(system) * comm for u in units],
     )
 
 
@@ -482,7 +503,7 @@ def compression_state_bytes(
         if compression.error_feedback:  # W per trainable bucket: int8 messages, or fp32 / bf16 [S]
             itemsize = {"fp32": 4, "bf16": 2}.get(getattr(compression, "residual_storage", "int8"))
             share = unit.trainable_shard_numel * itemsize if itemsize else unit.trainable_messages
-            total += world_size * share
+            total += unit.group(world_size) * share
     return total
 
 
@@ -506,7 +527,8 @@ def _unsharded_high_water(
         if i + 1 < n:
             held += grads[i + 1] + reduction_bytes(units[i + 1], step, world_size, system)
         if not system.zero_copy:  # the reduce-scatter input it copies block i's gradients into
-            held += world_size * units[i].shard(system) * step.reduce_input_itemsize(system)
+            unit = units[i]
+            held += unit.group(world_size) * unit.shard(system) * step.reduce_input_itemsize(system)
         best = max(best, root + held)
     return best
 
@@ -516,9 +538,10 @@ def reduction_bytes(unit: UnitBytes, step: StepShape, world_size: int, system: S
     (raggedfsdp): their cast to the reduce dtype (``W S`` per trainable bucket, a pooled block)
     and, on Gloo, the point-to-point receive buffer (``(W - 1) S`` of what it reduces)."""
     itemsize = step.reduce_input_itemsize(system)
+    w = unit.group(world_size)
     held = 0
     if system.zero_copy and step.casts_for_reduce(system):
-        held += world_size * unit.trainable_shard_numel * itemsize
+        held += w * unit.trainable_shard_numel * itemsize
     if system.reduces_point_to_point(step.gloo):
-        held += (world_size - 1) * unit.shard(system) * itemsize
+        held += (w - 1) * unit.shard(system) * itemsize
     return held

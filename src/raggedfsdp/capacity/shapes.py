@@ -20,6 +20,14 @@ Pure Python over parameter shapes (models on the meta device). The rules, stated
   (d); per-token statistics (LayerNorm mean and rstd, the attention's log-sum-exp: under 0.5% of
   the total) are left out. With activation checkpointing a block keeps only its input, ``d`` per
   token, and recomputes the rest in its backward.
+- **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul
+  elements are the rank's own pieces' (a replicated matrix whole, a split one ``1 / tp``; its
+  ``E / ep`` experts see ``k / (E / ep)`` of its tokens each, the same work as before); the
+  activations, the widest projection, the hidden size and the vocabulary of the loss are the
+  whole model's over ``tp``, a first-order model: exact for sequence parallelism, where every
+  activation is split over tp (Korthikanti et al. 2022, eq. 2: ``sbh (34 / t + 5 a s / (h t))``;
+  without it the norms' inputs and the residual stream, ``10 sbh`` of Megatron's ``34``, stay
+  whole). A tied embedding's gradient is the rank's vocabulary slice.
 """
 
 from __future__ import annotations
@@ -32,12 +40,20 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..planner import WrapPolicy, model_buckets
+from .parallel import ModelSplit
 
 __all__ = ["EXPERTS_PER_TOKEN", "ModelShape", "UnitShape", "model_shape"]
 
 #: Routed experts each token visits, for the zoo's mixture-of-experts models (``config.json``:
-#: DeepSeek-V3 ``num_experts_per_tok`` 8, gpt-oss-120b ``num_experts_per_tok`` 4).
-EXPERTS_PER_TOKEN: dict[str, int] = {"deepseek-v3-671b": 8, "gpt-oss-120b": 4}
+#: DeepSeek-V3 ``num_experts_per_tok`` 8, gpt-oss-120b ``num_experts_per_tok`` 4,
+#: DeepSeek-V2-Lite ``num_experts_per_tok`` 6), in either layout.
+EXPERTS_PER_TOKEN: dict[str, int] = {
+    "deepseek-v3-671b": 8,
+    "deepseek-v3-671b-experts": 8,
+    "gpt-oss-120b": 4,
+    "gpt-oss-120b-experts": 4,
+    "deepseek-v2-lite": 6,
+}
 
 _EXPERT_RE = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
@@ -160,7 +176,11 @@ def _params_by_unit(
 
 
 def model_shape(
-    module: nn.Module, *, experts_per_token: int | None = None, wrap: WrapPolicy = None
+    module: nn.Module,
+    *,
+    experts_per_token: int | None = None,
+    wrap: WrapPolicy = None,
+    split: ModelSplit | None = None,
 ) -> ModelShape:
     """The :class:`ModelShape` of ``module`` (best on the meta device).
 
@@ -168,7 +188,10 @@ def model_shape(
         module: a transformer with an ``nn.Embedding`` and its blocks in an ``nn.ModuleList``
             (or the units ``wrap`` picks).
         experts_per_token: routed experts per token, needed when the model has experts.
-        wrap: the FSDP units, as for :func:`~raggedfsdp.planner.model_buckets`.
+        wrap: the FSDP units, as for :func:`~raggedfsdp.planner.model_buckets` (``None`` with
+            ``split``: its units).
+        split: what one rank holds under tensor and expert parallelism (module doc); ``None``:
+            the whole model.
 
     Raises:
         ValueError: no embedding, or experts without ``experts_per_token``.
@@ -186,7 +209,9 @@ def model_shape(
         for m in module.modules()
         if isinstance(m, nn.Embedding) and id(m.weight) not in linear_weights
     }
-    by_unit = _params_by_unit(module, wrap)
+    by_unit = _params_by_unit(
+        module, wrap if wrap is not None or split is None else split.wrap_policy
+    )
     # Experts counted over the whole model: each may be an FSDP unit of its own.
     named = list(module.named_parameters())
     counts = _expert_counts([n for n, _ in named])
@@ -195,24 +220,74 @@ def model_shape(
             f"{type(module).__name__} has routed experts: give experts_per_token (how many "
             f"experts each token visits)"
         )
-    units = []
-    for path, params in by_unit.items():
-        matmul = activation = 0.0
-        widest = 0
-        for name, p in params:
-            if p.dim() >= 2 and id(p) not in lookups:
-                m, a, out = _matrix_terms(name, tuple(p.shape), counts, experts_per_token or 1)
-                matmul, activation, widest = matmul + m, activation + a, max(widest, out)
-        nested = any(path.startswith(other + ".") for other in by_unit if other)
-        units.append(
-            UnitShape(
-                path=path,
-                param_numel=sum(p.numel() for _, p in params),
-                matmul_numel=matmul,
-                activation_per_token=activation if path else 0.0,
-                widest_per_token=widest,
-                is_block=bool(path) and not nested,
-            )
-        )
+    pieces = _Pieces(split, counts, named, experts_per_token or 1)
+    units = [
+        _unit_shape(path, params, by_unit, lookups, pieces) for path, params in by_unit.items()
+    ]
     tied = embedding.weight.numel() if id(embedding.weight) in linear_weights else 0
-    return ModelShape(embedding.embedding_dim, embedding.num_embeddings, tuple(units), tied)
+    hidden, vocab = embedding.embedding_dim, embedding.num_embeddings
+    if split is not None:
+        tp = split.dims.tp
+        hidden, vocab = -(-hidden // tp), -(-vocab // tp)
+        tied = math.prod(pieces.local(embedding.weight)) if tied else 0
+    return ModelShape(hidden, vocab, tuple(units), tied)
+
+
+def _unit_shape(
+    path: str,
+    params: list[tuple[str, nn.Parameter]],
+    by_unit: Mapping[str, object],
+    lookups: set[int],
+    pieces: _Pieces,
+) -> UnitShape:
+    """One unit's :class:`UnitShape` from its parameters (``lookups``: embeddings that are no
+    matmul)."""
+    matmul = activation = 0.0
+    widest = 0
+    for name, p in params:
+        if p.dim() >= 2 and id(p) not in lookups:
+            m, a, out = pieces.terms(name, tuple(p.shape))
+            matmul, activation, widest = matmul + m, activation + a, max(widest, out)
+    nested = any(path.startswith(other + ".") for other in by_unit if other)
+    return UnitShape(
+        path=path,
+        param_numel=sum(p.numel() for _, p in params),
+        matmul_numel=matmul,
+        activation_per_token=activation if path else 0.0,
+        widest_per_token=widest,
+        is_block=bool(path) and not nested,
+    )
+
+
+class _Pieces:
+    """Each matrix's per-token terms (:func:`_matrix_terms`) on one rank: the matmul of its
+    local piece (the experts the rank holds counted among themselves), the activations and
+    output width of the whole matrix over ``tp`` (module doc); the whole model without a
+    split."""
+
+    def __init__(
+        self,
+        split: ModelSplit | None,
+        counts: Mapping[str, int],
+        named: list[tuple[str, nn.Parameter]],
+        experts_per_token: int,
+    ) -> None:
+        self.split, self.counts, self.k = split, counts, experts_per_token
+        self.names = {id(p): n for n, p in named}
+        held = [n for n, _ in named if split is None or split.local_shape(n) is not None]
+        self.local_counts = _expert_counts(held) if split is not None else counts
+
+    def local(self, param: nn.Parameter) -> tuple[int, ...]:
+        """The rank's piece of ``param`` (``()``: none)."""
+        assert self.split is not None
+        return self.split.local_shape(self.names[id(param)]) or ()
+
+    def terms(self, name: str, shape: tuple[int, ...]) -> tuple[float, float, int]:
+        """(matmul elements, activation elements, output width) per token on this rank."""
+        matmul, activation, out = _matrix_terms(name, shape, self.counts, self.k)
+        if self.split is None:
+            return matmul, activation, out
+        tp = self.split.dims.tp
+        local = self.split.local_shape(name)
+        mine = 0.0 if local is None else _matrix_terms(name, local, self.local_counts, self.k)[0]
+        return mine, activation / tp, -(-out // tp)

@@ -98,19 +98,20 @@ def collective_bytes(
     system: System | str = RAGGEDFSDP,
 ) -> CollectiveBytes:
     """Bytes per step per rank of each collective kind (no HSDP: no all-reduce); under
-    compression (raggedfsdp) the messages of codes and scales (:mod:`.wire`)."""
+    compression (raggedfsdp) the messages of codes and scales (:mod:`.wire`). Each unit's
+    collectives run over its own FSDP group (:meth:`UnitBytes.group`)."""
     system = as_system(system)
     w = world_size
     gathered = _gathers(units, system)
     reduced = [u for u in units if u.trainable_shard_numel]
-    ag = sum(u.gather_bytes(system, step) for u in gathered)
-    rs = sum(u.scatter_share(system, step) for u in reduced)
+    ag = [(u.group(w), u.gather_bytes(system, step)) for u in gathered]
+    rs = [(u.group(w), u.scatter_share(system, step)) for u in reduced]
     return CollectiveBytes(
         all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
-        all_gather_bytes=ag,
+        all_gather_bytes=sum(b for _, b in ag),
         reduce_scatter_calls=sum(system.collective_calls(u.buckets) for u in reduced),
-        reduce_scatter_bytes=w * rs,
-        wire_bytes=(w - 1) * (ag + rs) if w > 1 else 0,
+        reduce_scatter_bytes=sum(g * b for g, b in rs),
+        wire_bytes=sum((g - 1) * b for g, b in ag + rs),
     )
 
 
@@ -133,6 +134,11 @@ class StepTime:
     #: CPU offload: the host <-> device copies that hold up the compute stream (raggedfsdp;
     #: FSDP2's run beside it, in ``comm_s``), in ``total_s``
     host_copy_s: float = 0.0
+    #: tensor parallelism's all-reduces of activations and expert parallelism's all-to-alls
+    #: of tokens, on the critical path (:mod:`.parallel_comm`), in ``total_s`` and in
+    #: ``exposed_comm_s``; not in ``comm_s``, the FSDP collectives' own time
+    tp_s: float = 0.0
+    ep_s: float = 0.0
 
     @property
     def exposed_comm_s(self) -> float:
@@ -160,32 +166,35 @@ class StepTime:
 _Seconds = Callable[[UnitBytes, int], float]
 
 
-def _ring_s(hw: Hardware, world_size: int, shard_bytes: float, calls: int) -> float:
-    """One unit's all-gather (or reduce-scatter): ``calls`` ring collectives whose shards add
-    up to ``shard_bytes``."""
+def _ring_s(
+    hw: Hardware, world_size: int, shard_bytes: float, calls: int, span: int | None = None
+) -> float:
+    """One unit's all-gather (or reduce-scatter): ``calls`` ring collectives over
+    ``world_size`` ranks whose shards add up to ``shard_bytes``; ``span``: the consecutive
+    ranks the group reaches across, which set its slowest hop (a group strided by tensor
+    parallelism spans the world; default: ``world_size``)."""
     if world_size == 1:
         return 0.0
-    steps = world_size - 1
-    return steps * (
-        calls * hw.hop_latency_s(world_size) + shard_bytes / hw.link_bytes_per_s(world_size)
-    )
+    steps, reach = world_size - 1, span or world_size
+    return steps * (calls * hw.hop_latency_s(reach) + shard_bytes / hw.link_bytes_per_s(reach))
 
 
 def _collective_s(
     unit: UnitBytes, nbytes: int, *, link: Hardware, hw: Hardware, world_size: int, system: System
 ) -> float:
-    """One collective of ``unit`` over ``link``: the ring, and a copying system's copy-out of
-    the all-gather / copy-in of the reduce-scatter (read and write, at ``hw``'s memory
-    bandwidth)."""
-    w = world_size
-    ring = _ring_s(link, w, nbytes, system.collective_calls(unit.buckets))
+    """One collective of ``unit`` over ``link``: the ring over its FSDP group, which spans the
+    world's ``world_size`` ranks, and a copying system's copy-out of the all-gather / copy-in of
+    the reduce-scatter (read and write, at ``hw``'s memory bandwidth)."""
+    w = unit.group(world_size)
+    ring = _ring_s(link, w, nbytes, system.collective_calls(unit.buckets), span=world_size)
     return ring if system.zero_copy else ring + 2 * w * nbytes / hw.memory_bytes_per_s
 
 
 def _link_cpu_s(unit: UnitBytes, nbytes: int, *, hw: Hardware, world_size: int) -> float:
-    """The CPU a collective's bytes cost on the slower link (host backends only)."""
+    """The CPU a collective's bytes cost on the slower link (host backends only); its group
+    spans the world."""
     slow = world_size > hw.devices_per_node and not hw.overlaps
-    return (world_size - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
+    return (unit.group(world_size) - 1) * nbytes * hw.link_cpu_s_per_byte if slow else 0.0
 
 
 def _per_unit(
@@ -412,7 +421,7 @@ def _codec_s(
     """Seconds of quantizing and dequantizing on the compute thread in one step: their memory
     traffic (:func:`.wire.codec_traffic_bytes`) at memory bandwidth; units in ``again`` are
     all-gathered twice."""
-    if compression is None or world_size == 1:
+    if compression is None:
         return 0.0
     traffic = sum(
         codec_traffic_bytes(
@@ -420,11 +429,12 @@ def _codec_s(
             u.messages,
             2 if i in again else 1,
             u.trainable,
-            world_size,
+            u.group(world_size),
             compression,
             param_itemsize=step.param_dtype.itemsize,
             master_itemsize=step.master_dtype.itemsize,
         )
         for i, u in enumerate(units)
+        if u.group(world_size) > 1  # nothing is quantized for a group of one
     )
     return traffic / hw.memory_bytes_per_s

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes, write_whole
-from ..capacity.capacity import CapacityReport, SystemCost, WorldCapacity
+from ..capacity.capacity import CapacityReport, MeshFit, SystemCost, WorldCapacity
 from ..capacity.systems import SYSTEMS
 from ..planner.quant_blocks import Compression
 
@@ -74,8 +74,11 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
 
     hw = report.hardware
     costs = [world.systems[s.name] for s in SYSTEMS]
+    mesh = ""
+    if world.parallel is not None:
+        mesh = f"  dp {world.dp:,} x ep {world.dims.ep} x tp {world.dims.tp}"
     table = Table(
-        title=f"{report.model}  W={world.world_size:,}  {hw.name}  ({_options_text(report)})",
+        title=f"{report.model}  W={world.world_size:,}{mesh}  {hw.name}  ({_options_text(report)})",
         caption=(
             f"usable memory {format_bytes(report.usable_bytes)} per device "
             f"({100 * report.options.reserve:.0f}% reserve); link "
@@ -105,21 +108,53 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
         *(format_bytes(c.bytes.reduce_scatter_bytes) for c in costs),
     )
     table.add_row("sent on the link per step", *(format_bytes(c.bytes.wire_bytes) for c in costs))
-    for label, key in (
-        ("forward", "forward_s"),
-        ("backward", "backward_s"),
-        ("optimizer", "optimizer_s"),
-        ("step", "total_s"),
-        ("  compute", "compute_s"),
-        ("  collectives (own time)", "comm_s"),
-        ("  quantizing (compute thread)", "codec_s"),
-        ("  host <-> device copies (compute stream)", "host_copy_s"),
-        ("  communication exposed", "exposed_comm_s"),
-    ):
+    if world.parallel is not None:
+        _parallel_rows(table, world, len(costs))
+    degrees = {"tp_s": world.dims.tp, "ep_s": world.dims.ep}
+    for label, key in _TIME_ROWS:
+        if degrees.get(key, 2) == 1:
+            continue
         table.add_row(label, *(f"{c.time.to_dict()[key] * 1000:,.1f} ms" for c in costs))
     table.add_row("tokens/s per device", *(f"{c.time.tokens_per_s:,.0f}" for c in costs))
     table.add_row("communication share", *(f"{100 * c.time.comm_share:.1f}%" for c in costs))
     return table
+
+
+#: (label, StepTime key) of the time rows; the tp and ep rows only under tensor or expert
+#: parallelism
+_TIME_ROWS = (
+    ("forward", "forward_s"),
+    ("backward", "backward_s"),
+    ("optimizer", "optimizer_s"),
+    ("step", "total_s"),
+    ("  compute", "compute_s"),
+    ("  collectives (own time)", "comm_s"),
+    ("  tp all-reduces (critical path)", "tp_s"),
+    ("  ep all-to-alls (critical path)", "ep_s"),
+    ("  quantizing (compute thread)", "codec_s"),
+    ("  host <-> device copies (compute stream)", "host_copy_s"),
+    ("  communication exposed", "exposed_comm_s"),
+)
+
+
+def _parallel_rows(table: Table, world: WorldCapacity, columns: int) -> None:
+    """Tensor and expert parallelism's bytes per step (the same for every system), for each
+    degree above 1: the all-reduces' and all-to-alls' input and what leaves the rank."""
+    p = world.parallel
+    assert p is not None
+    rows = []
+    if world.dims.tp > 1:
+        rows += [
+            (f"tp all-reduce input per step ({p.tp_calls:,} calls)", p.tp_bytes),
+            ("tp sent on the link per step", p.tp_wire_bytes),
+        ]
+    if world.dims.ep > 1:
+        rows += [
+            (f"ep all-to-all input per step ({p.ep_calls:,} calls)", p.ep_bytes),
+            ("ep sent to other ranks per step", p.ep_wire_bytes),
+        ]
+    for label, value in rows:
+        table.add_row(label, *([format_bytes(value)] * columns))
 
 
 #: (label, the device's bytes, the host's bytes) of a rank under offload, from
@@ -176,14 +211,38 @@ def _smallest_text(report: CapacityReport) -> str | None:
     """The smallest-W line (``None``: none fits)."""
     if report.smallest_world is None:
         return None
+    mp = report.options.dims.model_parallel
+    which = "smallest power-of-two W" if mp == 1 else f"smallest W = {mp} (tp x ep) x 2^k"
     if not report.options.offload:
-        return f"smallest power-of-two W that fits: {report.smallest_world:,}"
+        return f"{which} that fits: {report.smallest_world:,}"
     plain = report.smallest_world_without_offload
     without = f"{plain:,}" if plain is not None else "none up to 16,384"
     return (
-        f"smallest power-of-two W that fits with CPU offload: {report.smallest_world:,} "
+        f"{which} that fits with CPU offload: {report.smallest_world:,} "
         f"(without offload: {without})"
     )
+
+
+def _mesh_text(fit: MeshFit) -> str:
+    return (
+        f"(dp {fit.dp:,}, tp {fit.tp}, ep {fit.ep}): peak {format_bytes(fit.peak)}, "
+        f"{fit.tokens_per_s:,.0f} tokens/s per device"
+    )
+
+
+def _mesh_lines(report: CapacityReport) -> list[str]:
+    """The ``(dp, tp, ep)`` search's result at each world size."""
+    lines = []
+    for search in report.meshes:
+        lines.append(
+            f"W={search.world_size:,}, {search.tried} (tp, ep) costed with tp inside a node:"
+        )
+        if search.smallest is None or search.fastest is None:
+            lines.append("  no (dp, tp, ep) fits")
+            continue
+        lines.append(f"  smallest (dp, tp, ep) that fits {_mesh_text(search.smallest)}")
+        lines.append(f"  fastest that fits {_mesh_text(search.fastest)}")
+    return lines
 
 
 def render_capacity(report: CapacityReport, out: TextIO) -> None:
@@ -204,8 +263,11 @@ def render_capacity(report: CapacityReport, out: TextIO) -> None:
     else:
         console.print(
             "no W up to 16,384 fits (activations do not shrink with W): turn on "
-            "--activation-checkpointing, lower --batch or --seq, or use larger devices"
+            "--activation-checkpointing, lower --batch or --seq, use larger devices, or "
+            "--tp / --ep"
         )
+    for line in _mesh_lines(report):
+        console.print(line)
 
 
 def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
@@ -226,6 +288,8 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
         "smallest_world": report.smallest_world,
         "offload": o.offload,
         "pin_memory": o.pin_memory,
+        "tp": o.tp,
+        "ep": o.ep,
     }
     if o.offload:
         head["smallest_world_without_offload"] = report.smallest_world_without_offload
@@ -245,9 +309,14 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
             }
             for name, cost in world.systems.items()
         }
-        records.append(
-            {**head, "world_size": world.world_size, "plan_seconds": world.plan_seconds, **systems}
-        )
+        record = {**head, "world_size": world.world_size, "plan_seconds": world.plan_seconds}
+        if world.parallel is not None:
+            record["dp"] = world.dp
+            record["parallel"] = asdict(world.parallel)
+        searched = [m for m in report.meshes if m.world_size == world.world_size]
+        if searched:
+            record["mesh_search"] = asdict(searched[0])
+        records.append({**record, **systems})
     return records
 
 

@@ -4,9 +4,11 @@ Without capacity flags it reports the plans (padding, elements per rank, FSDP2/F
 them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
 ``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
 (``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
-``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) it answers "will it fit,
-and how fast" (:mod:`raggedfsdp.capacity`): memory per rank, bytes and time per step,
-raggedfsdp beside FSDP2.
+``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) or ``--tp`` / ``--ep``
+(tensor and expert parallelism) it answers "will it fit, and how fast"
+(:mod:`raggedfsdp.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
+FSDP2; with ``--tp`` or ``--ep`` the bytes of each dimension (dp, tp, ep) and the smallest
+``(dp, tp, ep)`` that fits each world size.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from .._console import arg_type, check_writable, format_bytes
 from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from ..capacity.hardware import HARDWARE, Hardware, hardware
+from ..capacity.parallel import ParallelDims
 from ..capacity.report import PlanReport, WorldReport, plan_report
 from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 from ..layout import BlockSize, parse_block_size
@@ -67,6 +70,8 @@ _CAPACITY_FLAGS = (
     "error_feedback",
     "offload",
     "pin_memory",
+    "tp",
+    "ep",
 )
 #: Default bucket cap of ``plan`` (see docs/results/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -185,6 +190,26 @@ def _configure_capacity(parser: argparse.ArgumentParser) -> None:
     )
     _configure_compression(group)
     _configure_offload(group)
+    _configure_parallel(group)
+
+
+def _configure_parallel(group: argparse._ArgumentGroup) -> None:
+    """Tensor and expert parallelism beside FSDP (docs/capacity.md, "With tensor and expert
+    parallelism")."""
+    group.add_argument(
+        "--tp",
+        type=_positive(int, "--tp"),
+        metavar="N",
+        help="tensor-parallel degree (torchtitan's plans; consecutive ranks); also searches "
+        "the (dp, tp, ep) that fit each --world (default: 1)",
+    )
+    group.add_argument(
+        "--ep",
+        type=_positive(int, "--ep"),
+        metavar="N",
+        help="expert-parallel degree, borrowed from the data-parallel ranks (mixture-of-experts "
+        "models); also searches the (dp, tp, ep) that fit (default: 1)",
+    )
 
 
 def _configure_offload(group: argparse._ArgumentGroup) -> None:
@@ -256,6 +281,9 @@ def _run_capacity(args: argparse.Namespace) -> int:
         overrides["link_gbit"] = args.link_gbit
     hw = hardware(args.gpu or "h100", **overrides)
     _check_offload(args, hw)
+    dims = ParallelDims(args.tp or 1, args.ep or 1)
+    for world in args.world:  # before any planning
+        dims.check_world(world)
     if args.plot:  # before any planning
         check_writable(Path(args.plot), "--plot")
     gpt = GPT_CONFIGS.get(args.model)
@@ -274,16 +302,20 @@ def _run_capacity(args: argparse.Namespace) -> int:
         ),
         offload=bool(args.offload),
         pin_memory=bool(args.pin_memory),
+        tp=dims.tp,
+        ep=dims.ep,
     )
-    report = capacity_report(args.model, args.world, hw, options)
+    searched = args.tp is not None or args.ep is not None
+    report = capacity_report(args.model, args.world, hw, options, search_meshes=searched)
     if args.json:
         json.dump(capacity_records(report), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         render_capacity(report, sys.stdout)
     if args.plot:
+        worlds = [w for w in PLOT_WORLDS if w % dims.model_parallel == 0]
         curve = capacity_report(
-            args.model, PLOT_WORLDS, hw, options, find_smallest=False, up_to_shardable=True
+            args.model, worlds, hw, options, find_smallest=False, up_to_shardable=True
         )
         if not plot_capacity(curve, args.plot):
             sys.stderr.write("raggedfsdp plan: matplotlib is not installed; no plot written\n")

@@ -127,6 +127,8 @@ class Llama3(_PlanningOnly):
         vocab: int = 128256,
     ) -> None:
         super().__init__()
+        # Attention heads, for the tensor-parallel split (capacity/parallel.py: tp divides both).
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
         head_dim = hidden // n_heads
         self.tok_embeddings = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(
@@ -285,6 +287,9 @@ class DeepSeekV3(_PlanningOnly):
 
     def __init__(self, config: DeepSeekConfig = DEEPSEEK_V3) -> None:
         super().__init__()
+        # Multi-head latent attention expands the latent into per-head keys and values, so it
+        # has as many key/value heads as query heads (for the tensor-parallel split).
+        self.n_heads = self.n_kv_heads = config.n_heads
         self.embed = nn.Embedding(config.vocab, config.hidden)
         self.layers = nn.ModuleList(
             _DeepSeekBlock(config, dense=i < config.n_dense_layers) for i in range(config.n_layers)
@@ -384,6 +389,8 @@ class GPTOSS(_PlanningOnly):
 
     def __init__(self, config: GPTOSSConfig = GPT_OSS_120B) -> None:
         super().__init__()
+        # Attention heads, for the tensor-parallel split (capacity/parallel.py: tp divides both).
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads
         self.embed_tokens = nn.Embedding(config.vocab, config.hidden)
         self.layers = nn.ModuleList(_GPTOSSBlock(config) for _ in range(config.n_layers))
         self.norm = nn.RMSNorm(config.hidden)
@@ -498,6 +505,7 @@ class DeepSeekHF(_PlanningOnly):
 
     def __init__(self, config: DeepSeekConfig = DEEPSEEK_V3) -> None:
         super().__init__()
+        self.n_heads = self.n_kv_heads = config.n_heads  # as DeepSeekV3's
         layers: list[nn.Module] = [
             _HFDeepSeekLayer(config, dense=i < config.n_dense_layers)
             for i in range(config.n_layers)
@@ -545,6 +553,7 @@ class GPTOSSHF(_PlanningOnly):
 
     def __init__(self, config: GPTOSSConfig = GPT_OSS_120B) -> None:
         super().__init__()
+        self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads  # as GPTOSS's
         layers: list[nn.Module] = [_HFGPTOSSLayer(config) for _ in range(config.n_layers)]
         self.model = _HFDecoder(config.vocab, config.hidden, layers)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)

@@ -14,6 +14,7 @@ from ._plan import PlanEntry, ShardPlan
 from ._planner import OPTIMIZER_TYPES, OptimizerType, StructAwarePlanner
 from .bucketing import (
     Bucket,
+    LocalPiece,
     WrapPolicy,
     model_buckets,
     parse_buffer_size,
@@ -27,6 +28,7 @@ from .quant_blocks import MessageLayout, QuantBlock, quant_block
 __all__ = [
     "OPTIMIZER_TYPES",
     "Bucket",
+    "LocalPiece",
     "MessageLayout",
     "OptimizerType",
     "PlanEntry",

@@ -19,6 +19,7 @@ from torch import nn
 
 __all__ = [
     "Bucket",
+    "LocalPiece",
     "WrapPolicy",
     "model_buckets",
     "parse_buffer_size",
@@ -135,24 +136,37 @@ def post_order(
     return [*out, ("", module)]
 
 
+#: What one rank holds of a parameter: ``(name, parameter) -> tensor`` (its tensor- or
+#: expert-parallel piece, e.g. on the meta device), or ``None`` when it holds none of it.
+LocalPiece = Callable[[str, torch.Tensor], torch.Tensor | None]
+
+
 def model_buckets(
     module: nn.Module,
     *,
     param_dtype: torch.dtype | None = None,
     buffer_size: int | None = None,
     wrap: WrapPolicy = None,
+    local: LocalPiece | None = None,
 ) -> list[Bucket]:
     """Every bucket of a model, unit by unit in :func:`wrap_units` order, parameters named by
     their fully qualified names. Each unit takes its parameters that no earlier unit took (a
-    tied parameter goes to the first unit that sees it, under its first name)."""
+    tied parameter goes to the first unit that sees it, under its first name).
+
+    ``local``: bucket what one rank holds of each parameter instead of the parameter (tensor and
+    expert parallelism plan the local tensors, ``capacity/parallel.py``); the buckets split at
+    ``buffer_size`` bytes of those pieces (a unit that holds nothing has no bucket)."""
     taken: set[int] = set()
     buckets = []
     for path, unit in wrap_units(module, wrap):
         params = []
         for name, p in unit.named_parameters(prefix=path):
-            if id(p) not in taken:
-                taken.add(id(p))
-                params.append((name, p))
+            if id(p) in taken:
+                continue
+            taken.add(id(p))
+            piece = p if local is None else local(name, p)
+            if piece is not None:
+                params.append((name, piece))
         buckets += unit_buckets(path, params, param_dtype=param_dtype, buffer_size=buffer_size)
     return buckets
 

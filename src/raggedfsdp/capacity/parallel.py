@@ -1,0 +1,430 @@
+"""Tensor and expert parallelism as the capacity planner sees them: which piece of each
+parameter one rank holds, and the checks a ``(tp, ep)`` must pass before anything is planned.
+
+The split follows torchtitan's plans (``models/llama3/infra/parallelize.py``,
+``models/deepseek_v3/infra/parallelize.py``, ``distributed/expert_parallel.py``):
+
+- **column-parallel** (``ColwiseParallel``: ``Shard(0)`` of a ``[out, in]`` weight, and of its
+  bias): the attention's query, key and value projections (``wq wk wv``, DeepSeek's ``wq_b
+  wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, GPT's fused ``qkv``), the
+  feed-forward's ``w1 w3`` (``gate_proj up_proj``, GPT's ``fc``) and the output head
+  (vocabulary-parallel, with loss parallelism);
+- **row-parallel** (``RowwiseParallel``: ``Shard(1)``, the bias replicated): ``wo w2``
+  (``o_proj down_proj``, GPT's ``proj``); the token embedding is ``RowwiseParallel`` too, which
+  for an ``nn.Embedding`` is ``Shard(0)`` of ``[vocab, d]``: vocabulary-parallel;
+- **replicated** (``SequenceParallel``, ``NoParallel``): norms, DeepSeek's low-rank
+  ``wq_a wkv_a`` (``q_a_proj kv_a_proj_with_mqa``), the router (``gate``, ``router``), other
+  embeddings (GPT's positions, as Megatron keeps them);
+- **routed experts**: ``Shard(0)`` over ``ep`` on the expert dimension (fused stacks
+  ``[E, ...]``, or the first ``E / ep`` of the ``experts.<i>`` modules), and within an expert
+  the same column/row split over ``tp`` (torchtitan's ``ExpertTensorParallel``); gpt-oss's
+  attention sinks, one per head, ``Shard(0)``. The dense parts of a mixture-of-experts model
+  (attention, shared experts, dense layers) split as Llama's.
+
+**The mesh** (torchtitan's ``ParallelDims`` with ``etp = tp``, "partial dp -> ep"): ``world =
+dp_shard x tp`` with the ``tp`` ranks innermost (consecutive: inside a node up to 8), and
+expert parallelism borrows from ``dp_shard = dp x ep``. Dense parameters are FSDP-sharded over
+``dp x ep = world / tp`` ranks, routed experts over ``dp = world / (tp x ep)``, and with
+``ep > 1`` each layer's experts are an FSDP unit of their own (torchtitan's ``apply_fsdp``
+shards ``moe.experts`` on the ``dp_shard_mod_ep`` mesh). torchtitan's default ``etp = 1``, where
+``ep`` borrows the ``tp`` ranks too and experts are not tensor-parallel, is not modelled.
+
+A rank's piece is rank 0's (``torch.chunk``'s first: the largest when a dimension does not
+divide). Pure Python over shapes; no process group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..layout import RaggedShard
+from ..planner import WrapPolicy
+
+__all__ = [
+    "ModelSplit",
+    "ParallelDims",
+    "ParamSplit",
+    "UnsplittableModel",
+    "split_model",
+]
+
+#: ``[out, in]`` weights split on ``out`` over ``tp`` (and their biases): torchtitan's
+#: ``ColwiseParallel``, by the name of the module that holds them.
+COLWISE = frozenset(
+    {
+        *("wq", "wk", "wv", "wq_b", "wkv_b", "qkv"),
+        *("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"),
+        *("w1", "w3", "fc", "gate_proj", "up_proj"),
+        *("output", "head", "lm_head"),
+    }
+)
+#: ``[out, in]`` weights split on ``in`` (biases replicated): ``RowwiseParallel``.
+ROWWISE = frozenset({"wo", "w2", "proj", "o_proj", "down_proj"})
+#: Matrices every tp rank holds whole: ``NoParallel`` (DeepSeek's low-rank projections, whose
+#: outputs are small) and the router.
+REPLICATED = frozenset({"wq_a", "wkv_a", "q_a_proj", "kv_a_proj_with_mqa", "gate", "router"})
+#: Fused expert stacks, by parameter name: the dim tp splits. ``[E, out, in]`` (DeepSeek,
+#: torchtitan's ``GroupedExperts``: ``w1 w3`` ``Shard(1)``, ``w2`` ``Shard(2)``), or gpt-oss's
+#: Hugging Face ``[E, in, out]`` (``gate_up_proj`` on ``out``, ``down_proj`` on ``in``, and the
+#: biases as the columns they add to). ``None``: replicated over tp.
+FUSED_EXPERTS: Mapping[str, int | None] = {
+    "w1": 1,
+    "w3": 1,
+    "w2": 2,
+    "gate_up_proj": 2,
+    "gate_up_proj_bias": 1,
+    "down_proj": 1,
+    "down_proj_bias": None,
+}
+#: One entry per attention head (gpt-oss's attention sinks): split with the heads.
+PER_HEAD = frozenset({"sinks"})
+
+
+class UnsplittableModel(ValueError):
+    """A ``(tp, ep)`` the model's shapes cannot take: no experts to split, a degree that does not
+    divide its heads or experts, a policy block a split would cut, a matrix with no rule."""
+
+
+def _degree(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The tensor- and expert-parallel degrees of a run (the module doc gives the mesh).
+
+    Attributes:
+        tp: tensor-parallel ranks (consecutive ranks, innermost).
+        ep: expert-parallel ranks, borrowed from the data-parallel ones.
+    """
+
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        _degree("tp", self.tp)
+        _degree("ep", self.ep)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks one data-parallel rank of the experts spans: ``tp x ep``."""
+        return self.tp * self.ep
+
+    def check_world(self, world_size: int) -> None:
+        """``tp x ep`` must divide the world size: one line naming the three, else."""
+        if world_size % self.model_parallel:
+            raise ValueError(
+                f"tp={self.tp} x ep={self.ep} = {self.model_parallel} does not divide the world "
+                f"size {world_size:,}: the ranks form a dp x ep x tp mesh; use a world size that "
+                f"is a multiple of {self.model_parallel}"
+            )
+
+    def dp(self, world_size: int) -> int:
+        """The experts' FSDP degree, ``world / (tp x ep)``."""
+        self.check_world(world_size)
+        return world_size // self.model_parallel
+
+    def dense_dp(self, world_size: int) -> int:
+        """The dense parameters' FSDP degree, ``dp x ep = world / tp``."""
+        return self.dp(world_size) * self.ep
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """One parameter under the split.
+
+    Attributes:
+        shape: the global tensor's.
+        local: what one rank holds (rank 0's piece, the largest), ``None`` when it holds none
+            (an expert of another ep rank).
+        tp_dim: the dim split over tp; ``None``: replicated over tp.
+        expert: a routed expert: split over ep (its stack's dim 0, or its module index).
+    """
+
+    shape: tuple[int, ...]
+    local: tuple[int, ...] | None
+    tp_dim: int | None
+    expert: bool
+
+
+@dataclass(frozen=True)
+class ModelSplit:
+    """A model under ``dims``: each parameter's :class:`ParamSplit`, its expert units, and what
+    the communication model reads (:mod:`.parallel_comm`).
+
+    Attributes:
+        dims: the degrees.
+        params: by fully qualified name (tied parameters once, as ``named_parameters``).
+        expert_units: module paths of the expert containers (``...experts``): FSDP units of
+            their own with ``ep > 1``, sharded over ``dp`` rather than ``dp x ep``.
+        hidden: the model's hidden size (its first embedding's width).
+        moe_layers: the layers with routed experts (one container each).
+        experts_per_token: routed experts each token visits (0 without experts).
+    """
+
+    dims: ParallelDims
+    params: Mapping[str, ParamSplit]
+    expert_units: frozenset[str]
+    hidden: int
+    moe_layers: int
+    experts_per_token: int
+    #: ids of the FSDP units' modules with ``ep > 1`` (the blocks and expert containers)
+    unit_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def whole(cls) -> ModelSplit:
+        """No tensor or expert parallelism: every rank's pieces are the whole parameters (the
+        buckets and units of plain FSDP; nothing here is looked up)."""
+        return cls(ParallelDims(), {}, frozenset(), 0, 0, 0)
+
+    @property
+    def splits(self) -> bool:
+        """Whether any parameter is split (``tp`` or ``ep`` above 1)."""
+        return self.dims.model_parallel > 1
+
+    def local_shape(self, name: str) -> tuple[int, ...] | None:
+        """What one rank holds of ``name`` (``None``: nothing)."""
+        return self.params[name].local
+
+    def local(self, name: str, param: torch.Tensor) -> torch.Tensor | None:
+        """The rank's piece of ``param`` as a meta tensor (the planner's
+        :data:`~raggedfsdp.planner.bucketing.LocalPiece`)."""
+        shape = self.local_shape(name)
+        if shape is None:
+            return None
+        piece = torch.empty(shape, dtype=param.dtype, device="meta")
+        return piece.requires_grad_(param.requires_grad)
+
+    def wrap(self, module: nn.Module) -> bool:
+        """The FSDP units with ``ep > 1``: the blocks and the expert containers."""
+        return id(module) in self.unit_ids
+
+    @property
+    def wrap_policy(self) -> WrapPolicy:
+        """:meth:`wrap`, or ``None`` (the default units) when no experts are split apart."""
+        return self.wrap if self.unit_ids else None
+
+    def fsdp_size(self, bucket_name: str, world_size: int) -> int:
+        """The ranks bucket ``bucket_name`` is FSDP-sharded over at ``world_size``."""
+        unit = bucket_name.rsplit("/", 3 if "/frozen/" in bucket_name else 2)[0]
+        if unit in self.expert_units and self.dims.ep > 1:
+            return self.dims.dp(world_size)
+        return self.dims.dense_dp(world_size)
+
+
+def _expert_containers(module: nn.Module) -> dict[str, int]:
+    """``path -> E`` of every module named ``experts`` holding routed experts: a fused stack
+    (``[E, ...]`` parameters of its own) or ``E`` numbered expert modules."""
+    found = {}
+    for path, sub in module.named_modules():
+        if path.rsplit(".", 1)[-1] != "experts":
+            continue
+        own = [p for p in sub.parameters(recurse=False) if p.dim() >= 2]
+        count = own[0].shape[0] if own else len(list(sub.children()))
+        if count:
+            found[path] = int(count)
+    return found
+
+
+def _heads(module: nn.Module) -> tuple[int, int] | None:
+    """``(query heads, key/value heads)`` of the model: the zoo's ``n_heads`` / ``n_kv_heads``
+    attributes, or a GPT config's ``n_head``; ``None`` if it says nothing."""
+    cfg = getattr(module, "cfg", None)
+    if hasattr(cfg, "n_head"):
+        return int(cfg.n_head), int(cfg.n_head)
+    heads = getattr(module, "n_heads", None)
+    if heads is None:
+        return None
+    return int(heads), int(getattr(module, "n_kv_heads", heads))
+
+
+def _check_degrees(
+    module: nn.Module, dims: ParallelDims, experts: Mapping[str, int], model: str
+) -> None:
+    """ep needs experts it divides, tp needs heads it divides: one line naming the fault."""
+    if dims.ep > 1 and not experts:
+        raise UnsplittableModel(
+            f"ep={dims.ep}: {model} has no routed experts, so there is nothing for expert "
+            f"parallelism to split; use ep=1 (or a mixture-of-experts model)"
+        )
+    for path, count in experts.items():
+        if count % dims.ep:
+            raise UnsplittableModel(
+                f"ep={dims.ep} does not divide the {count} routed experts of {model} ({path!r}); "
+                f"use an ep that divides {count}"
+            )
+    if dims.tp == 1:
+        return
+    heads = _heads(module)
+    if heads is None:
+        raise UnsplittableModel(
+            f"tp={dims.tp}: {model} does not say how many attention heads it has (an n_heads "
+            f"attribute, or cfg.n_head), so its tensor-parallel split cannot be checked"
+        )
+    for count, what in zip(heads, ("attention heads", "key/value heads"), strict=True):
+        if count % dims.tp:
+            raise UnsplittableModel(
+                f"tp={dims.tp} does not divide the {count} {what} of {model}: tensor "
+                f"parallelism gives each rank whole heads; use a tp that divides {count}"
+            )
+
+
+def _tp_dim(name: str, shape: tuple[int, ...], owner: nn.Module, vocab: bool) -> int | None:
+    """The dim tp splits (module doc), or ``None``: replicated.
+
+    Raises:
+        UnsplittableModel: a matrix no rule covers.
+    """
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in FUSED_EXPERTS:
+        return FUSED_EXPERTS[parts[-1]]
+    if isinstance(owner, nn.Embedding):
+        return 0 if vocab else None  # the vocabulary's rows; positions stay whole
+    role = parts[-2] if len(parts) >= 2 and parts[-1] in ("weight", "bias") else parts[-1]
+    bias = parts[-1] == "bias"
+    if role in COLWISE:
+        return 0
+    if role in ROWWISE:
+        return None if bias else 1
+    if role in PER_HEAD:
+        return 0
+    if role in REPLICATED or len(shape) < 2:
+        return None  # norms and vectors no rule names: replicated, as SequenceParallel keeps them
+    raise UnsplittableModel(
+        f"parameter {name!r} of shape {list(shape)}: no tensor-parallel rule for a module named "
+        f"{role!r} (column-parallel: {', '.join(sorted(COLWISE))}; row-parallel: "
+        f"{', '.join(sorted(ROWWISE))}; replicated: {', '.join(sorted(REPLICATED))})"
+    )
+
+
+def _expert_index(name: str, experts: Mapping[str, int]) -> tuple[str, int | None] | None:
+    """``(container, expert index)`` of an expert's parameter (index ``None`` in a fused
+    stack), or ``None`` for a dense one (``shared_experts`` is dense)."""
+    parts = name.split(".")
+    for j, part in enumerate(parts[:-1]):
+        container = ".".join(parts[: j + 1])
+        if part == "experts" and container in experts:
+            following = parts[j + 1]
+            return container, int(following) if following.isdigit() else None
+    return None
+
+
+def _local_shape(
+    shape: tuple[int, ...],
+    tp_dim: int | None,
+    expert: tuple[str, int | None] | None,
+    dims: ParallelDims,
+    count: int,
+) -> tuple[int, ...] | None:
+    """Rank 0's piece: ``ceil(n / tp)`` of the tp dim, ``E / ep`` of a stack's experts, and
+    no piece of another ep rank's expert module."""
+    local = list(shape)
+    if expert is not None:
+        _, index = expert
+        if index is None and shape:
+            local[0] = shape[0] // dims.ep
+        elif index is not None and index >= count // dims.ep:
+            return None
+    if tp_dim is not None and local:
+        local[tp_dim] = -(-local[tp_dim] // dims.tp)
+    return tuple(local)
+
+
+def _cuts(length: int, ways: int) -> list[int]:
+    """Where ``torch.chunk`` cuts ``length`` into ``ways`` (as ``Shard`` splits)."""
+    chunk = -(-length // ways)
+    return [k * chunk for k in range(1, ways) if k * chunk < length]
+
+
+def _check_cut(
+    name: str, shape: tuple[int, ...], dim: int, ways: int, policy: RaggedShard, what: str
+) -> None:
+    """A split of ``dim`` into ``ways`` must fall between the policy's blocks (the runtime's
+    ``_check_parallel_cuts`` rule): along the last dim of a matrix, on a multiple of the
+    tile's columns; along any other, between units of the flattened tensor, in every slab of
+    the dims before it. One line naming the parameter, its split and its block, else."""
+    block = policy.block_for(name)
+    cuts = _cuts(shape[dim], ways)
+    if block is None or not cuts:
+        return
+    if len(shape) >= 2 and dim == len(shape) - 1:
+        step = block if isinstance(block, int) else block[1] if isinstance(block, tuple) else 0
+        bad = [c for c in cuts if not step or c % step]
+    else:
+        unit = policy.unit_numel(name, shape)
+        inner = math.prod(shape[dim + 1 :])
+        slabs_cut = math.prod(shape[:dim]) > 1 and (shape[dim] * inner) % unit
+        bad = [c for c in cuts if (c * inner) % unit or slabs_cut]
+    if bad:
+        raise UnsplittableModel(
+            f"parameter {name!r} of shape {list(shape)} is split by {what} at index {bad[0]} "
+            f"of dim {dim}, inside a block that the shard policy ({block!r}) keeps whole; "
+            f"choose a block that divides the split, or another degree"
+        )
+
+
+def split_model(
+    module: nn.Module,
+    dims: ParallelDims,
+    *,
+    policy: RaggedShard | None = None,
+    experts_per_token: int | None = None,
+    model_name: str | None = None,
+) -> ModelSplit:
+    """``module``'s parameters under ``dims`` (best on the meta device).
+
+    Args:
+        policy: the shard policy whose blocks no split may cut (default: element: any cut).
+        experts_per_token: routed experts per token (the all-to-alls' tokens).
+        model_name: how errors name the model (default: its class).
+
+    Raises:
+        UnsplittableModel: ``ep > 1`` without experts, a degree that does not divide the
+            experts or heads, a matrix with no rule, a split that cuts a policy block.
+    """
+    model = model_name or type(module).__name__
+    experts = _expert_containers(module)
+    _check_degrees(module, dims, experts, model)
+    policy = policy or RaggedShard()
+    owners = dict(module.named_modules())
+    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    params = {}
+    for name, p in module.named_parameters():
+        shape = tuple(p.shape)
+        owner = owners[name.rpartition(".")[0]]
+        expert = _expert_index(name, experts)
+        tp_dim = None
+        if dims.tp > 1:
+            tp_dim = _tp_dim(name, shape, owner, owner is embedding)
+            if tp_dim is not None:
+                _check_cut(
+                    name, shape, tp_dim, dims.tp, policy, f"tensor parallelism (tp={dims.tp})"
+                )
+        count = experts[expert[0]] if expert else 0
+        if expert and expert[1] is None and dims.ep > 1:
+            _check_cut(name, shape, 0, dims.ep, policy, f"expert parallelism (ep={dims.ep})")
+        local = _local_shape(shape, tp_dim, expert, dims, count)
+        params[name] = ParamSplit(shape, local, tp_dim, expert is not None)
+    return ModelSplit(
+        dims=dims,
+        params=params,
+        expert_units=frozenset(experts),
+        hidden=embedding.embedding_dim if embedding is not None else 0,
+        moe_layers=len(experts),
+        experts_per_token=(experts_per_token or 0) if experts else 0,
+        unit_ids=_unit_ids(module, experts) if dims.ep > 1 else frozenset(),
+    )
+
+
+def _unit_ids(module: nn.Module, experts: Mapping[str, int]) -> frozenset[int]:
+    """The default units (every ``nn.ModuleList`` element) and the expert containers."""
+    blocks = {id(c) for sub in module.modules() if isinstance(sub, nn.ModuleList) for c in sub}
+    containers = {id(m) for path, m in module.named_modules() if path in experts}
+    return frozenset(blocks | containers)
