@@ -1,8 +1,13 @@
 """The CPU's stand-in streams (``runtime/_streams.py``) and the pool's events, as pure logic:
 what is recorded and waited for, on which stream; and the trace's happens-before replay
-(``tests/support/stream_trace.py``) on hand-made logs, a missing wait included."""
+(``tests/support/stream_trace.py``) on hand-made logs, a missing wait included; the
+accelerator branch on a stand-in for ``torch.cuda`` (the calls it makes, not a GPU's order)."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 
@@ -53,6 +58,13 @@ def test_a_post_optim_event_replaces_the_compute_wait_once():
     streams.compute_moved()
     streams.order_gathers()  # used up: the compute stream again
     assert streams.log[3][:2] == ("record", "compute")
+    # A user's torch.Event (CPU events exist): waited for, as an event the stand-in cannot see
+    streams.set_post_optim_event(torch.Event(device="cpu"))
+    streams.order_gathers()
+    assert streams.log[-2:] == [
+        ("wait", "all_gather_copy_in", None, ""),
+        ("wait", "all_gather", None, ""),
+    ]
 
 
 def test_streams_nest_and_one_stream_records_nothing():
@@ -118,3 +130,68 @@ def test_races_finds_an_unordered_write_and_read_only_without_the_wait():
     assert len(races(replay(missing))) == 1
     disjoint = [*missing[:-1], ("access", "compute", 5, 16, 24, False, "mm")]
     assert races(replay(disjoint)) == []  # other bytes of the same storage
+
+
+class _FakeStream:
+    """A device stream that records what is asked of it (for the accelerator branch)."""
+
+    calls: ClassVar[list[tuple[str, ...]]] = []
+
+    def __init__(self, device: object = None, priority: int = 0, name: str = "") -> None:
+        self.name = name or f"side{priority}"
+
+    def record_event(self) -> str:
+        event = f"event@{self.name}"
+        _FakeStream.calls.append(("record", self.name))
+        return event
+
+    def wait_event(self, event: str) -> None:
+        _FakeStream.calls.append(("wait", self.name, event))
+
+
+class _FakeModule:
+    """``torch.cuda`` as far as ``Streams`` uses it."""
+
+    Stream = _FakeStream
+
+    def __init__(self) -> None:
+        self.compute = _FakeStream(name="compute")
+        self.stack = [self.compute]
+
+    def current_stream(self, device: object = None) -> _FakeStream:
+        return self.stack[-1]
+
+    @contextlib.contextmanager
+    def stream(self, stream: _FakeStream) -> Iterator[None]:
+        self.stack.append(stream)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
+
+def test_on_an_accelerator_the_device_modules_streams_and_events_are_used(monkeypatch):
+    module = _FakeModule()
+    monkeypatch.setattr(torch, "get_device_module", lambda device=None: module)
+    _FakeStream.calls = []
+    streams = Streams(torch.device("cuda", 0))
+    assert not streams.host and isinstance(streams.copy_in, _FakeStream)
+    streams.order_gathers()
+    assert _FakeStream.calls == [
+        ("record", "compute"),
+        ("wait", streams.copy_in.name, "event@compute"),
+        ("wait", streams.all_gather.name, "event@compute"),
+    ]
+    with streams.use(streams.reduce_scatter):
+        assert streams.current() is streams.reduce_scatter
+    # An unpooled block given back on another stream is held until the stream it was
+    # allocated on waits for its event (its memory goes back to that stream's allocations).
+    _FakeStream.calls = []
+    pool = BufferPool(RuntimeStats(), retain=False, streams=streams)
+    block = pool.take(4, torch.float32, CPU)
+    with streams.use(streams.reduce_scatter):
+        pool.give(block)
+    assert pool._releasing and _FakeStream.calls == [("record", streams.reduce_scatter.name)]
+    pool.take(4, torch.float32, CPU)
+    assert not pool._releasing
+    assert _FakeStream.calls[-1] == ("wait", "compute", f"event@{streams.reduce_scatter.name}")
