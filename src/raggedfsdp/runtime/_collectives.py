@@ -8,6 +8,7 @@ error rather than a hang.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -44,11 +45,16 @@ class Pending:
         """A native collective's handle (``None`` when it ran synchronously)."""
         return cls([work] if work is not None else [], stats)
 
-    def wait(self) -> None:
+    def wait(self, *, timed: bool = True) -> None:
+        """Wait for the works, then run ``then``; ``timed``: the wait counts as exposed
+        communication (not when only a communication stream waits, ``_streams.wait_all``)."""
         if self.works:
             # Labelled so profiles attribute what the backend does inside wait() to the
             # backend, not to the framework.
-            with self.stats.waiting(), record_function("raggedfsdp::wait"):
+            with (
+                self.stats.waiting() if timed else contextlib.nullcontext(),
+                record_function("raggedfsdp::wait"),
+            ):
                 for work in self.works:
                     work.wait()
             self.works = []

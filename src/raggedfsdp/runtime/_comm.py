@@ -63,7 +63,6 @@ class AllGather(ABC):
     #: transform of it is needed in ``full``
     whole_from_local: bool = False
 
-    @abstractmethod
     def all_gather(
         self,
         full: torch.Tensor,
@@ -74,8 +73,34 @@ class AllGather(ABC):
         own_ranges: Sequence[tuple[int, int]],
     ) -> Pending:
         """Issue the all-gather of ``local`` (this rank's shard ``[S]``) into ``full`` (1-D
-        ``[W*S]``); ``own_ranges``: the pieces of this rank's slot that unsharded views read
-        (``DBuffer.own_ranges``). Scratch comes from ``pool``."""
+        ``[W*S]``), both steps on the current stream; ``own_ranges``: the pieces of this rank's
+        slot that unsharded views read (``DBuffer.own_ranges``). Scratch comes from ``pool``.
+        The parameter group runs the steps on streams of their own ([Note: streams and events]
+        in ``_streams.py``)."""
+        sent = self.copy_in(full, local, stats, pool)
+        return self.issue(full, sent, stats, pool, own_ranges=own_ranges)
+
+    @abstractmethod
+    def copy_in(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        """What this rank sends, made from its shard ``local``: ``local`` itself, or a copy (in
+        its slot of ``full`` when the copy is a cast or a move, so the all-gather places nothing
+        more), or a message (compressed). Runs on the all-gather copy-in stream."""
+
+    @abstractmethod
+    def issue(
+        self,
+        full: torch.Tensor,
+        sent: torch.Tensor,
+        stats: RuntimeStats,
+        pool: BufferPool,
+        *,
+        own_ranges: Sequence[tuple[int, int]],
+    ) -> Pending:
+        """Issue the collective of ``sent`` (what :meth:`copy_in` made) into ``full``; what
+        must follow its transfers (a dequantize) is the ``Pending``'s ``then``. Runs on the
+        all-gather stream, and so does the wait for it."""
 
     def shard_may_change(self) -> None:
         """An iteration that reduced gradients ended: an optimizer step may change the shard
@@ -87,7 +112,7 @@ class AllGather(ABC):
 class _PlainAllGather(AllGather):
     """The plain all-gather of the values themselves, ``_collectives.all_gather`` (NCCL's in
     place, Gloo's point to point unless ``gloo_point_to_point`` is off), of a shard each
-    subclass puts somewhere (:meth:`_shard`)."""
+    subclass puts somewhere (:meth:`copy_in`)."""
 
     def __init__(
         self, group: dist.ProcessGroup, rank: int, *, gloo_point_to_point: bool = True
@@ -96,31 +121,23 @@ class _PlainAllGather(AllGather):
         self.rank = rank  # this rank's index in ``group``: its slot of ``full``
         self.gloo_point_to_point = gloo_point_to_point  # DBufferConfig's
 
-    def all_gather(
+    def issue(
         self,
         full: torch.Tensor,
-        local: torch.Tensor,
+        sent: torch.Tensor,
         stats: RuntimeStats,
         pool: BufferPool,
         *,
         own_ranges: Sequence[tuple[int, int]],
     ) -> Pending:
-        shard = self._shard(full, local, stats, pool)
         return all_gather(
             full,
-            shard,
+            sent,
             self.group,
             stats,
             own_ranges=own_ranges,
             gloo_point_to_point=self.gloo_point_to_point,
         )
-
-    @abstractmethod
-    def _shard(
-        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
-    ) -> torch.Tensor:
-        """What this rank sends: ``local`` itself, or a copy (in its slot of ``full`` when the
-        copy is a cast or a move, so the all-gather places nothing more)."""
 
     def _slot(self, full: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         size = local.numel()
@@ -132,7 +149,7 @@ class InPlaceAllGather(_PlainAllGather):
 
     whole_from_local = True
 
-    def _shard(
+    def copy_in(
         self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> torch.Tensor:
         return local
@@ -142,7 +159,7 @@ class CastAllGather(_PlainAllGather):
     """Mixed precision: the master shard is cast into its slot of the ``param_dtype`` buffer;
     this cast is the only copy, and the all-gather then runs in place."""
 
-    def _shard(
+    def copy_in(
         self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> torch.Tensor:
         slot = self._slot(full, local)
@@ -167,7 +184,7 @@ class HostOffloadAllGather(_PlainAllGather):
         super().__init__(group, rank, gloo_point_to_point=gloo_point_to_point)
         self.offload = offload  # the unit's, shared by its buckets
 
-    def _shard(
+    def copy_in(
         self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> torch.Tensor:
         slot = self._slot(full, local)
@@ -178,7 +195,7 @@ class HostOffloadAllGather(_PlainAllGather):
 class CopyInAllGather(_PlainAllGather):
     """``zero_copy=False``: FSDP2-style copy-in of the shard, kept for A/B measurement."""
 
-    def _shard(
+    def copy_in(
         self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> torch.Tensor:
         shard = local.clone()

@@ -41,6 +41,7 @@ from ..layout import ShardLayout
 from ..planner import ShardPlan
 from ._comm import AllGather, ReduceScatter
 from ._mesh import MeshInfo, combined_mesh
+from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 from ._ragged_tensor import RaggedTensor, placed_like
@@ -292,6 +293,31 @@ class DBuffer:
             if param.sharded.requires_grad:
                 view = local_grad[param.local_start : param.local_end]
                 param.sharded.grad = placed_like(view, param.sharded)
+
+    def take_reduced(
+        self, output: torch.Tensor, offload: HostOffload | None, stats: RuntimeStats
+    ) -> None:
+        """The reduced gradient shard ``output`` (1-D ``[S]``) becomes the sharded gradients
+        (or is added to those still held: gradients accumulate across steps, as in torch).
+        Under ``offload`` it is copied to the host first, and the sharded gradients are views of
+        the host copy."""
+        if offload is not None:
+            output = offload.to_host(output, self.dtype, stats)
+            if self.has_sharded_grads():
+                offload.wait()  # the host adds the copy below
+        if not self.has_sharded_grads():
+            if output.dtype != self.dtype:  # reduce_dtype other than the master dtype
+                output = output.to(self.dtype)
+                stats.add_copy(output)
+            self.attach_sharded_grads(output)
+            return
+        for param in self.params:
+            piece = output[param.local_start : param.local_end]
+            if param.sharded.grad is not None:
+                param.sharded.grad.to_local().view(-1).add_(piece)
+            elif param.sharded.requires_grad:
+                param.sharded.grad = placed_like(piece.to(self.dtype, copy=True), param.sharded)
+                stats.add_copy(piece)
 
     def persistent_bytes(self) -> int:
         """Bytes this bucket holds between steps: the local shard, and its gradient while the

@@ -160,8 +160,15 @@ class FSDPModule(TorchFSDPModule):
         which changes when they finish, not the gradients."""
 
     def set_post_optim_event(self, event: torch.Event) -> None:
-        """Accepted, with nothing to do: the next all-gathers are issued on the current stream,
-        after the optimizer step, so they wait for it already."""
+        """The next all-gathers wait for ``event`` (recorded after the optimizer step) instead
+        of for everything queued on the compute stream so far (FSDP2's): compute queued after
+        the step is no longer a false dependency of the first all-gathers. Holds for every unit
+        under this module's root ([Note: streams and events] in ``_streams.py``)."""
+        state = self._fsdp_state
+        if state.ctx is None:  # the streams come with the root's lazy init
+            state.post_optim_event = event
+        else:
+            state.ctx.shared.streams.set_post_optim_event(event)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

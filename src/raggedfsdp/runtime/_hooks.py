@@ -170,6 +170,9 @@ class FSDPState:
         #: how many of its modules nn.Module._apply has converted since the unit last took
         #: its parameters back (FSDPModule._apply)
         self.applied = 0
+        #: FSDPModule.set_post_optim_event's event, set before the root's lazy init made the
+        #: streams that wait for it
+        self.post_optim_event: Any = None
         for module in modules:
             self._hook(module)
 
@@ -224,6 +227,9 @@ class FSDPState:
         for paths, state in named:
             state.ctx = ctx
             state.group.bind(ctx.shared, paths)
+            if state.post_optim_event is not None:
+                ctx.shared.streams.set_post_optim_event(state.post_optim_event)
+                state.post_optim_event = None
         plans = [plan for paths, state in named for plan in state.group.named_plans(paths)]
         _check_plans_agree(plans, named[0][1].group)
         return ctx
@@ -255,6 +261,9 @@ class FSDPState:
             self._end_forward(ctx)
         if self.is_root:
             ctx.in_forward = True
+            # The optimizer may have written the shards: the next all-gathers wait for compute
+            # (or for FSDPModule.set_post_optim_event's event).
+            ctx.shared.streams.compute_moved()
         # Inside the root's forward the unit's forward spans all its modules; outside it (a
         # module of the unit called on its own, as chunked losses call the output layer once
         # per chunk) one call is a whole forward of the unit.

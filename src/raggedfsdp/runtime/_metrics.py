@@ -110,6 +110,11 @@ class RuntimeStats:
         if self._device.type not in ("cpu", "meta"):
             self._events = _EventTimes(make_event or _device_event(self._device))
 
+    @property
+    def on_device(self) -> bool:
+        """Whether waits are timed on an accelerator's stream (else on the host's clock)."""
+        return self._events is not None
+
     def reset(self) -> None:
         """Start a new window; what is allocated now stays counted (it is still held). On CUDA
         the device's peak memory restarts from what is allocated now too."""

@@ -16,10 +16,11 @@ The path is written against a compute device and the host only, so it runs on a 
 and the same copies, which is how it is tested without an accelerator.
 
 [Note: non-blocking offload copies] From and to *pinned* host memory, copies are issued with
-``non_blocking=True``: stream order already makes the device side safe (the all-gather and the
-compute that read the copied shard, and the caching allocator's reuse of a device source, are
-ordered after the copy on the same stream). What stream order does not cover is the host: it must
-not read a gradient the device is still writing, nor write a shard (optimizer step, load) the
+``non_blocking=True``: stream order already makes the device side safe (the copy to the device
+runs on the all-gather copy-in stream, which the all-gather and then compute wait for; the copy
+to the host on the reduce-scatter or all-reduce stream, which compute waits for at the end of
+backward: [Note: streams and events] in ``_streams.py``). What it does not cover is the host: it
+must not read a gradient the device is still writing, nor write a shard (optimizer step, load) the
 device is still reading. So every such copy records an event, and :meth:`HostOffload.wait`
 blocks on them before the host touches those buffers: at reshard and at the end of the
 iteration (before any optimizer step), and before adding a new gradient to one still held.
@@ -108,7 +109,7 @@ class HostOffload:
         slot.copy_(staging)
         stats.add_copy(staging)
         stats.add_copy(slot)
-        pool.give(staging)  # reuse is stream-ordered after the cast
+        pool.give(staging)  # its next taker waits for the cast (the pool's event)
 
     def to_host(
         self, reduced: torch.Tensor, dtype: torch.dtype, stats: RuntimeStats

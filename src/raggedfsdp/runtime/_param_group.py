@@ -27,10 +27,10 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
-from ._ragged_tensor import placed_like
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
+from ._streams import wait_all
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import (
     Finding,
@@ -89,6 +89,9 @@ class FSDPParamGroup:
         # taken at the first gradient and given back when the reduce-scatters have read it.
         self._trainable = [b for b in self.buckets if b.requires_grad]
         self._grad_block: torch.Tensor | None = None
+        #: the event after which this unit's reduced gradients are attached, until the compute
+        #: stream waits for it at the end of the iteration
+        self._reduced: object = None
         self._bind_storages()
         for param in self.params:
             if param.unsharded.requires_grad:  # of a trainable bucket, then
@@ -261,21 +264,30 @@ class FSDPParamGroup:
         if self.sharded_state is not ShardedState.SHARDED:
             return
         adopt(self)  # a parameter changed outside the unit is taken back first
+        versions = self._shard_versions()
+        for bucket, version, gathered in zip(
+            self.buckets, versions, self._gathered_versions or versions, strict=True
+        ):
+            if version != gathered:
+                bucket.gather.shard_may_change()  # a strategy's copy of the shard is old
+        self._gathered_versions = versions
+        streams = self.shared.streams  # [Note: streams and events] in _streams.py
         with record_function(f"raggedfsdp::unshard({self.label})"):
-            self._allocate(self._gather_storage)
-            versions = self._shard_versions()
-            for bucket, version, gathered in zip(
-                self.buckets, versions, self._gathered_versions or versions, strict=True
-            ):
-                if version != gathered:
-                    bucket.gather.shard_may_change()  # a strategy's copy of the shard is old
-            self._gathered_versions = versions
-            for bucket in self.buckets:
-                assert bucket.full is not None
-                pending = bucket.gather.all_gather(
-                    bucket.full, bucket.local, self.stats, self._pool, own_ranges=bucket.own_ranges
-                )
-                self._pending_unshard.append(pending)
+            streams.order_gathers()
+            with streams.use(streams.copy_in):
+                self._allocate(self._gather_storage)  # memory of the copy-in stream
+                sent = [
+                    b.gather.copy_in(_full(b), b.local, self.stats, self._pool)
+                    for b in self.buckets
+                ]
+                copied = streams.record(label=f"copy_in:{self.label}")
+            streams.wait(copied, streams.all_gather)
+            with streams.use(streams.all_gather):
+                for bucket, shard in zip(self.buckets, sent, strict=True):
+                    pending = bucket.gather.issue(
+                        _full(bucket), shard, self.stats, self._pool, own_ranges=bucket.own_ranges
+                    )
+                    self._pending_unshard.append(pending)
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
@@ -292,9 +304,15 @@ class FSDPParamGroup:
             self.unshard()
         if self.sharded_state is ShardedState.UNSHARDED:
             return
-        for pending in self._pending_unshard:
-            pending.wait()
+        streams = self.shared.streams
+        # The all-gather stream waits for the transfers and runs what follows them (dequantize);
+        # compute then waits for its event before reading the parameters.
+        with streams.use(streams.all_gather):
+            wait_all(self._pending_unshard)
+            gathered = streams.record(label=f"all_gather:{self.label}")
         self._pending_unshard.clear()
+        streams.join(gathered, self.stats)
+        streams.compute_moved()  # what the copy-in stream made for the transfers is let go
         if not self.config.zero_copy:
             # FSDP2-style copy-out into the separately stored unsharded parameters.
             self._allocate(self._param_storage)
@@ -318,6 +336,7 @@ class FSDPParamGroup:
             self.offload.wait()  # the host may write the shards from now on
         self._hold(unsharded=False)
         self._free(self._param_storage + self._gather_storage)
+        self.shared.streams.compute_moved()  # the copy-in stream may reuse what compute read
         self.sharded_state = ShardedState.SHARDED
 
     # -- forward -------------------------------------------------------------------------------
@@ -396,10 +415,15 @@ class FSDPParamGroup:
                 f"raggedfsdp: unit {self.label!r} issued a reduction while its previous one "
                 f"is unfinished"
             )
-        for bucket in self._trainable:
-            assert bucket.full_grad is not None
-            reduce = _reducer(bucket).reduce_scatter(bucket.full_grad, self.stats, self._pool)
-            self._reduces.append(reduce)
+        streams = self.shared.streams
+        # The gradients are written (on the compute stream): the reduce-scatter stream waits
+        # for them, then casts them and issues the collectives.
+        streams.wait(streams.record(label=f"gradients:{self.label}"), streams.reduce_scatter)
+        with streams.use(streams.reduce_scatter):
+            for bucket in self._trainable:
+                assert bucket.full_grad is not None
+                reduce = _reducer(bucket).reduce_scatter(bucket.full_grad, self.stats, self._pool)
+                self._reduces.append(reduce)
 
     def finish_reduce_scatter(self) -> bool:
         """Wait for this unit's reduce-scatters; its unsharded gradients are read, so their
@@ -407,29 +431,40 @@ class FSDPParamGroup:
         keep the shards for a later backward: ``requires_all_reduce`` off) and return whether
         any was issued (:meth:`finish_reduce` then waits for them)."""
         replicated = self.mesh_info.replicate_group is not None
-        for bucket, item in zip(self._trainable, self._reduces, strict=True):
-            item.scatter.wait()
-            item.scatter_input = None
-            if replicated:
-                all_reduce_now = self.knobs.requires_all_reduce
-                _reducer(bucket).replicate(item, self.stats, all_reduce_now=all_reduce_now)
-        for bucket in self._trainable:
-            bucket.detach_unsharded_grads()
-        assert self._grad_block is not None
-        self._pool.give(self._grad_block)
-        self._grad_block = None
+        streams = self.shared.streams
+        with streams.use(streams.reduce_scatter):
+            wait_all(item.scatter for item in self._reduces)
+            for bucket, item in zip(self._trainable, self._reduces, strict=True):
+                item.scatter_input = None
+                bucket.detach_unsharded_grads()
+            assert self._grad_block is not None
+            self._pool.give(self._grad_block)  # from the stream that read it last
+            self._grad_block = None
+            scattered = streams.record(label=f"reduce_scatter:{self.label}")
+        if replicated:
+            streams.wait(scattered, streams.all_reduce)
+            with streams.use(streams.all_reduce):
+                for bucket, item in zip(self._trainable, self._reduces, strict=True):
+                    all_reduce_now = self.knobs.requires_all_reduce
+                    _reducer(bucket).replicate(item, self.stats, all_reduce_now=all_reduce_now)
         return replicated and self.knobs.requires_all_reduce
 
     def finish_reduce(self) -> None:
         """Wait for the all-reduces over the replicas (HSDP); the reduced shards become the
         sharded gradients, unless kept for a later backward's all-reduce."""
-        for bucket, item in zip(self._trainable, self._reduces, strict=True):
-            reduce = _reducer(bucket)
-            if item.replicate is not None:
-                item.replicate.wait()
-                reduce.check_replicated(item.output)
-            if reduce.unreplicated is None:  # a gradient of every replica
-                self._attach_reduced(bucket, self._divided(item.output))
+        streams = self.shared.streams
+        replicated = self.mesh_info.replicate_group is not None
+        stream = streams.all_reduce if replicated else streams.reduce_scatter
+        with streams.use(stream):
+            for bucket, item in zip(self._trainable, self._reduces, strict=True):
+                reduce = _reducer(bucket)
+                if item.replicate is not None:
+                    wait_all([item.replicate])
+                    reduce.check_replicated(item.output)
+                if reduce.unreplicated is None:  # a gradient of every replica
+                    bucket.take_reduced(self._divided(item.output), self.offload, self.stats)
+            # compute waits for this before the optimizer reads the gradients (finish_iteration)
+            self._reduced = streams.record(label=f"reduced:{self.label}")
         self._reduces.clear()
 
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:
@@ -440,42 +475,14 @@ class FSDPParamGroup:
             return mean
         return mean.mul_(ranks / factor)
 
-    def _attach_reduced(self, bucket: DBuffer, output: torch.Tensor) -> None:
-        """The reduced gradient shard ``output`` becomes the sharded gradients (or is added to
-        those still held: gradients accumulate across steps, as in torch). Under offload it is
-        copied to the host first, and the sharded gradients are views of the host copy."""
-        if self.offload is not None:
-            output = self.offload.to_host(output, bucket.dtype, self.stats)
-            if bucket.has_sharded_grads():
-                self.offload.wait()  # the host adds the copy below
-        if bucket.has_sharded_grads():
-            for param in bucket.params:
-                piece = output[param.local_start : param.local_end]
-                if param.sharded.grad is not None:
-                    param.sharded.grad.to_local().view(-1).add_(piece)
-                elif param.sharded.requires_grad:
-                    param.sharded.grad = placed_like(
-                        piece.to(bucket.dtype, copy=True), param.sharded
-                    )
-                    self.stats.add_copy(piece)
-        else:
-            if output.dtype != bucket.dtype:  # reduce_dtype other than the master dtype
-                output = output.to(bucket.dtype)
-                self.stats.add_copy(output)
-            bucket.attach_sharded_grads(output)
-
     def reset(self) -> None:
         """After an interrupted iteration: wait for whatever is in flight and drop it (the
         unsharded gradients and reductions of the interrupted backward), then idle and
         sharded."""
-        for pending in self._pending_unshard:
-            pending.wait()
-        self._pending_unshard.clear()
-        for item in self._reduces:
-            item.scatter.wait()
-            if item.replicate is not None:
-                item.replicate.wait()
+        if self._shared is not None:  # else nothing was ever issued
+            self._drain()
         self._reduces.clear()
+        self._reduced = None
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
         if self._grad_block is not None:
@@ -486,6 +493,23 @@ class FSDPParamGroup:
         self.reshard()
         self.training_state = TrainingState.IDLE
 
+    def _drain(self) -> None:
+        """Wait for every collective in flight, each on its stream, and make the compute stream
+        wait for them all (``reset``)."""
+        streams = self.shared.streams
+        with streams.use(streams.all_gather):
+            wait_all(self._pending_unshard)
+            gathered = streams.record()
+        self._pending_unshard.clear()
+        with streams.use(streams.reduce_scatter):
+            wait_all(item.scatter for item in self._reduces)
+            scattered = streams.record()
+        with streams.use(streams.all_reduce):
+            wait_all(item.replicate for item in self._reduces if item.replicate is not None)
+            replicated = streams.record()
+        for event in (gathered, scattered, replicated, self._reduced):
+            streams.join(event, self.stats)
+
     def finish_iteration(self) -> None:
         """End of backward: this unit back to idle and sharded (unless it keeps its unsharded
         parameters: ``reshard_after_backward`` off). Under no_sync the unsharded gradient
@@ -495,6 +519,9 @@ class FSDPParamGroup:
             self.reshard()
         elif self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()  # no all-gather left in flight past the iteration
+        if self._reduced is not None:  # the optimizer reads the gradients on the compute stream
+            self.shared.streams.join(self._reduced, self.stats)
+            self._reduced = None
         if self.knobs.requires_gradient_sync:  # no optimizer step between no_sync micro-batches
             for bucket in self.buckets:
                 bucket.gather.shard_may_change()
@@ -535,6 +562,12 @@ class FSDPParamGroup:
         return sum(r.numel() * r.element_size() for r in residuals) + sum(
             bucket.persistent_bytes() for bucket in self.buckets
         )
+
+
+def _full(bucket: DBuffer) -> torch.Tensor:
+    """A bucket's unsharded buffer (bound at construction)."""
+    assert bucket.full is not None
+    return bucket.full
 
 
 def _reducer(bucket: DBuffer) -> ReduceScatter:

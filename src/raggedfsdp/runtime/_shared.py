@@ -9,6 +9,7 @@ import torch
 from ._metrics import RuntimeStats
 from ._pool import BufferPool
 from ._reduce import ReduceQueue
+from ._streams import Streams
 from .compression import NonFiniteCheck
 
 __all__ = ["Knobs", "SharedResources"]
@@ -41,6 +42,7 @@ class SharedResources:
     reduce_queue: ReduceQueue  # the order in which reductions in flight are finished
     pool: BufferPool  # scratch blocks reused from unit to unit (group_level=True)
     unpooled: BufferPool  # the same, freeing every block at once (group_level=False)
+    streams: Streams  # the communication streams and their events (_streams.py)
     #: what compressed collectives found non-finite, read at the end of forward and backward
     non_finite: NonFiniteCheck = field(default_factory=NonFiniteCheck)
 
@@ -48,4 +50,6 @@ class SharedResources:
     def new(cls, device: torch.device | None = None) -> SharedResources:
         """``device``: the compute device, on which the stats time communication."""
         stats = RuntimeStats(device=device)
-        return cls(stats, ReduceQueue(), BufferPool(stats), BufferPool(stats, retain=False))
+        streams = Streams(device if device is not None else torch.device("cpu"))
+        pools = BufferPool(stats, streams=streams), BufferPool(stats, retain=False, streams=streams)
+        return cls(stats, ReduceQueue(), *pools, streams)

@@ -80,31 +80,37 @@ class QuantizedAllGather(AllGather):
             self._quantized_version = local._version
         return self._quantized
 
-    def all_gather(
+    def copy_in(
+        self, full: torch.Tensor, local: torch.Tensor, stats: RuntimeStats, pool: BufferPool
+    ) -> torch.Tensor:
+        """This rank's message: its master shard ``local`` quantized (unless it still is)."""
+        rank, _ = peers(self.group)
+        return self._quantized_shard(local, rank)
+
+    def issue(
         self,
         full: torch.Tensor,
-        local: torch.Tensor,
+        sent: torch.Tensor,
         stats: RuntimeStats,
         pool: BufferPool,
         *,
         own_ranges: Sequence[tuple[int, int]],
     ) -> Pending:
-        """Fill ``full`` (1-D ``[W*S]``, the unsharded parameter buffer) with every rank's
-        dequantized shard; ``local`` is this rank's master shard ``[S]``. Every rank's message
-        is dequantized, this rank's too, so ``own_ranges`` needs no placing of its own."""
+        """Gather every rank's message (``sent`` is this rank's); once they are in, each is
+        dequantized into ``full`` (1-D ``[W*S]``, the unsharded parameter buffer), this rank's
+        too, so ``own_ranges`` needs no placing of its own."""
         codec, group = self.codec, self.group
         size, nbytes, world = codec.shard_numel, codec.message_bytes, codec.world_size
         with record_function("raggedfsdp::quantized_all_gather"):
             rank, others = peers(group)
-            mine = self._quantized_shard(local, rank)
-            received = pool.take(world * nbytes, torch.uint8, local.device)  # 1-D [W*message]
+            received = pool.take(world * nbytes, torch.uint8, sent.device)  # 1-D [W*message]
             messages = [received[k * nbytes : (k + 1) * nbytes] for k in range(world)]
-            if point_to_point(group, local.device, gloo_point_to_point=self.gloo_point_to_point):
-                transfers = [(p, mine, messages[p]) for p in others]
+            if point_to_point(group, sent.device, gloo_point_to_point=self.gloo_point_to_point):
+                transfers = [(p, sent, messages[p]) for p in others]
                 works = exchange(transfers, group, Tag.QUANTIZED_ALL_GATHER)
-                messages[rank] = mine
+                messages[rank] = sent
             else:
-                works = [all_gather_tensor(received, mine, group=group, async_op=True)]
+                works = [all_gather_tensor(received, sent, group=group, async_op=True)]
             stats.note_all_gather(nbytes, uncompressed_bytes=size * full.element_size())
 
         def dequantize() -> None:
