@@ -182,10 +182,12 @@ class FSDPModule(TorchFSDPModule):
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Reduce gradients to their sum over the data-parallel ranks divided by ``factor``
-        (default: their number, a mean). Recursive, as FSDP2's. The collectives still average
-        (in fp32 on Gloo, ``ReduceOp.AVG`` on NCCL); the reduced shard is then scaled by
-        ``ranks / factor``: one multiply of the shard, skipped when the factor is the number of
-        ranks."""
+        (default: the number of data-parallel ranks under the root, a mean; beside expert
+        parallelism more than the experts' unit has, where FSDP2 divides by the unit's own
+        mesh and torchtitan sets this by hand). Recursive, as FSDP2's. The collectives still
+        average (in fp32 on Gloo, ``ReduceOp.AVG`` on NCCL); the reduced shard is then scaled
+        by ``ranks / factor``: one multiply of the shard, skipped when the factor is the number
+        of the unit's ranks."""
         if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0):
             raise ValueError(f"gradient divide factor must be a positive number, got {factor!r}")
         for state in self._states(recurse=True):

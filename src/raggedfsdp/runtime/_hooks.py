@@ -2,7 +2,8 @@
 
 [Note: the life of a step]
 - Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's
-  name, shared stats, reduce queue and scratch pool, plan check across ranks). The unit issues
+  name, the data-parallel ranks gradients are averaged over, shared stats, reduce queue and
+  scratch pool, plan check across ranks). The unit issues
   its all-gather if not prefetched, prefetches the next unit's (order recorded in the first
   iteration), then waits for its own.
 - Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from ..planner import ShardPlan, post_order
 from ._adopt import adopt, meta_parameters
 from ._collectives import all_gather
+from ._data_parallel import data_parallel_ranks
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
 from ._shared import SharedResources
@@ -203,8 +205,9 @@ class FSDPState:
     def lazy_init(self) -> RootContext:
         """The first unit to run forward (or to be unsharded by hand) is the root: it takes
         every unit below it, names each by its path (once, as FSDP2's ``_init_fqns``), shares
-        its resources with them and checks, before the first all-gather, that every rank
-        planned the same buckets. Idempotent."""
+        its resources with them and checks, before the first all-gather, that every parameter's
+        gradient reaches all the data-parallel ranks ([Note: units on different meshes]) and
+        that every rank planned the same buckets. Idempotent."""
         if self.ctx is not None:
             return self.ctx
         named = named_states_under(self.module)
@@ -223,15 +226,20 @@ class FSDPState:
                 f"and values first (model.to_empty(device=...) then their initialisation, e.g. "
                 f"reset_parameters(), or rf.init_sharded_)"
             )
+        data_ranks = data_parallel_ranks([(paths, state.group) for paths, state in named])
         ctx = RootContext(self, [state for _, state in named])
         for paths, state in named:
             state.ctx = ctx
             state.group.bind(ctx.shared, paths)
+            state.group.data_ranks = data_ranks
             if state.post_optim_event is not None:
                 ctx.shared.streams.set_post_optim_event(state.post_optim_event)
                 state.post_optim_event = None
         plans = [plan for paths, state in named for plan in state.group.named_plans(paths)]
-        _check_plans_agree(plans, named[0][1].group)
+        # over each unit's shard group (several beside expert parallelism), in unit order
+        groups = {id(s.group.mesh_info.shard_group): s.group for _, s in named}
+        for group in groups.values():
+            _check_plans_agree(plans, group)
         return ctx
 
     # -- forward -------------------------------------------------------------------------------
@@ -400,8 +408,9 @@ def _unshard(
 def _check_plans_agree(plans: list[ShardPlan], group: FSDPParamGroup) -> None:
     """Before the first all-gather, check every rank planned the same buckets (``plans``, as
     the root names them); a rank that disagrees would otherwise hang or corrupt the
-    collectives. One all-gather of a digest over ``group``'s shard group (the first unit's);
-    only when they differ are the plans themselves gathered, to name the first difference."""
+    collectives. One all-gather of a digest over ``group``'s shard group (each unit's, once per
+    group); only when they differ are the plans themselves gathered, to name the first
+    difference."""
     h = hashlib.sha256()
     for plan in plans:
         h.update(plan.digest().encode())

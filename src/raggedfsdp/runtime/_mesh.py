@@ -13,7 +13,15 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._host import default_device
 
-__all__ = ["MeshInfo", "combined_mesh", "device_for", "mesh_info", "parallel_spec"]
+__all__ = [
+    "MeshInfo",
+    "combined_mesh",
+    "device_for",
+    "dim_ranks",
+    "mesh_info",
+    "mesh_ranks",
+    "parallel_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -108,8 +116,9 @@ def parallel_spec(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> DTensor
     """For a parameter that is already a DTensor (tensor or expert parallelism: placed over
     other dims of the mesh whose data-parallel dims ``dp_mesh`` is), its spec; ``None`` for a
     plain parameter. Refused, naming the parameter: a DTensor whose mesh is not a sibling slice
-    of ``dp_mesh``'s (named dims, the same root mesh, no dim shared), or placed other than by
-    ``Shard`` / ``Replicate``."""
+    of ``dp_mesh``'s (named dims, one rank layout, no dim or rank shared: experts placed over
+    ``ep`` cannot be sharded over a mesh flattened from ``dp`` and ``ep``), or placed other than
+    by ``Shard`` / ``Replicate``."""
     if not isinstance(param, DTensor):
         return None
     mesh = param.device_mesh
@@ -120,20 +129,15 @@ def parallel_spec(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> DTensor
             f"{dp_names}: both must be named slices of one mesh with no dim in common "
             f"(mesh['tp'] for the parameter, mesh['dp'] for fully_shard)"
         )
-    root = dp_mesh._get_root_mesh()
-    # Equal, not identical: a model parallelized over one init_device_mesh's slices may be
-    # sharded over another's of the same layout (torch's own FSDP2 tests do so).
-    if mesh._get_root_mesh() != root:
+    _check_no_shared_ranks(fqn, param, dp_mesh)
+    try:
+        combined_mesh(dp_mesh, mesh)
+    except (KeyError, RuntimeError, ValueError) as e:
         raise ValueError(
-            f"parameter {fqn!r} is a DTensor on a mesh that is not a slice of the mesh "
-            f"fully_shard shards over ({dp_names}); slice both from one init_device_mesh"
-        )
-    order = root.mesh_dim_names or ()
-    if max(order.index(n) for n in dp_names) > min(order.index(n) for n in names):
-        raise ValueError(
-            f"parameter {fqn!r}: the data-parallel dims {dp_names} must come before its "
-            f"dims {names} in the mesh {order} (as in torchtitan's ('dp', 'tp'))"
-        )
+            f"parameter {fqn!r} is a DTensor on mesh {mesh}, which is not a slice of the mesh "
+            f"fully_shard shards over ({dp_names}) nor joins it ({e}); slice both from one "
+            f"init_device_mesh, the data-parallel dims first (as in torchtitan's ('dp', 'tp'))"
+        ) from e
     for placement in param.placements:
         if type(placement) not in (Shard, Replicate):
             raise ValueError(
@@ -143,8 +147,42 @@ def parallel_spec(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> DTensor
     return param._spec
 
 
+def mesh_ranks(mesh: DeviceMesh) -> frozenset[int]:
+    """The global ranks of this rank's slice of ``mesh`` (all of it for a root mesh)."""
+    return frozenset(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def dim_ranks(mesh: DeviceMesh, dim: int) -> frozenset[int]:
+    """The global ranks of this rank's group along dimension ``dim`` of ``mesh``."""
+    return frozenset(dist.get_process_group_ranks(mesh.get_group(dim)))
+
+
+def _check_no_shared_ranks(fqn: str, param: DTensor, dp_mesh: DeviceMesh) -> None:
+    """A dimension the parameter is placed over must hold none of the data-parallel ranks but
+    this one: a mesh flattened from ``dp`` and ``ep`` (the dense parameters' data-parallel mesh
+    beside expert parallelism) cannot also shard the experts placed over ``ep``."""
+    data = mesh_ranks(dp_mesh)
+    mesh = param.device_mesh
+    for dim, name in enumerate(mesh.mesh_dim_names or ()):
+        shared = dim_ranks(mesh, dim) & data
+        if len(shared) > 1:
+            raise ValueError(
+                f"parameter {fqn!r} is placed {param.placements} over mesh dim {name!r}, whose "
+                f"ranks {sorted(shared)} are also data-parallel ranks of the mesh fully_shard "
+                f"shards it over ({dp_mesh.mesh_dim_names}): shard it over the data-parallel "
+                f"dims that remain (experts placed over mesh['ep']: fully_shard(experts, "
+                f"mesh=mesh['dp']), not over a mesh flattened from dp and ep)"
+            )
+
+
 def combined_mesh(dp_mesh: DeviceMesh, other: DeviceMesh) -> DeviceMesh:
-    """The mesh of ``dp_mesh``'s dims followed by ``other``'s (slices of one root mesh): where a
-    tensor-parallel parameter's shards live once sharded over the data-parallel dims too."""
+    """The mesh of ``dp_mesh``'s dims followed by ``other``'s: where a tensor- or expert-parallel
+    parameter's shards live once sharded over the data-parallel dims too. Joined as FSDP2 joins
+    them (``DeviceMesh._concatenate``: any slices of one rank layout, flattened dims too, even
+    when torch hands a DTensor an equal mesh sliced from another root); on a torch without it,
+    sliced from the root mesh by name."""
+    concatenate = getattr(DeviceMesh, "_concatenate", None)
+    if concatenate is not None:
+        return concatenate([dp_mesh, other])
     names = (*(dp_mesh.mesh_dim_names or ()), *(other.mesh_dim_names or ()))
     return dp_mesh._get_root_mesh()[names]

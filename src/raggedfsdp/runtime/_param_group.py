@@ -72,6 +72,9 @@ class FSDPParamGroup:
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
         #: this unit's reductions, one per trainable bucket in order, from issue to finish
         self._reduces: list[BucketReduce] = []
+        #: the data-parallel ranks under the unit's root, over which gradients are averaged
+        #: (more than the unit's own beside expert parallelism); set at the root's lazy init
+        self.data_ranks = mesh_info.shard_size * mesh_info.replicate_size
         #: what each bucket's strategies are chosen from, at construction and by rebind()
         self._comm = UnitComm(
             mesh_info,
@@ -168,7 +171,8 @@ class FSDPParamGroup:
     def bind(self, shared: SharedResources, paths: list[str]) -> None:
         """Join the root, once, at its lazy init: use its shared resources, and take the unit's
         names, its modules' ``paths`` below the root (as FSDP2's ``_init_fqns``): errors,
-        profiler ranges and the parameters named in them say them from now on."""
+        profiler ranges and the parameters named in them say them from now on. The root then
+        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``)."""
         if self._shared is not None and self._shared is not shared:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
@@ -468,10 +472,11 @@ class FSDPParamGroup:
         self._reduces.clear()
 
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:
-        """The mean over the data-parallel ranks, rescaled to the sum / gradient_divide_factor."""
+        """The mean over the unit's ranks, rescaled to the sum / gradient_divide_factor (default:
+        the root's data-parallel ranks, which beside expert parallelism outnumber the unit's)."""
         ranks = self.mesh_info.shard_size * self.mesh_info.replicate_size
-        factor = self.knobs.gradient_divide_factor
-        if factor is None or factor == ranks:
+        factor = self.knobs.gradient_divide_factor or self.data_ranks
+        if factor == ranks:
             return mean
         return mean.mul_(ranks / factor)
 

@@ -27,7 +27,8 @@ class Knobs:
     #: accumulate until a backward with it on adds them in)
     requires_all_reduce: bool = True
     #: the reduced gradient is the sum over the data-parallel ranks divided by this (``None``:
-    #: their number, a mean)
+    #: the number of data-parallel ranks under the root, a mean; beside expert parallelism more
+    #: than the unit's own, [Note: units on different meshes] in ``_data_parallel.py``)
     gradient_divide_factor: float | None = None
     #: gather the parameters for backward (off: the unit's backward needs none, e.g. an
     #: embedding, whose weight gradient comes from its inputs and output gradient alone)

@@ -210,6 +210,13 @@ def _check_placements(
         return
     for registration in registrations:
         placement = placement_fn(registration.param)
+        if hasattr(placement, "mesh_info"):  # FSDP2's ShardPlacementResult: a mesh of its own
+            raise ValueError(
+                f"shard_placement_fn gave parameter {registration.fqn!r} a mesh of its own "
+                f"(FSDP2's ShardPlacementResult, as torchtitan does for experts): a raggedfsdp "
+                f"unit shards over one mesh; make the experts a unit first, "
+                f"fully_shard(experts, mesh=<their mesh>), then shard the block around them"
+            )
         ndim = max(registration.param.dim(), 1)
         dim_0 = isinstance(placement, Shard) and placement.dim % ndim == 0
         if placement is not None and not dim_0:
