@@ -1,0 +1,367 @@
+"""FSDP beside expert parallelism: one launch of 4 Gloo ranks on a (dp=2, ep=2) mesh trains a tiny
+mixture of experts whose expert weights are DTensors ``Shard(0)`` over mesh["ep"], sharded over
+mesh["dp"], while every other parameter is sharded over dp and ep flattened (torchtitan's layout:
+ep borrows its ranks from data parallelism, so the four ranks hold four slices of the batch) --
+with rf.fully_shard and with FSDP2 in the same launch, against one process on the global batch.
+Tokens reach their experts by all_to_all_single over the ep group and come back the same way.
+The parameters carry both placements, checkpoints move between the two and across dp sizes, and
+bad input is one clear error before any collective.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import raggedfsdp as rf
+from harness import error_message, run_distributed
+
+WORLD, DP, EP = 4, 2, 2
+DIM, HIDDEN, EXPERTS, TOP_K = 8, 16, 4, 2
+TOKENS = 6  # per rank: the global batch is WORLD * TOKENS
+IMPLS: dict[str, Callable[..., Any]] = {"rf": rf.fully_shard, "fsdp2": fsdp2_fully_shard}
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with autograd: backward sends the gradients back."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        in_splits, out_splits = ctx.splits
+        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """The experts this rank holds: the local tensor of an expert-parallel DTensor."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class Experts(nn.Module):
+    """``EXPERTS`` two-layer MLPs, their weights stacked ``[experts, in, out]`` (a DTensor
+    ``Shard(0)`` over ep holds ``EXPERTS / ep`` of them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(EXPERTS, DIM, HIDDEN) / DIM**0.5)
+        self.w2 = nn.Parameter(torch.randn(EXPERTS, HIDDEN, DIM) / HIDDEN**0.5)
+
+    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``tokens`` grouped by the local expert they go to, ``counts[e]`` of them for ``e``."""
+        w1, w2 = _local(self.w1), _local(self.w2)
+        chunks = tokens.split(counts)
+        return torch.cat([torch.relu(c @ w1[e]) @ w2[e] for e, c in enumerate(chunks)])
+
+
+class MoE(nn.Module):
+    """A router choosing ``TOP_K`` experts per token; with an ep group the tokens travel to the
+    rank holding their expert and back (torchtitan's token dispatch, by all_to_all_single)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = Experts()
+        self.ep_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.softmax(self.router(x), dim=-1).topk(TOP_K, dim=-1)
+        order = chosen.reshape(-1).argsort(stable=True)  # each token's TOP_K copies by expert
+        tokens = x.repeat_interleave(TOP_K, dim=0)[order]
+        counts = torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
+        out = self._dispatch(tokens, counts)[order.argsort()]
+        return (out.view(-1, TOP_K, DIM) * weights.unsqueeze(-1)).sum(1)
+
+    def _dispatch(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return self.experts(tokens, counts.tolist())
+        ep = dist.get_world_size(self.ep_group)
+        local = EXPERTS // ep
+        received = torch.empty_like(counts)  # [source rank, my expert]: how many tokens
+        dist.all_to_all_single(received, counts, group=self.ep_group)
+        grid = received.view(ep, local)
+        send, recv = counts.view(ep, local).sum(1).tolist(), grid.sum(1).tolist()
+        arrived = _AllToAll.apply(tokens, recv, send, self.ep_group)  # by source, then expert
+        pieces = arrived.split(grid.reshape(-1).tolist())
+        by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
+        done = self.experts(by_expert, grid.sum(0).tolist()).split(grid.t().reshape(-1).tolist())
+        back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
+        return _AllToAll.apply(back, send, recv, self.ep_group)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.moe = MoE()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.moe(self.norm(h))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.output = nn.Linear(DIM, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.output(h).pow(2).mean()
+
+
+def _place_experts(block: Block, ep_mesh: DeviceMesh, placement: Shard | None = None) -> None:
+    """The experts' weights as DTensors over ep, ``Shard(0)`` unless ``placement``: whole
+    experts per rank (torchtitan's ExpertParallel); the tokens travel over the ep group."""
+    experts = block.moe.experts
+    for name, param in list(experts.named_parameters()):
+        weight = distribute_tensor(param.detach(), ep_mesh, [placement or Shard(0)])
+        setattr(experts, name, nn.Parameter(weight))
+    block.moe.ep_group = ep_mesh.get_group()
+
+
+def _parallelize(impl: str, model: Net, meshes: tuple[Any, Any], divide: bool = True) -> Net:
+    """Expert parallelism over mesh["ep"], then FSDP: the experts over mesh["dp"], the rest over
+    dp and ep flattened (``dense``). ``divide``: the experts' gradients divided by every data
+    rank, as torchtitan sets it for FSDP2 (FSDP2 divides by the experts' own mesh otherwise;
+    raggedfsdp divides by all the data-parallel ranks either way)."""
+    mesh, dense = meshes
+    for block in model.blocks:
+        _place_experts(block, mesh["ep"])
+        experts = IMPLS[impl](block.moe.experts, mesh=mesh["dp"])
+        if divide:
+            experts.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM
+            experts.set_gradient_divide_factor(float(mesh.size()))
+        IMPLS[impl](block, mesh=dense)
+    IMPLS[impl](model, mesh=dense)
+    return model
+
+
+def _batches(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(TOKENS * WORLD, 6, generator=generator) for _ in range(steps)]
+
+
+def _train(
+    model: nn.Module, data_rank: int | None, clip: Callable[..., Any] | None = None
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Three AdamW steps; the full gradients of the first (before any clip) and the trained
+    parameters. ``data_rank``: this rank's slice of each global batch (None: all of it)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    grads: dict[str, torch.Tensor] = {}
+    for x in _batches(3):
+        mine = x if data_rank is None else x[data_rank * TOKENS : (data_rank + 1) * TOKENS]
+        model(mine).backward()
+        grads = grads or {n: _whole(p.grad) for n, p in model.named_parameters()}
+        if clip is not None:
+            clip(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    if data_rank is None:
+        return {"grads": grads, "trained": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {"grads": grads, "trained": _full(model)}
+
+
+def _whole(grad: torch.Tensor) -> torch.Tensor:
+    return (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+
+
+def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (DP, EP), mesh_dim_names=("dp", "ep"))
+    meshes = (mesh, mesh["dp", "ep"]._flatten("dp_ep"))
+    data_rank = meshes[1].get_local_rank()
+    torch.manual_seed(0)
+    base = Net()
+    out: dict[str, Any] = {
+        "reference": _train(copy.deepcopy(base), None),
+        "reference_clipped": _train(copy.deepcopy(base), None, torch.nn.utils.clip_grad_norm_),
+    }
+    models = {}
+    for impl in IMPLS:
+        models[impl] = _parallelize(impl, copy.deepcopy(base), meshes)
+        out[impl] = _train(models[impl], data_rank)
+        out[impl]["placements"] = _placements(models[impl])
+    default = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
+    out["rf_default_divide"] = _train(default, data_rank)
+    clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
+    out["rf_clipped"] = _train(clipped, data_rank, rf.clip_grad_norm_)
+    out["checkpoints"] = _checkpoints(base, meshes, models, data_rank, path)
+    out["errors"] = _errors(base, meshes)
+    return out
+
+
+def _placements(model: nn.Module) -> dict[str, Any]:
+    """The mesh dims and placements of an expert weight and of a dense one, and what the
+    experts' forward sees."""
+    expert, dense = model.blocks[0].moe.experts.w1, model.blocks[0].moe.router.weight
+    seen: list[Any] = []
+    handle = model.blocks[0].moe.experts.register_forward_pre_hook(
+        lambda m, args: seen.append((type(m.w1).__name__, [str(p) for p in m.w1.placements]))
+    )
+    with torch.no_grad():
+        model(torch.zeros(TOKENS, 6))
+    handle.remove()
+    return {
+        "expert": (expert.device_mesh.mesh_dim_names, [str(p) for p in expert.placements]),
+        "dense": (dense.device_mesh.mesh_dim_names, [str(p) for p in dense.placements]),
+        "expert_local_numel": expert.to_local().numel(),
+        "forward_sees": seen[0],
+    }
+
+
+def _checkpoints(
+    base: Net, meshes: tuple[Any, Any], models: dict[str, Net], data_rank: int, path: str
+) -> dict[str, Any]:
+    """A DCP checkpoint of raggedfsdp+EP trained at (dp=2, ep=2), loaded into FSDP2+EP at (2, 2)
+    and into raggedfsdp at (dp=1, ep=2) on ranks 0 and 1; and FSDP2's trained model saved and
+    loaded into raggedfsdp at (2, 2)."""
+    saved = os.path.join(path, "rf")
+    dcp.save(models["rf"].state_dict(), checkpoint_id=saved)
+    out = {"saved": _full(models["rf"]), "fsdp2_saved": _full(models["fsdp2"])}
+    torch.manual_seed(9)  # other values, which the loads must replace
+    other = Net()
+    out["into_fsdp2"] = _load(_parallelize("fsdp2", copy.deepcopy(other), meshes), saved)
+    from_fsdp2 = os.path.join(path, "fsdp2")
+    dcp.save(models["fsdp2"].state_dict(), checkpoint_id=from_fsdp2)
+    out["from_fsdp2"] = _load(_parallelize("rf", copy.deepcopy(other), meshes), from_fsdp2)
+    smaller = DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("dp", "ep"))
+    narrow = (smaller, smaller["dp", "ep"]._flatten("dp_ep"))  # new groups: on every rank
+    if smaller.get_coordinate() is not None:
+        model = _parallelize("rf", copy.deepcopy(other), narrow)
+        out["dp1"] = _load(model, saved, narrow[1].get_group())
+    return out
+
+
+def _load(model: nn.Module, path: str, group: Any = None) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path, process_group=group)
+    model.load_state_dict(state)
+    return _full(model)
+
+
+def _errors(base: Net, meshes: tuple[Any, Any]) -> dict[str, str]:
+    """Bad input, each one error naming the parameter before any collective."""
+    mesh, dense = meshes
+    x = torch.zeros(TOKENS, 6)
+    plain = copy.deepcopy(base)  # experts over mesh["dp"], but never placed over ep
+    for block in plain.blocks:
+        rf.fully_shard(block.moe.experts, mesh=mesh["dp"])
+        rf.fully_shard(block, mesh=dense)
+    rf.fully_shard(plain, mesh=dense)
+    flattened = copy.deepcopy(base.blocks[0])  # experts over ep and over a mesh holding ep
+    _place_experts(flattened, mesh["ep"])
+    columns = copy.deepcopy(base)  # the experts' columns, not whole experts, over ep
+    for block in columns.blocks:
+        _place_experts(block, mesh["ep"], Shard(2))
+        rf.fully_shard(block.moe.experts, mesh=mesh["dp"])
+    rf.fully_shard(columns, mesh=dense)
+    sharded = _parallelize("rf", copy.deepcopy(base), meshes)
+    experts = [p for n, p in sharded.named_parameters() if "experts" in n]
+    return {
+        "not_placed": error_message(lambda: plain(x)),
+        "flattened": error_message(lambda: rf.fully_shard(flattened.moe.experts, mesh=dense)),
+        "columns": error_message(lambda: columns(x)),
+        "short_mesh": _short_mesh(base, x),
+        "too_big": error_message(lambda: init_device_mesh("cpu", (DP, EP + 1))),
+        "muon": error_message(lambda: rf.optim.Muon(experts, lr=0.01)),
+    }
+
+
+def _short_mesh(base: Net, x: torch.Tensor) -> str:
+    """A (x=2, dp=1, ep=2) mesh: experts over dp x ep = 2 ranks, the rest over all 4."""
+    mesh = init_device_mesh("cpu", (2, 1, EP), mesh_dim_names=("x", "dp", "ep"))
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        _place_experts(block, mesh["ep"])
+        rf.fully_shard(block.moe.experts, mesh=mesh["dp"])
+    rf.fully_shard(model)
+    return error_message(lambda: model(x))
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("ep_dcp")))
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("impl", ["rf", "fsdp2", "rf_default_divide"])
+def test_dp_x_ep_computes_the_gradients_and_steps_of_one_process(grid, impl):
+    for rank in grid:
+        _close(rank[impl]["grads"], rank["reference"]["grads"])
+        _close(rank[impl]["trained"], rank["reference"]["trained"])
+
+
+def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):
+    for rank in grid:
+        placements = rank["rf"]["placements"]
+        assert placements["expert"] == (("dp", "ep"), ["RS", str(Shard(0))])
+        assert placements["dense"] == (("dp_ep",), ["RS"])
+        assert placements["forward_sees"] == ("DTensor", [str(Shard(0))])
+        assert rank["fsdp2"]["placements"]["expert"][0] == ("dp", "ep")
+    # dp pairs (0, 2) and (1, 3) split the experts their ep rank holds
+    pieces = [rank["rf"]["placements"]["expert_local_numel"] for rank in grid]
+    assert pieces[0] + pieces[2] == pieces[1] + pieces[3] == EXPERTS // EP * DIM * HIDDEN
+
+
+def test_clip_reduces_the_norm_over_both_meshes(grid):
+    for rank in grid:
+        _close(rank["rf_clipped"]["trained"], rank["reference_clipped"]["trained"])
+
+
+def test_checkpoint_moves_between_fsdp2_and_across_dp_sizes(grid):
+    for rank, result in enumerate(grid):
+        checkpoints = result["checkpoints"]
+        _close(checkpoints["into_fsdp2"], checkpoints["saved"])
+        _close(checkpoints["from_fsdp2"], checkpoints["fsdp2_saved"])
+        if rank < 2:
+            _close(checkpoints["dp1"], checkpoints["saved"])
+
+
+def test_bad_input_is_one_clear_error(grid):
+    for rank in grid:
+        errors = rank["errors"]
+        assert (
+            "parameter 'blocks.0.moe.experts.w1' is sharded over mesh ('dp',)"
+            in (errors["not_placed"])
+        )
+        assert "combine the data of 2 ranks" in errors["not_placed"]
+        assert "'w1'" in errors["flattened"] and "also data-parallel ranks" in errors["flattened"]
+        assert "'blocks.0.moe.experts.w1' of shape [4, 8, 16]" in errors["columns"]
+        assert "whole experts" in errors["columns"]
+        assert "data-parallel ranks under this root are 4" in errors["short_mesh"]
+        assert "Mesh should not be bigger than default world size" in errors["too_big"]
+        assert "split by tensor or expert parallelism" in errors["muon"]
