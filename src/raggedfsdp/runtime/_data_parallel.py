@@ -49,10 +49,10 @@ def data_parallel_ranks(units: list[tuple[list[str], FSDPParamGroup]]) -> int:
     world = frozenset().union(*ranks)
     widest = units[max(range(len(units)), key=lambda i: len(ranks[i]))]
     for (paths, group), unit_ranks in zip(units, ranks, strict=True):
+        where = _Where(paths, group, widest, len(world))
         for param in group.params:
             if not param.sharded.requires_grad:
                 continue
-            where = _Where(paths, group, widest, len(world))
             covered, split = _covered(param, len(unit_ranks), world, where)
             if covered != len(world):
                 raise ValueError(where.message(param, split, covered))
@@ -95,6 +95,7 @@ class _Where:
 
     @property
     def unit(self) -> str:
+        """The unit, as errors name it."""
         return f"the unit at {self.paths[0] or '<root>'!r}"
 
     def message(self, param: FSDPParam, split: list[str], covered: int) -> str:
