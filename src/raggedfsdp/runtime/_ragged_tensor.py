@@ -246,13 +246,18 @@ class RaggedTensor(DTensor):
 
     def __create_write_items__(self, fqn: str, object: object) -> list[WriteItem]:
         """One DCP write item per rectangle of this rank (none when the piece is empty)."""
+        # The properties of the full tensor, as a one-process save writes them: torch >= 2.15
+        # records strides, the contiguous ones here (as FSDP2's dim-0 shards have).
+        properties = TensorProperties.create_from_tensor(
+            torch.empty(self.shape, dtype=self.dtype, device="meta")
+        )
         return [
             WriteItem(
                 index=MetadataIndex(fqn, offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
                     chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.shape),
-                    properties=TensorProperties(dtype=self.dtype),
+                    properties=properties,
                     size=self.shape,
                 ),
             )
