@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import raggedfsdp as rf
 from harness import error_message, run_distributed
+from optim_grid import set_whole_grads
 
 WORLD, DP, EP = 4, 2, 2
 DIM, HIDDEN, EXPERTS, TOP_K = 8, 16, 4, 2
@@ -211,7 +212,27 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
     out["rf_clipped"] = _train(clipped, data_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, meshes, models, data_rank, path)
+    out["muon"] = _muon(base, meshes)
     out["errors"] = _errors(base, meshes)
+    return out
+
+
+def _muon(base: Net, meshes: tuple[Any, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """Two steps of raggedfsdp's Muon (each expert a matrix of its own; 1-D parameters to the
+    auxiliary AdamW) given the same whole gradients, on the dp x ep model and on one device."""
+    generator = torch.Generator().manual_seed(5)
+    named = dict(base.named_parameters())
+    grads = [{n: torch.randn(p.shape, generator=generator) for n, p in named.items()}] * 2
+    out = {}
+    for kind in ("rf", "reference"):
+        model = copy.deepcopy(base)
+        if kind == "rf":
+            model = _parallelize("rf", model, meshes, divide=False)
+        optimizer = rf.optim.Muon(model.named_parameters(), adamw_params=lambda p, s: len(s) < 2)
+        for step in grads:
+            set_whole_grads(model, step)
+            optimizer.step()
+        out[kind] = _full(model) if kind == "rf" else dict(model.state_dict())
     return out
 
 
@@ -288,7 +309,10 @@ def _errors(base: Net, meshes: tuple[Any, Any]) -> dict[str, str]:
         "columns": error_message(lambda: columns(x)),
         "short_mesh": _short_mesh(base, x),
         "too_big": error_message(lambda: init_device_mesh("cpu", (DP, EP + 1))),
-        "muon": error_message(lambda: rf.optim.Muon(experts, lr=0.01)),
+        "shampoo": error_message(lambda: rf.optim.Shampoo(experts, lr=0.01)),
+        "muon_columns": error_message(
+            lambda: rf.optim.Muon([(n, p) for n, p in columns.named_parameters() if "experts" in n])
+        ),
     }
 
 
@@ -364,4 +388,16 @@ def test_bad_input_is_one_clear_error(grid):
         assert "whole experts" in errors["columns"]
         assert "data-parallel ranks under this root are 4" in errors["short_mesh"]
         assert "Mesh should not be bigger than default world size" in errors["too_big"]
-        assert "split by tensor or expert parallelism" in errors["muon"]
+        assert "split by tensor or expert parallelism" in errors["shampoo"]
+        assert "'blocks.0.moe.experts.w1' (global shape [4, 8, 16])" in errors["muon_columns"]
+        assert "a stack of matrices split inside each matrix" in errors["muon_columns"]
+
+
+def test_muon_on_experts_is_one_devices_muon(grid):
+    """Expert parallelism keeps each expert's matrix whole: the same whole gradients give
+    bitwise the numbers of one device."""
+    for rank in grid:
+        muon = rank["muon"]
+        assert muon["rf"].keys() == muon["reference"].keys()
+        for key, value in muon["reference"].items():
+            assert torch.equal(muon["rf"][key], value), key

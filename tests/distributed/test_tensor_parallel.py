@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 import raggedfsdp as rf
 from harness import error_message, run_distributed
+from optim_grid import set_whole_grads
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -59,12 +60,16 @@ class Net(nn.Module):
 
 def _parallelize(impl: str, model: Net, mesh: Any) -> Net:
     """torchtitan's order: tensor parallelism over mesh["tp"], then FSDP over mesh["dp"]."""
-    for block in model.blocks:
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    _tensor_parallel(model, mesh)
     for block in model.blocks:
         IMPLS[impl](block, mesh=mesh["dp"])
     IMPLS[impl](model, mesh=mesh["dp"])
     return model
+
+
+def _tensor_parallel(model: Net, mesh: Any) -> None:
+    for block in model.blocks:
+        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
 
 
 def _batches(steps: int) -> list[torch.Tensor]:
@@ -111,7 +116,44 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     clipped = _parallelize("rf", copy.deepcopy(base), mesh)
     out["rf"]["clipped"] = _train(clipped, dp_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, mesh, dp_rank, path)
+    out["muon"] = _muon(base, mesh)
     out["errors"] = _errors(base, mesh)
+    return out
+
+
+def _muon(base: Net, mesh: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Two steps of raggedfsdp's Muon (1-D parameters to its auxiliary AdamW) given the same
+    whole gradients: on the dp x tp model, on the TP model without FSDP, and -- the negative
+    control -- with each tensor-parallel slice orthogonalised alone; beside torch's Muon and
+    AdamW on one device."""
+    generator = torch.Generator().manual_seed(5)
+    named = dict(base.named_parameters())
+    grads = [{n: torch.randn(p.shape, generator=generator) for n, p in named.items()}] * 2
+    out = {}
+    for kind in ("rf", "tp_only", "slices"):
+        model = copy.deepcopy(base)
+        if kind == "tp_only":
+            _tensor_parallel(model, mesh)
+        else:
+            model = _parallelize("rf", model, mesh)
+        optimizer = rf.optim.Muon(model.named_parameters(), adamw_params=lambda p, s: len(s) != 2)
+        if kind == "slices":
+            optimizer._splits = dict.fromkeys(optimizer._splits)  # forgets the TP splits
+        for step in grads:
+            set_whole_grads(model, step)
+            optimizer.step()
+        out[kind] = _full(model)
+    reference = copy.deepcopy(base)
+    matrices = [p for p in reference.parameters() if p.dim() == 2]
+    others = [p for p in reference.parameters() if p.dim() != 2]
+    adamw = torch.optim.AdamW(others, lr=3e-4, weight_decay=0.01)  # Muon's auxiliary AdamW
+    optimizers = [torch.optim.Muon(matrices), adamw]
+    for step in grads:
+        for name, p in reference.named_parameters():
+            p.grad = step[name].clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    out["reference"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     return out
 
 
@@ -125,8 +167,11 @@ def _errors(base: Net, mesh: Any) -> dict[str, str]:
     parallelize_module(same, mesh["tp"], {"up": ColwiseParallel()})
     sharded = _parallelize("rf", copy.deepcopy(base), mesh)
     matrices = [p for p in sharded.parameters() if p.dim() == 2]
+    uneven = nn.Linear(8, 5)  # 5 rows over 2 tensor-parallel ranks
+    parallelize_module(uneven, mesh["tp"], ColwiseParallel())
     return {
-        "muon": error_message(lambda: rf.optim.Muon(matrices, lr=0.01)),
+        "shampoo": error_message(lambda: rf.optim.Shampoo(matrices, lr=0.01)),
+        "muon_uneven": error_message(lambda: rf.optim.Muon([uneven.weight], lr=0.01)),
         "tile_cut": error_message(
             lambda: rf.fully_shard(block, mesh=mesh["dp"], shard_policy=tiles)
         ),
@@ -206,4 +251,20 @@ def test_bad_input_is_one_clear_error(grid):
     )
     assert "inside a block" in errors["tile_cut"]
     assert "no dim in common" in errors["same_dims"]
-    assert "split by tensor or expert parallelism" in errors["muon"]  # not silently wrong
+    assert "split by tensor or expert parallelism" in errors["shampoo"]  # not silently wrong
+    assert "global shape [5, 8]" in errors["muon_uneven"]
+    assert "unevenly (5 is not a multiple of 2)" in errors["muon_uneven"]
+
+
+def test_muon_orthogonalises_whole_matrices_as_one_device(grid):
+    """The same whole gradients: bitwise torch's Muon and AdamW on one device, with FSDP over
+    dp and without; orthogonalising each tensor-parallel slice alone is not."""
+    for rank in grid:
+        muon = rank["muon"]
+        for kind in ("rf", "tp_only"):
+            assert muon[kind].keys() == muon["reference"].keys()
+            for key, value in muon["reference"].items():
+                assert torch.equal(muon[kind][key], value), (kind, key)
+        for key in ("blocks.0.up.weight", "blocks.1.down.weight"):  # split by rows, by columns
+            moved = (muon["slices"][key] - muon["reference"][key]).abs().max()
+            assert moved > 1e-4, key

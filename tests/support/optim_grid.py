@@ -1,6 +1,7 @@
 """What the optimizer tests share: the world sizes of their grid (run by
 :func:`harness.run_world_grid`), sharded parameters on random layouts, stepping them beside their
-single-device twins, and the state dict round trip."""
+single-device twins, the state dict round trip, and gradients given to the parameters of a
+sharded model from whole tensors."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from harness import Group
-from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
+from raggedfsdp.layout import ShardInfo, ShardLayout, local_range, mark_sharded
 
 # One launch of max(WORLDS) ranks runs each optimizer's grid for all of them.
 WORLDS = (1, 2, 3, 4)
@@ -84,3 +86,20 @@ def state_dict_round_trip(
     opt.step()
     resumed.step()
     return state, torch.equal(params[0], params[1])
+
+
+def set_whole_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Give each parameter of the sharded ``model`` this rank's piece of ``grads[name]`` (whole
+    gradients, the same on every rank): its tensor- or expert-parallel slice (``Shard``
+    placements, split as DTensor splits), then its ragged range of that slice."""
+    for name, param in model.named_parameters():
+        whole = grads[name]
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            for dim, placement in enumerate(param.placements):
+                if isinstance(placement, Shard):
+                    whole = whole.chunk(mesh.size(dim), placement.dim)[mesh.get_local_rank(dim)]
+        start, end = local_range(param)
+        param.grad = torch.zeros_like(param)
+        local = param.grad.to_local() if isinstance(param, DTensor) else param.grad
+        local.view(-1).copy_(whole.reshape(-1)[start:end])

@@ -33,6 +33,7 @@ __all__ = [
     "advance_steps",
     "check_block_cuts",
     "comm_group",
+    "full_shape",
     "global_shape",
     "local",
     "local_range",
@@ -49,6 +50,12 @@ class Pieces(NamedTuple):
     param: torch.Tensor
     grad: torch.Tensor
     state: dict[str, Any]  # the state's entries, tensors as their local pieces
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The whole parameter's shape: a DTensor's own (beyond what tensor or expert parallelism
+    splits, unlike the layout's), else the layout's global shape."""
+    return param.shape if isinstance(param, DTensor) else global_shape(param)
 
 
 def check_block_cuts(label: str, layout: ShardLayout, stride: int, block: str, fix: str) -> None:
@@ -113,15 +120,19 @@ class ShardedOptimizer(Optimizer):
                 raise ValueError(f"param group {group_index}: {name} must be >= 0, got {value}")
         for index, param in enumerate(group["params"]):
             if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
-                # Its local tensor is a slice of the matrix (or of the stack of experts): a
-                # whole-matrix update (Newton-Schulz, Shampoo's factors, 8-bit blocks laid on
-                # the whole tensor) computed on it would be silently wrong.
-                raise ValueError(
-                    f"{type(self).__name__}: {self.param_label(group, index, group_index)} is "
-                    f"split by tensor or expert parallelism ({param.placements}); raggedfsdp's "
-                    f"optimizers need each matrix whole on the data-parallel ranks so far: use "
-                    f"torch.optim (AdamW, SGD) for it, or shard it without tensor parallelism"
-                )
+                self._check_split(param, self.param_label(group, index, group_index), group)
+
+    def _check_split(self, param: DTensor, label: str, group: dict[str, Any]) -> None:
+        """Refuse ``param``, split by tensor or expert parallelism: its local tensor is a slice
+        of the matrix (or of the stack of experts), and a whole-matrix update (Shampoo's
+        factors, 8-bit blocks laid on the whole tensor) computed on it would be silently wrong.
+        An optimizer that computes such parameters exactly overrides this."""
+        raise ValueError(
+            f"{type(self).__name__}: {label} is split by tensor or expert parallelism "
+            f"({param.placements}); this optimizer needs each matrix whole on the data-parallel "
+            f"ranks: use raggedfsdp's Muon or torch.optim (AdamW, SGD) for it, or shard it "
+            f"without tensor parallelism"
+        )
 
     @staticmethod
     def param_label(group: dict[str, Any], index: int, group_index: int) -> str:
@@ -134,7 +145,7 @@ class ShardedOptimizer(Optimizer):
             if names
             else f"parameter {index} of param group {group_index}"
         )
-        return f"{where} (global shape {list(global_shape(param))})"
+        return f"{where} (global shape {list(full_shape(param))})"
 
     def _label_of(self, param: torch.Tensor) -> str:
         for group_index, group in enumerate(self.param_groups):

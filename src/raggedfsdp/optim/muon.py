@@ -14,6 +14,11 @@ the update by 29–120% (REFERENCES.md). So each step, per process group:
 4. a second ``all_to_all_single`` (the first one reversed) scatters the results back, and each
    rank applies weight decay and the update to its pieces, elementwise.
 
+Beside tensor parallelism, the matrix of step 2 is this rank's tensor-parallel slice; the owner
+gathers the slices over the tensor-parallel group before step 3 and keeps its own slice of the
+result (``_tensor_split.py``). Expert parallelism splits a stack between its matrices: nothing to
+gather.
+
 A matrix held whole by one rank is owned by that rank and never moves; when no matrix of a group
 is split, the exchange is skipped. Both collectives are asynchronous: the owner orthogonalises its
 local matrices while the gather is in flight and applies its own results while the scatter is.
@@ -26,28 +31,21 @@ AdamW inside the same optimizer: param groups with ``use_muon=False``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from ..layout import shard_info
-from ._common import (
-    ShardedOptimizer,
-    check_betas,
-    comm_group,
-    global_shape,
-    local,
-    local_range,
-)
+from ._common import ShardedOptimizer, comm_group, full_shape, global_shape, local, local_range
+from ._muon_args import AdamWRule, check_muon_args, route
+from ._tensor_split import TensorSplit, tensor_split
 
 __all__ = ["Muon", "newton_schulz_cost", "plan_owners"]
-
-#: Selects which parameters go to the auxiliary AdamW: called as ``fn(param, global_shape)``.
-AdamWRule = Callable[[torch.Tensor, torch.Size], bool]
 
 
 def newton_schulz_cost(rows: int, cols: int) -> int:
@@ -212,6 +210,7 @@ class _Pending:
     group: dict[str, Any]
     update: torch.Tensor  # 1-D local Newton–Schulz input (momentum, Nesterov-mixed)
     start: int  # the local piece's first element in the parameter's flattening
+    split: TensorSplit | None  # how tensor parallelism splits its matrix, if it does
 
 
 class Muon(ShardedOptimizer):
@@ -262,7 +261,7 @@ class Muon(ShardedOptimizer):
         adamw_weight_decay: float = 0.01,
         skip_nonfinite: bool = True,
     ) -> None:
-        _check_muon_args(momentum, ns_coefficients, ns_steps, adjust_lr_fn, ns_dtype, adamw_betas)
+        check_muon_args(momentum, ns_coefficients, ns_steps, adjust_lr_fn, ns_dtype, adamw_betas)
         self.ns_dtype = ns_dtype
         # Filled into use_muon=False groups by add_param_group (so "eps" there is AdamW's, not
         # Newton–Schulz's).
@@ -276,6 +275,8 @@ class Muon(ShardedOptimizer):
         self.comm_stats: dict[str, int] = {"bytes_sent": 0, "bytes_received": 0, "exchanges": 0}
         # Plans per bucket of parameters, keyed by the parameters' ids: layouts never change.
         self._plans: dict[tuple[int, ...], _Exchange] = {}
+        # Parameters that tensor parallelism splits (checked as their groups are added).
+        self._splits: dict[torch.Tensor, TensorSplit | None] = {}
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -287,7 +288,7 @@ class Muon(ShardedOptimizer):
             "adjust_lr_fn": adjust_lr_fn,
             "use_muon": True,
         }
-        super().__init__(_route(params, adamw_params), defaults, skip_nonfinite=skip_nonfinite)
+        super().__init__(route(params, adamw_params), defaults, skip_nonfinite=skip_nonfinite)
 
     @property
     def comm_bytes_last_step(self) -> int:
@@ -301,6 +302,12 @@ class Muon(ShardedOptimizer):
             for key, value in self._adamw_defaults.items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
+
+    def _check_split(self, param: DTensor, label: str, group: dict[str, Any]) -> None:
+        """Accept a parameter split by tensor or expert parallelism: the auxiliary AdamW is
+        elementwise, and Muon gathers what tensor parallelism splits (or refuses it)."""
+        if group["use_muon"]:
+            self._splits[param] = tensor_split(param, label)
 
     def _check_group(self, group: dict[str, Any], group_index: int) -> None:
         """The base checks, and every parameter of a Muon group a matrix or matrix stack."""
@@ -332,7 +339,8 @@ class Muon(ShardedOptimizer):
                 buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
                 pg = comm_group(p)
-                pending = _Pending(p, piece, group, update.reshape(-1), local_range(p)[0])
+                start, split = local_range(p)[0], self._splits.get(p)
+                pending = _Pending(p, piece, group, update.reshape(-1), start, split)
                 buckets.setdefault(id(pg), (pg, []))[1].append(pending)
         self.comm_stats = {"bytes_sent": 0, "bytes_received": 0, "exchanges": 0}
         for pg, pending in buckets.values():
@@ -350,11 +358,11 @@ class Muon(ShardedOptimizer):
         if plan is None:
             if pg is None:
                 world, me = 1, 0
-                ranges = [((0, math.prod(global_shape(i.param))),) for i in pending]
+                ranges = [((0, math.prod(_slice_shape(i.param))),) for i in pending]
             else:
                 world, me = dist.get_world_size(pg), dist.get_rank(pg)
                 ranges = [shard_info(i.param).layout.ranges for i in pending]  # type: ignore[union-attr]
-            shapes = [global_shape(i.param) for i in pending]
+            shapes = [_slice_shape(i.param) for i in pending]
             plan = self._plans[key] = _plan_bucket(shapes, ranges, world, me)
         return plan
 
@@ -517,76 +525,25 @@ def _scatter_and_apply(
 
 def _orthogonalize(m: _Matrix, ns_input: torch.Tensor, pending: list[_Pending]) -> torch.Tensor:
     """The flat Newton–Schulz result of matrix ``m`` from its whole flat input (consumed)."""
-    group = pending[m.item].group
-    out = _newton_schulz(
-        ns_input.view(m.rows, m.cols), group["ns_coefficients"], group["ns_steps"], group["eps"]
-    )
-    return out.reshape(-1)
+    group, split = pending[m.item].group, pending[m.item].split
+    matrix = ns_input.view(m.rows, m.cols)
+    if split is not None:
+        matrix = split.gather(matrix)
+    out = _newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+    return (out if split is None else split.own(out)).reshape(-1)
+
+
+def _slice_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of what data parallelism shards of ``param``: its tensor-parallel slice (the
+    whole parameter without tensor parallelism)."""
+    info = shard_info(param)
+    return local(param).shape if info is None else info.layout.global_shape
 
 
 def _apply(item: _Pending, update: torch.Tensor) -> None:
     """torch.optim.Muon's last two lines on the local piece (shape scale from the global shape)."""
     group, piece = item.group, item.piece
-    shape = global_shape(item.param)
+    shape = full_shape(item.param)
     adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape[-2:]))
     piece.mul_(1 - group["lr"] * group["weight_decay"])
     piece.add_(update.view(piece.shape), alpha=-adjusted_lr)
-
-
-def _check_muon_args(
-    momentum: float,
-    ns_coefficients: tuple[float, float, float],
-    ns_steps: int,
-    adjust_lr_fn: str | None,
-    ns_dtype: torch.dtype,
-    adamw_betas: tuple[float, float],
-) -> None:
-    """``ValueError`` unless :class:`Muon`'s own arguments are valid (``lr`` and
-    ``weight_decay`` are checked per param group)."""
-    if not momentum >= 0.0:
-        raise ValueError(f"momentum must be >= 0, got {momentum}")
-    if len(tuple(ns_coefficients)) != 3:
-        raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {ns_coefficients}")
-    if not 0 <= ns_steps < 100:
-        raise ValueError(f"ns_steps must be in [0, 100), got {ns_steps}")
-    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-        raise ValueError(
-            f"adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}"
-        )
-    if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-        raise ValueError(f"ns_dtype must be a floating-point torch.dtype, got {ns_dtype!r}")
-    check_betas(adamw_betas, "adamw_betas")
-
-
-def _route(params: Any, adamw_params: Iterable[Any] | AdamWRule | None) -> list[dict[str, Any]]:
-    """Param groups with the auxiliary AdamW's parameters in ``use_muon=False`` groups."""
-    groups = [params] if isinstance(params, torch.Tensor) else list(params)
-    if not groups:
-        raise ValueError("Muon got an empty parameter list")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    groups = [dict(g) for g in groups]
-    if adamw_params is None:
-        return groups
-    if callable(adamw_params):
-        routed: list[dict[str, Any]] = []
-        for group in groups:
-            if not group.get("use_muon", True):
-                routed.append(group)
-                continue
-            items = group["params"]
-            items = [items] if isinstance(items, torch.Tensor) else list(items)
-
-            def to_adamw(item: Any) -> bool:
-                p = item[1] if isinstance(item, tuple) else item
-                return bool(adamw_params(p, global_shape(p)))  # type: ignore[operator]
-
-            muon_items = [x for x in items if not to_adamw(x)]
-            adamw_items = [x for x in items if to_adamw(x)]
-            if muon_items:
-                routed.append({**group, "params": muon_items})
-            if adamw_items:
-                routed.append({"params": adamw_items, "use_muon": False})
-        return routed
-    extra = [adamw_params] if isinstance(adamw_params, torch.Tensor) else list(adamw_params)
-    return [*groups, {"params": extra, "use_muon": False}] if extra else groups
