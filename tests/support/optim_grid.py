@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from harness import Group
-from raggedfsdp.layout import ShardInfo, ShardLayout, local_range, mark_sharded
+from raggedfsdp.layout import ShardInfo, ShardLayout, local_piece, local_range, mark_sharded
 
 # One launch of max(WORLDS) ranks runs each optimizer's grid for all of them.
 WORLDS = (1, 2, 3, 4)
@@ -101,5 +101,4 @@ def set_whole_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
                     whole = whole.chunk(mesh.size(dim), placement.dim)[mesh.get_local_rank(dim)]
         start, end = local_range(param)
         param.grad = torch.zeros_like(param)
-        local = param.grad.to_local() if isinstance(param, DTensor) else param.grad
-        local.view(-1).copy_(whole.reshape(-1)[start:end])
+        local_piece(param.grad).view(-1).copy_(whole.reshape(-1)[start:end])

@@ -80,12 +80,12 @@ def tensor_split(param: torch.Tensor, label: str) -> TensorSplit | None:
             f"Muon: {label} is a stack of matrices split inside each matrix ({placement}); "
             f"Muon orthogonalises each matrix whole: split a stack by Shard(0) only"
         )
-    size = param.device_mesh.size(mesh_dim)
+    mesh = param.device_mesh
+    size = mesh.size(mesh_dim)
     if param.shape[dim] % size:
         raise ValueError(
             f"Muon: {label} is split by {placement} over {size} ranks, unevenly "
             f"({param.shape[dim]} is not a multiple of {size}); Muon needs equal slices to "
             f"gather the matrix"
         )
-    mesh = param.device_mesh
     return TensorSplit(dim, mesh.get_group(mesh_dim), size, mesh.get_local_rank(mesh_dim))
