@@ -97,7 +97,7 @@ def test_missing_report_extras_cost_one_line_each(plain_install: dict) -> None:
     [
         (["--comm-timeout-s=inf"], "comm_timeout_s: must be a finite number of seconds, got inf"),
         (["--seed=100000000000000000000000"], "seed: must be in [0, 2**63)"),
-        (["--block-size=7x3"], "block_size 7x3: parameter 'blocks.0.attn.qkv.weight'"),
+        (["--block-size=7x3"], "block_size 7x3: parameter 'blocks.0.attn.q_proj.weight'"),
         (["--seq-len=64", "--data=DATA"], "the train split of DATA has 38 bytes, fewer than"),
     ],
     ids=["timeout", "seed", "block", "corpus"],

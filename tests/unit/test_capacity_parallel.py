@@ -216,7 +216,7 @@ def test_tp_and_ep_bytes_by_hand():
 
 
 def test_gpt_tiny_dp_bytes_at_tp2_by_hand():
-    """W=4, tp=2: each rank holds per block 4 LayerNorm vectors [64], qkv [96,64], attn.proj
+    """W=4, tp=2: each rank holds per block 4 LayerNorm vectors [64], q k v 3x[32,64], attn.proj
     [64,32], fc [128,64], mlp.proj [64,128] = 24,832 elements; the root tok_emb [128,64],
     pos_emb [64,64] (whole), ln_f 2x[64] = 12,416. Over dp=2: S 12,416 and 6,208."""
     module = build_model("gpt-tiny")

@@ -64,12 +64,12 @@ def test_json_has_one_object_per_world_size(capsys: pytest.CaptureFixture[str]) 
 def test_gpt_tiny_figures_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     """gpt-tiny (d=64, 2 layers, vocab 256, 64 positions, tied head) at W=3, element granularity.
 
-    Per block: 4 LayerNorm vectors [64], qkv [192,64], attn.proj [64,64], fc [256,64],
+    Per block: 4 LayerNorm vectors [64], q k v 3x[64,64], attn.proj [64,64], fc [256,64],
     mlp.proj [64,256] = 49,408 elements; root: tok_emb [256,64], pos_emb [64,64], ln_f 2x[64]
     = 20,608.
     """
     (r,) = run_json(capsys, "--world", "3")
-    block, root = 4 * 64 + 192 * 64 + 64 * 64 + 256 * 64 + 64 * 256, 256 * 64 + 64 * 64 + 2 * 64
+    block, root = 4 * 64 + 3 * 64 * 64 + 64 * 64 + 256 * 64 + 64 * 256, 256 * 64 + 64 * 64 + 2 * 64
     assert (block, root) == (49408, 20608)
     assert r["param_numel"] == 2 * block + root
     assert r["param_numel"] == sum(p.numel() for p in build_model("gpt-tiny").parameters())
@@ -79,11 +79,11 @@ def test_gpt_tiny_figures_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     assert r["rank_numel"] == 2 * 16472 + 6872
     assert r["padding_numel"] == 2 * (3 * 16472 - block) + (3 * 6872 - root) == 24
 
-    # FSDP2 pads dim 0 to ceil(dim0/3)*3 rows: 64 -> 66 (+2 rows), 256 -> 258 (+2), 192 -> 192.
-    per_block = 4 * 2 + 2 * 64 + 2 * 64 + 2 * 256  # norms, attn.proj, fc, mlp.proj
+    # FSDP2 pads dim 0 to ceil(dim0/3)*3 rows: 64 -> 66 (+2 rows), 256 -> 258 (+2).
+    per_block = 4 * 2 + 4 * 2 * 64 + 2 * 64 + 2 * 256  # norms, q k v attn.proj, fc, mlp.proj
     per_root = 2 * 64 + 2 * 64 + 2 * 2  # tok_emb, pos_emb, ln_f weight and bias
-    assert r["fsdp2_padding_numel"] == 2 * per_block + per_root == 1812
-    assert r["fsdp2_padding_ratio"] == pytest.approx(1812 / r["param_numel"])
+    assert r["fsdp2_padding_numel"] == 2 * per_block + per_root == 2580
+    assert r["fsdp2_padding_ratio"] == pytest.approx(2580 / r["param_numel"])
 
     # FSDP1 pads each unit's flat parameter to a multiple of 3: +2 (49,410) per block, +2 root.
     assert r["fsdp1_padding_numel"] == 6
@@ -92,11 +92,11 @@ def test_gpt_tiny_figures_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cut_blocks_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
     """32-row blocks at W=3: FSDP2 gives ceil(dim0/3) rows per rank. Edges at 86 and 172 rows of
     256 (tok_emb, fc) and at 22 and 44 of 64 (pos_emb, projections, norms of 32-element blocks)
-    each fall inside a different block: 2 cuts per parameter; qkv's 64-row chunks cut nothing."""
+    each fall inside a different block: 2 cuts per parameter."""
     (r,) = run_json(capsys, "--world", "3", "--block-size", "32")
-    per_block = 2 * (4 + 3)  # four norms, attn.proj, fc, mlp.proj
+    per_block = 2 * (4 + 6)  # four norms, q k v, attn.proj, fc, mlp.proj
     per_root = 2 * 4  # tok_emb, pos_emb, ln_f weight and bias
-    assert r["fsdp2_cut_blocks"] == 2 * per_block + per_root == 36
+    assert r["fsdp2_cut_blocks"] == 2 * per_block + per_root == 48
     assert r["worst_bound_ratio"] >= 1.0 and r["block_size"] == 32
 
 

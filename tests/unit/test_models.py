@@ -79,7 +79,7 @@ def test_init_statistics() -> None:
     model = GPT(cfg)
     assert torch.equal(model.ln_f.weight, torch.ones(cfg.d_model))
     assert torch.equal(model.blocks[0].ln1.bias, torch.zeros(cfg.d_model))
-    assert abs(model.blocks[0].attn.qkv.weight.std().item() - 0.02) < 2e-3
+    assert abs(model.blocks[0].attn.q_proj.weight.std().item() - 0.02) < 2e-3
     resid = 0.02 / math.sqrt(2 * cfg.n_layer)
     assert abs(model.blocks[0].mlp.proj.weight.std().item() - resid) < 1e-3
 

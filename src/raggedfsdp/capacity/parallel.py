@@ -6,7 +6,7 @@ The split follows torchtitan's plans (``models/llama3/infra/parallelize.py``,
 
 - **column-parallel** (``ColwiseParallel``: ``Shard(0)`` of a ``[out, in]`` weight, and of its
   bias): the attention's query, key and value projections (``wq wk wv``, DeepSeek's ``wq_b
-  wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, GPT's fused ``qkv``), the
+  wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, as GPT's), the
   feed-forward's ``w1 w3`` (``gate_proj up_proj``, GPT's ``fc``) and the output head
   (vocabulary-parallel, with loss parallelism);
 - **row-parallel** (``RowwiseParallel``: ``Shard(1)``, the bias replicated): ``wo w2``
@@ -57,7 +57,7 @@ __all__ = [
 #: ``ColwiseParallel``, by the name of the module that holds them.
 COLWISE = frozenset(
     {
-        *("wq", "wk", "wv", "wq_b", "wkv_b", "qkv"),
+        *("wq", "wk", "wv", "wq_b", "wkv_b"),
         *("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"),
         *("w1", "w3", "fc", "gate_proj", "up_proj"),
         *("output", "head", "lm_head"),

@@ -15,9 +15,10 @@ Pure Python over parameter shapes (models on the meta device). The rules, stated
 - **activations** kept per token by a block (no activation checkpointing, flash attention, no
   dropout): ``sum over its matrices of (in + out)`` elements, each projection's input and output
   (an output projection's output standing for the residual sum it is added into). For the plain
-  GPT block that is ``16 d``, exactly what it keeps: ``ln1`` (d), ``qkv`` (3d), the attention
-  output (d), the residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum
-  (d); per-token statistics (LayerNorm mean and rstd, the attention's log-sum-exp: under 0.5% of
+  GPT block that is ``18 d`` where it keeps ``16 d``: ``ln1`` (d, counted as the input of each
+  of ``q_proj k_proj v_proj``, so three times), ``q k v`` (3d), the attention output (d), the
+  residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum (d): projections
+  that share an input over-count it, on the safe side; per-token statistics (LayerNorm mean and rstd, the attention's log-sum-exp: under 0.5% of
   the total) are left out. With activation checkpointing a block keeps only its input, ``d`` per
   token, and recomputes the rest in its backward.
 - **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul

@@ -104,7 +104,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
 _RESIDUAL_RE = re.compile(r"(?:^|\.)blocks\.\d+\.(?:attn|mlp)\.proj\.weight$")
 _NORMAL_RE = re.compile(
     r"(?:^|\.)(?:tok_emb\.weight|pos_emb\.weight|head\.weight"
-    r"|blocks\.\d+\.attn\.qkv\.weight|blocks\.\d+\.mlp\.fc\.weight)$"
+    r"|blocks\.\d+\.attn\.[qkv]_proj\.weight|blocks\.\d+\.mlp\.fc\.weight)$"
 )
 _NORM_RE = re.compile(r"(?:^|\.)(?:ln_f|blocks\.\d+\.ln[12])\.(?P<kind>weight|bias)$")
 
@@ -147,21 +147,29 @@ def init_parameter_(
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused QKV projection."""
+    """Multi-head causal self-attention. Queries, keys and values have projections of their own
+    (not one fused ``qkv``): tensor parallelism splits each by whole heads (``ColwiseParallel``
+    gives a rank a contiguous run of rows, which in a fused matrix would mix queries with keys),
+    and Muon orthogonalises each as the matrix it is. ``forward`` reads the head count from the
+    width it gets, so a rank holding ``n_head / tp`` heads runs the same code."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.head_dim = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=-1)
+        batch, seq, _ = x.shape
         # [B, T, C] -> [B, H, T, C/H], the layout scaled_dot_product_attention expects.
-        q, k, v = (t.view(batch, seq, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (
+            p(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class MLP(nn.Module):
