@@ -37,6 +37,7 @@ __all__ = [
     "ShardInfo",
     "ShardLayout",
     "comm_group",
+    "full_shape",
     "global_shape",
     "layout_of",
     "local_piece",
@@ -404,6 +405,13 @@ def global_shape(param: torch.Tensor) -> torch.Size:
     """Shape of the whole parameter: the layout's global shape, or the tensor's own shape."""
     info = shard_info(param)
     return param.shape if info is None else info.layout.global_shape
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The whole parameter's shape: a DTensor's own (beyond what tensor or expert parallelism
+    splits, which the layout's global shape is the rank's piece of), else
+    :func:`global_shape`."""
+    return param.shape if isinstance(param, DTensor) else global_shape(param)
 
 
 def local_range(param: torch.Tensor) -> tuple[int, int]:

@@ -235,10 +235,15 @@ def _expert_containers(module: nn.Module) -> dict[str, int]:
 
 def _heads(module: nn.Module) -> tuple[int, int] | None:
     """``(query heads, key/value heads)`` of the model: the zoo's ``n_heads`` / ``n_kv_heads``
-    attributes, or a GPT config's ``n_head``; ``None`` if it says nothing."""
+    attributes, a GPT config's ``n_head`` or a Hugging Face config's ``num_attention_heads`` /
+    ``num_key_value_heads``; ``None`` if it says nothing."""
     cfg = getattr(module, "cfg", None)
     if hasattr(cfg, "n_head"):
         return int(cfg.n_head), int(cfg.n_head)
+    config = getattr(module, "config", None)  # a Hugging Face model's
+    if getattr(config, "num_attention_heads", None):
+        heads = int(config.num_attention_heads)
+        return heads, int(getattr(config, "num_key_value_heads", None) or heads)
     heads = getattr(module, "n_heads", None)
     if heads is None:
         return None

@@ -18,9 +18,10 @@ Pure Python over parameter shapes (models on the meta device). The rules, stated
   GPT block that is ``18 d`` where it keeps ``16 d``: ``ln1`` (d, counted as the input of each
   of ``q_proj k_proj v_proj``, so three times), ``q k v`` (3d), the attention output (d), the
   residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum (d): projections
-  that share an input over-count it, on the safe side; per-token statistics (LayerNorm mean and rstd, the attention's log-sum-exp: under 0.5% of
-  the total) are left out. With activation checkpointing a block keeps only its input, ``d`` per
-  token, and recomputes the rest in its backward.
+  that share an input over-count it, on the safe side; per-token statistics (LayerNorm mean and
+  rstd, the attention's log-sum-exp: under 0.5% of the total) are left out. With activation
+  checkpointing a block keeps only its input, ``d`` per token, and recomputes the rest in its
+  backward.
 - **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul
   elements are the rank's own pieces' (a replicated matrix whole, a split one ``1 / tp``; its
   ``E / ep`` experts see ``k / (E / ep)`` of its tokens each, the same work as before); the

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from ..layout import ShardLayout, comm_group, global_shape, local_range, shard_info
+from ..layout import ShardLayout, comm_group, full_shape, global_shape, local_range, shard_info
 from ._state import loaded_value, local, placed
 
 __all__ = [
@@ -50,12 +50,6 @@ class Pieces(NamedTuple):
     param: torch.Tensor
     grad: torch.Tensor
     state: dict[str, Any]  # the state's entries, tensors as their local pieces
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The whole parameter's shape: a DTensor's own (beyond what tensor or expert parallelism
-    splits, unlike the layout's), else the layout's global shape."""
-    return param.shape if isinstance(param, DTensor) else global_shape(param)
 
 
 def check_block_cuts(label: str, layout: ShardLayout, stride: int, block: str, fix: str) -> None:

@@ -9,14 +9,16 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import optim
-from ..layout import RaggedShard, global_shape, local_piece
+from ..layout import RaggedShard, full_shape, local_piece
 from ..models import GPT, GPT_CONFIGS, hf
 from ..planner import StructAwarePlanner, WrapPolicy
-from ..runtime import FSDPBackend, MixedPrecisionPolicy
+from ..runtime import MixedPrecisionPolicy
 from .config import TrainConfig
+from .mesh import JobMesh, check_model, shard_model
 
 __all__ = [
     "BETAS",
@@ -25,6 +27,7 @@ __all__ = [
     "build_optimizer",
     "build_planner",
     "compile_blocks",
+    "job_mesh",
     "lr_factor",
     "meta_model",
     "mp_policy",
@@ -117,10 +120,22 @@ def compile_blocks(blocks: list[nn.Module]) -> None:
         block.forward = torch.compile(block.forward)
 
 
-def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """The same model on every rank (seeded by ``cfg.seed``), sharded by raggedfsdp: each block
-    (then the root), after activation checkpointing and ``--compile`` if asked. Needs the
-    process group."""
+def job_mesh(cfg: TrainConfig, world_size: int, rank: int = 0) -> JobMesh:
+    """Where ``rank`` sits in the run's mesh of ``world_size`` ranks (``--tp``, ``--ep``), the
+    model checked on the meta device against it: a ``ValueError`` naming the fault, before any
+    rank meets another."""
+    cfg.check_world(world_size)
+    mesh = JobMesh(world_size, rank, tp=cfg.tp, ep=cfg.ep)
+    if mesh.parallel:
+        check_model(meta_model(cfg), mesh, cfg.model_name)
+    return mesh
+
+
+def build_model(cfg: TrainConfig, device: torch.device, mesh: JobMesh | None = None) -> nn.Module:
+    """The same model on every rank (seeded by ``cfg.seed``), split over ``mesh`` (default:
+    FSDP over every rank of the process group) and sharded by raggedfsdp: each block (then the
+    root), after activation checkpointing and ``--compile`` if asked. Needs the process
+    group."""
     torch.manual_seed(cfg.seed)
     model = new_model(cfg, device)
     blocks = transformer_blocks(model)
@@ -128,8 +143,13 @@ def build_model(cfg: TrainConfig, device: torch.device) -> nn.Module:
         apply_activation_checkpointing(blocks)
     if cfg.compile:
         compile_blocks(blocks)
-    FSDPBackend(
-        model, planner=build_planner(cfg), mp_policy=mp_policy(cfg), wrap=wrap_policy(model)
+    shard_model(
+        model,
+        mesh or JobMesh(dist.get_world_size() if dist.is_initialized() else 1),
+        device,
+        planner=build_planner(cfg),
+        mp_policy=mp_policy(cfg),
+        wrap=wrap_policy(model),
     )
     return model
 
@@ -139,8 +159,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     blocks' matrices; embeddings and vectors go to its auxiliary AdamW. Every group records its
     peak learning rate as ``initial_lr`` (the schedule scales it)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in named if len(global_shape(p)) >= 2]
-    vectors = [p for n, p in named if len(global_shape(p)) < 2]
+    matrices = [p for n, p in named if len(full_shape(p)) >= 2]
+    vectors = [p for n, p in named if len(full_shape(p)) < 2]
     decay = {"params": matrices, "weight_decay": cfg.weight_decay}
     no_decay = {"params": vectors, "weight_decay": 0.0}
     optimizer: torch.optim.Optimizer

@@ -267,11 +267,17 @@ def _make_room(final: Path, job: object) -> None:
 
 
 def load_checkpoint(
-    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Load a checkpoint saved at any world size and shard policy into ``model`` and
-    ``optimizer`` (a collective); returns its ``COMPLETE.json``. This rank's RNG states are
-    restored when the world size is the one saved (elsewhere ranks do not correspond)."""
+    """Load a checkpoint saved at any world size, mesh and shard policy into ``model`` and
+    ``optimizer`` (a collective); returns its ``COMPLETE.json``. This rank's RNG states (and
+    error-feedback residuals) are restored when the world size and the mesh are the ones saved
+    (elsewhere ranks do not correspond). ``mesh``: this run's degrees, as its ``COMPLETE.json``
+    records them (``{"dp": 2, "tp": 2}``); default FSDP alone over the world."""
     path = Path(path)
     meta = read_meta(path)
     init_optimizer_state(model, optimizer)
@@ -287,11 +293,18 @@ def load_checkpoint(
     model.load_state_dict(state["model"])
     load_optim_state_dict(model, optimizer, state["optim"])
     world = dist.get_world_size() if dist.is_initialized() else 1
+    same_ranks = _ranks_of(meta["world_size"], meta.get("mesh")) == _ranks_of(world, mesh)
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-    if meta["world_size"] == world and rng_file.is_file():
+    if same_ranks and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    _load_residuals(path, model, meta["world_size"], world)
+    _load_residuals(path, model, meta["world_size"], world, same_ranks)
     return meta
+
+
+def _ranks_of(world: int, mesh: Mapping[str, int] | None) -> dict[str, int]:
+    """What rank ``r`` means: the world size and the mesh (a checkpoint from before meshes, or
+    none given: FSDP alone over the world)."""
+    return dict(mesh) if mesh else {"dp": world}
 
 
 def _write_residuals(folder: Path, model: nn.Module, rank: int) -> None:
@@ -303,16 +316,19 @@ def _write_residuals(folder: Path, model: nn.Module, rank: int) -> None:
         torch.save(residuals, folder / "residuals" / f"rank_{rank:05d}.pt")
 
 
-def _load_residuals(path: Path, model: nn.Module, saved_world: int, world: int) -> None:
-    """Resume the residuals at the world size they were saved at; elsewhere they describe
-    other ranks' gradients, so they restart from zero, with a warning."""
+def _load_residuals(
+    path: Path, model: nn.Module, saved_world: int, world: int, same_ranks: bool
+) -> None:
+    """Resume the residuals at the world size and mesh they were saved at; elsewhere they
+    describe other ranks' gradients, so they restart from zero, with a warning."""
     if not error_feedback_state(model):
         return
     file = path / "residuals" / f"rank_{_rank():05d}.pt"
-    if saved_world != world:
+    if not same_ranks:
         warnings.warn(
-            f"checkpoint {str(path)!r} was saved at world size {saved_world}; resuming at "
-            f"{world}, the error-feedback residuals are dropped and restart from zero",
+            f"checkpoint {str(path)!r} was saved at world size {saved_world} (or another "
+            f"mesh); resuming at {world}, the error-feedback residuals are dropped and restart "
+            f"from zero",
             stacklevel=2,
         )
     elif not file.is_file():

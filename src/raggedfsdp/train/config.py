@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
+from ..capacity.parallel import ParallelDims
 from ..capacity.wire import CODE_DTYPES
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
@@ -63,6 +64,18 @@ class TrainConfig:
     downloaded; each decoder layer is a unit. Its vocab_size becomes 256, the byte-level data's
     token ids (special-token ids above 255 are dropped); --seq-len defaults to its
     max_position_embeddings, at most 1024. Needs pip install 'raggedfsdp[hf]'."""
+
+    tp: int = 1
+    """Tensor-parallel degree: split every block's projections, the embedding and the head over
+    groups of this many consecutive ranks (a GPT or a Llama-style --hf-config), FSDP over the
+    world / tp data-parallel ranks; it must divide the heads, hidden units and vocabulary. With
+    --optimizer adamw or muon (docs/parallelism.md)."""
+
+    ep: int = 1
+    """Expert-parallel degree for a mixture of experts (--hf-config tiny-mixtral, ...): each
+    rank holds experts / ep of every layer's experts, tokens travel to them and back by
+    all-to-all; ep borrows its ranks from data parallelism (every rank reads its own sequences).
+    Not with --tp; with --optimizer adamw or muon."""
 
     compile: bool = False
     """torch.compile each block (GPT block or decoder layer) before sharding it; the FSDP hooks
@@ -231,6 +244,34 @@ class TrainConfig:
             raise ValueError(f"error_feedback: {err}") from None
         if self.inject_fault is not None:
             Fault.parse(self.inject_fault)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """``--tp`` / ``--ep``: degrees of at least 1, one of the two, and an optimizer that
+        takes split matrices (Shampoo's blocks and AdamW8bit's tiles would need the whole)."""
+        for name in ("tp", "ep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError(
+                f"tp: --tp {self.tp} with --ep {self.ep}: the job runs tensor or expert "
+                f"parallelism beside FSDP, not both at once; choose one"
+            )
+        degree = max(self.tp, self.ep)
+        flag = "tp" if self.tp > 1 else "ep"
+        if degree > 1 and self.compile:
+            # Measured (torch 2.13): dynamo fails on the tensor-parallel DTensors inside a
+            # raggedfsdp unit ("set the storage of a tensor on device cpu to ... meta").
+            raise ValueError(
+                f"compile: --compile with --{flag} {degree} is not supported yet (torch.compile "
+                f"fails on the split blocks); train them eager"
+            )
+        if degree > 1 and self.optimizer not in ("adamw", "muon"):
+            raise ValueError(
+                f"optimizer: {self.optimizer} keeps whole matrices or blocks, which --{flag} "
+                f"{degree} splits over ranks; use --optimizer adamw or muon"
+            )
 
     def _check_numbers(self) -> None:
         """Every count, rate, timeout and ratio in its range (``ValueError`` naming it)."""
@@ -308,13 +349,17 @@ class TrainConfig:
         return compression if compression.enabled else None
 
     def check_world(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless the batch splits evenly over ranks and micro-batches."""
-        split = world_size * self.grad_accum
+        """Raise ``ValueError`` unless ``tp x ep`` divides the world and the batch splits evenly
+        over the data ranks (``world / tp``: tensor-parallel peers share their sequences) and
+        micro-batches."""
+        ParallelDims(tp=self.tp, ep=self.ep).check_world(world_size)
+        data_ranks = world_size // self.tp
+        split = data_ranks * self.grad_accum
         if self.batch_size % split:
+            ranks = f"{data_ranks} data rank(s)" if self.tp > 1 else f"{world_size} rank(s)"
             raise ValueError(
                 f"batch_size: the global batch of {self.batch_size} sequences does not divide "
-                f"into {world_size} rank(s) x {self.grad_accum} micro-batch(es); use a multiple "
-                f"of {split}"
+                f"into {ranks} x {self.grad_accum} micro-batch(es); use a multiple of {split}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,13 +47,14 @@ from torch import nn
 
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
-from ..layout import global_shape
+from ..layout import full_shape
 from ..models import hf
 from . import health
-from .build import build_model, build_optimizer, optimizer_bytes
+from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
+from .mesh import JobMesh
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
@@ -130,6 +131,7 @@ class _Run:
 
     cfg: TrainConfig
     world: _World
+    mesh: JobMesh
     device: torch.device
     out: Path
     model: nn.Module
@@ -185,6 +187,7 @@ class _Run:
         meta = {
             "config": self.cfg.to_dict(),
             "data": self.sampler.state_dict(),
+            "mesh": self.mesh.describe(),  # which ranks' RNG states and residuals correspond
             "job": current_job(),  # a save never replaces another job's step folder
         }
         if self.cfg.hf_config is not None:
@@ -283,17 +286,18 @@ def _write_config(cfg: TrainConfig, out: Path, world: _World) -> None:
 
 
 def _build_data(
-    cfg: TrainConfig, corpus: Corpus, world: _World
+    cfg: TrainConfig, corpus: Corpus, mesh: JobMesh
 ) -> tuple[BatchSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """This rank's training batches and its fixed validation batches. Both depend on the world
-    size only through the rank's slice, so a resumed run sees the same data at any world size."""
+    """This rank's training batches and its fixed validation batches: its data rank's slice
+    (tensor-parallel peers read the same sequences). Both depend on the world size only through
+    the slice, so a resumed run sees the same data at any world size and mesh."""
     sampler = BatchSampler(
         corpus.train,
         seq_len=cfg.tokens_per_seq,
         global_batch=cfg.batch_size,
         seed=cfg.seed,
-        rank=world.rank,
-        world_size=world.size,
+        rank=mesh.data_rank,
+        world_size=mesh.data_ranks,
     )
     val_batches = eval_batches(
         corpus.val,
@@ -301,8 +305,8 @@ def _build_data(
         seq_len=cfg.tokens_per_seq,
         global_batch=cfg.batch_size,
         seed=cfg.seed,
-        rank=world.rank,
-        world_size=world.size,
+        rank=mesh.data_rank,
+        world_size=mesh.data_ranks,
     )
     return sampler, val_batches
 
@@ -310,24 +314,32 @@ def _build_data(
 def _resume(
     ckpt: str,
     cfg: TrainConfig,
-    world: _World,
+    mesh: JobMesh,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     sampler: BatchSampler,
 ) -> int:
     """Load ``ckpt`` into the model, the optimizer and the sampler; the step to continue from.
     Says so on rank 0, with what the options changed (:func:`_resume_notes`)."""
-    meta = load_checkpoint(ckpt, model=model, optimizer=optimizer)
+    meta = load_checkpoint(ckpt, model=model, optimizer=optimizer, mesh=mesh.describe())
     sampler.load_state_dict(meta["data"])
     start_step: int = meta["step"]
-    if world.rank == 0:
+    if mesh.rank == 0:
         notes = "".join(f"; {note}" for note in _resume_notes(meta["config"], cfg))
+        saved = _mesh_words(meta["world_size"], meta.get("mesh"))
         print(
-            f"resumed from {ckpt} (step {start_step}, saved on {meta['world_size']} "
-            f"rank(s), now {world.size}){notes}",
+            f"resumed from {ckpt} (step {start_step}, saved on {saved}, now "
+            f"{_mesh_words(mesh.world, mesh.describe())}){notes}",
             flush=True,
         )
     return start_step
+
+
+def _mesh_words(world: int, mesh: dict[str, int] | None) -> str:
+    """``4 rank(s)``, or with tensor or expert parallelism ``4 rank(s) (dp=2 x tp=2)``."""
+    if not mesh or set(mesh) == {"dp"}:
+        return f"{world} rank(s)"
+    return f"{world} rank(s) ({' x '.join(f'{k}={v}' for k, v in mesh.items())})"
 
 
 def _resume_notes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -345,17 +357,17 @@ def _resume_notes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
 def _banner(
     cfg: TrainConfig,
     params: list[torch.Tensor],
-    world: _World,
+    mesh: JobMesh,
     backend: str,
     padding_ratio: float,
     corpus: Corpus,
 ) -> str:
     """The run's first console line: what is trained, where, on what."""
+    where = backend if not mesh.parallel else f"{backend}, {mesh}"
     return (
-        f"{cfg.model_name}: {sum(global_shape(p).numel() for p in params):,} parameters, "
-        f"{world.size} rank(s) "
-        f"({backend}), optimizer {cfg.optimizer}, block {cfg.block_size}, padding "
-        f"{100 * padding_ratio:.3f}%, corpus {corpus.source} "
+        f"{cfg.model_name}: {sum(full_shape(p).numel() for p in params):,} parameters, "
+        f"{mesh.world} rank(s) ({where}), optimizer {cfg.optimizer}, block {cfg.block_size}, "
+        f"padding {100 * padding_ratio:.3f}%, corpus {corpus.source} "
         f"({corpus.train.numel():,} train tokens)"
     )
 
@@ -445,7 +457,7 @@ def train(cfg: TrainConfig) -> None:
 
     # -- set-up ----------------------------------------------------------------------------------
     world = _World.from_env()
-    cfg.check_world(world.size)
+    mesh = job_mesh(cfg, world.size, world.rank)
     if cfg.dry_run:
         if world.rank == 0:
             print(dry_run_report(cfg, world.size))
@@ -458,7 +470,7 @@ def train(cfg: TrainConfig) -> None:
         cfg.step_timeout_s, rank=world.rank, startup_timeout_s=cfg.startup_timeout_s
     )
     try:
-        _run_job(cfg, world, preemption, watchdog, started=started)
+        _run_job(cfg, world, mesh, preemption, watchdog, started=started)
     finally:  # a caller that goes on after an error keeps neither the watchdog nor our handler
         watchdog.close()
         preemption.close()
@@ -467,6 +479,7 @@ def train(cfg: TrainConfig) -> None:
 def _run_job(
     cfg: TrainConfig,
     world: _World,
+    mesh: JobMesh,
     preemption: Preemption,
     watchdog: health.StepWatchdog,
     *,
@@ -481,10 +494,10 @@ def _run_job(
 
     # -- data ------------------------------------------------------------------------------------
     corpus = load_corpus(cfg.data, seed=cfg.seed)
-    sampler, val_batches = _build_data(cfg, corpus, world)
+    sampler, val_batches = _build_data(cfg, corpus, mesh)
 
     # -- model -----------------------------------------------------------------------------------
-    model = build_model(cfg, device)
+    model = build_model(cfg, device, mesh)
     stats = model.stats()
     padding_ratio = stats["padding_numel"] / max(1, stats["param_numel"])
 
@@ -493,7 +506,7 @@ def _run_job(
     params = [p for p in model.parameters() if p.requires_grad]
 
     # -- resume ----------------------------------------------------------------------------------
-    start_step = 0 if ckpt is None else _resume(ckpt, cfg, world, model, optimizer, sampler)
+    start_step = 0 if ckpt is None else _resume(ckpt, cfg, mesh, model, optimizer, sampler)
     _write_config(cfg, out, world)
 
     # -- monitoring and health -------------------------------------------------------------------
@@ -501,9 +514,9 @@ def _run_job(
         cfg, rank=world.rank, world_size=world.size, start_step=start_step,
         padding_ratio=padding_ratio, device=device,
     )  # fmt: skip
-    monitor.print(_banner(cfg, params, world, backend, padding_ratio, corpus))
+    monitor.print(_banner(cfg, params, mesh, backend, padding_ratio, corpus))
     parts = (model, optimizer, params, sampler, val_batches, monitor, watchdog, preemption)
-    run = _Run(cfg, world, device, out, *parts)
+    run = _Run(cfg, world, mesh, device, out, *parts)
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .._console import format_bytes
 from .._host import available_ram_bytes
@@ -17,13 +19,15 @@ from ..capacity.cost import (
     optimizer_state_bytes,
     unit_bytes,
 )
-from ..capacity.shapes import model_shape
+from ..capacity.parallel import ParallelDims, UnsplittableModel, split_model
+from ..capacity.shapes import ModelShape, model_shape
 from ..data import load_corpus
 from ..models import hf
-from ..planner import wrap_units
-from .build import build_planner, meta_model, mp_policy, wrap_policy
+from ..planner import ShardPlan, model_buckets, wrap_units
+from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, read_meta
 from .config import TrainConfig
+from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
 
 __all__ = [
@@ -118,16 +122,53 @@ def check_ties(model: torch.nn.Module, name: str) -> None:
             )
 
 
-def check_plan(cfg: TrainConfig, world_size: int) -> None:
-    """The model can be sharded with ``--block-size`` and the optimizer's blocks (planned on
-    the meta device, exactly as the workers will), with no parameter tied across units."""
+@dataclass(frozen=True)
+class _RunPlans:
+    """The run's model on the meta device, its shard plans (a rank's pieces under ``--tp`` /
+    ``--ep``, each bucket planned over its FSDP group, as the workers will) and its shape."""
+
+    model: nn.Module
+    plans: list[ShardPlan]
+    shape: ModelShape
+
+
+def _run_plans(cfg: TrainConfig, world_size: int) -> _RunPlans:
+    """:class:`_RunPlans` of ``cfg`` at ``world_size``; ``ValueError`` for a block a split
+    or a shard would cut, or a model the split does not fit (:func:`~.build.job_mesh`)."""
+    job_mesh(cfg, world_size)
     policy = mp_policy(cfg)
+    dtype = policy.param_dtype if policy else None
+    model = meta_model(cfg)
+    planner = build_planner(cfg)
+    experts = hf.experts_per_token(model)
+    if cfg.tp == cfg.ep == 1:
+        plans = planner.plan_model(model, world_size, dtype=dtype, wrap=wrap_policy(model))
+        shape = model_shape(model, experts_per_token=experts, wrap=wrap_policy(model))
+        return _RunPlans(model, plans, shape)
+    split = split_model(
+        model,
+        ParallelDims(tp=cfg.tp, ep=cfg.ep),
+        policy=planner.shard_policy,
+        experts_per_token=experts,
+        model_name=cfg.model_name,
+    )
+    wrap = split.wrap_policy or wrap_policy(model)
+    buckets = model_buckets(model, param_dtype=dtype, wrap=wrap, local=split.local)
+    plans = [planner.plan_bucket(b, split.fsdp_size(b.name, world_size)) for b in buckets]
+    return _RunPlans(model, plans, model_shape(model, experts_per_token=experts, split=split))
+
+
+def check_plan(cfg: TrainConfig, world_size: int) -> None:
+    """The model can be split (``--tp``, ``--ep``) and sharded with ``--block-size`` and the
+    optimizer's blocks (planned on the meta device, exactly as the workers will), with no
+    parameter tied across units."""
     model = meta_model(cfg)
     check_ties(model, f"hf_config: {cfg.hf_config!r}" if cfg.hf_config else f"model {cfg.model}")
+    job_mesh(cfg, world_size)
     try:
-        build_planner(cfg).plan_model(
-            model, world_size, dtype=policy.param_dtype if policy else None, wrap=wrap_policy(model)
-        )
+        _run_plans(cfg, world_size)
+    except UnsplittableModel:
+        raise
     except ValueError as err:
         raise ValueError(f"block_size {cfg.block_size}: {err}") from None
 
@@ -182,23 +223,23 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
     own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
     policy = mp_policy(cfg)
     param_dtype = policy.param_dtype if policy is not None else torch.float32
-    model = meta_model(cfg)
-    wrap = wrap_policy(model)
-    plans = build_planner(cfg).plan_model(
-        model, world_size, dtype=policy.param_dtype if policy else None, wrap=wrap
-    )
+    run = _run_plans(cfg, world_size)
     step = StepShape(
-        batch=cfg.batch_size // world_size // cfg.grad_accum,
+        batch=_micro_batch(cfg, world_size),
         seq_len=cfg.tokens_per_seq,
         param_dtype=param_dtype,
         reduce_dtype=policy.reduce_dtype if policy is not None else None,
         checkpointing=cfg.activation_checkpointing,
         gloo=not torch.cuda.is_available(),
     )
-    state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
-    units = unit_bytes(plans)
-    shape = model_shape(model, experts_per_token=hf.experts_per_token(model), wrap=wrap)
-    return memory_breakdown(shape, units, step, state, world_size=world_size)
+    state = optimizer_state_bytes(run.plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
+    units = unit_bytes(run.plans)
+    return memory_breakdown(run.shape, units, step, state, world_size=world_size)
+
+
+def _micro_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Sequences per rank and micro-batch (tensor-parallel peers compute on the same ones)."""
+    return cfg.batch_size // (world_size // cfg.tp) // cfg.grad_accum
 
 
 def _gpu_memory(index: int) -> tuple[int, int | None]:
@@ -259,7 +300,7 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
     usable = int(budget * (1 - DEFAULT_RESERVE))
     if memory.peak <= usable:
         return
-    micro = cfg.batch_size // world_size // cfg.grad_accum
+    micro = _micro_batch(cfg, world_size)
     advice = [
         f"fewer sequences per rank (--batch-size, now {micro} per rank and micro-batch: "
         f"activations {format_bytes(memory.activations)}) or more --grad-accum"
@@ -289,17 +330,16 @@ _PHASES = {
 
 def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     """The shard plan of the model on the meta device and an estimate of memory per rank."""
-    model = meta_model(cfg)
-    policy = mp_policy(cfg)  # the same buckets as the run's (planner.bucketing)
-    param_dtype = policy.param_dtype if policy is not None else None
-    plans = build_planner(cfg).plan_model(
-        model, world_size, dtype=param_dtype, wrap=wrap_policy(model)
-    )
+    run = _run_plans(cfg, world_size)  # the same buckets as the run's (planner.bucketing)
+    model, plans = run.model, run.plans
+    where = f"{world_size} rank(s)"
+    if cfg.tp > 1 or cfg.ep > 1:
+        where += f" ({JobMesh(world_size, tp=cfg.tp, ep=cfg.ep)}; a rank's pieces)"
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
     numel = sum(p.param_numel for p in plans)
     lines = [
-        f"{cfg.model_name}: {_num_params(model):,} parameters on {world_size} rank(s), "
+        f"{cfg.model_name}: {_num_params(model):,} parameters on {where}, "
         f"optimizer {cfg.optimizer}, block {cfg.block_size}",
         f"{'bucket':<28}{'params':>8}{'elements':>12}{'per rank':>12}{'padding':>10}",
     ]
@@ -314,7 +354,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     # Per rank, the capacity planner's model of this run (docs/capacity.md), as the preflight
     # checks it: the peak frees the previous step's gradients (zero_grad) before forward.
     memory = predicted_memory(cfg, world_size)
-    micro = cfg.batch_size // world_size // cfg.grad_accum
+    micro = _micro_batch(cfg, world_size)
     estimates = [
         ("parameters + gradients (shards)", memory.params + memory.grads),
         (f"optimizer state ({cfg.optimizer})", memory.optimizer),

@@ -1,0 +1,140 @@
+"""Tensor parallelism for the training job's models: Megatron's split, as torchtitan's plans
+write it, for a :class:`~raggedfsdp.models.gpt.GPT` and a Llama-style Hugging Face decoder.
+
+In every block the query, key and value projections and the feed-forward's input projections
+are column-parallel (``ColwiseParallel``: each rank holds whole heads, or a slice of the hidden
+units), the attention's and the feed-forward's output projections row-parallel
+(``RowwiseParallel``: their outputs are summed over tp); the token embedding is split by
+vocabulary rows and the output head by vocabulary columns, its logits gathered (no loss
+parallelism); norms and a GPT's learned positions stay whole on every rank. That is the split
+:mod:`raggedfsdp.capacity.parallel` costs, so ``raggedfsdp plan --tp`` and the job's preflight
+describe the run the job makes.
+
+:func:`check_tensor_parallel` refuses, on a meta-device model and before any collective, a
+degree that does not divide the heads, the hidden units or the vocabulary, and a decoder layer
+of another shape (a mixture of experts: ``--ep`` splits those).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from . import hf
+from .gpt import GPT
+
+__all__ = ["check_tensor_parallel", "parallelize_tensor"]
+
+#: A GPT block's plan (:class:`~raggedfsdp.models.gpt.Block`).
+_GPT_BLOCK = {
+    "attn.q_proj": "colwise",
+    "attn.k_proj": "colwise",
+    "attn.v_proj": "colwise",
+    "attn.proj": "rowwise",
+    "mlp.fc": "colwise",
+    "mlp.proj": "rowwise",
+}
+#: A Llama-style Hugging Face decoder layer's plan (Llama, Mistral, Qwen2, ...).
+_HF_LAYER = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+
+
+def _style(kind: str) -> ParallelStyle:
+    return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+
+
+def _blocks_and_plan(model: nn.Module) -> tuple[list[nn.Module], dict[str, str]]:
+    """The model's blocks and the plan each takes."""
+    if isinstance(model, GPT):
+        return list(model.blocks), _GPT_BLOCK
+    if hf.is_hf_model(model):
+        return hf.decoder_layers(model), _HF_LAYER
+    raise ValueError(
+        f"tp: tensor parallelism splits a GPT or a Llama-style Hugging Face model, not a "
+        f"{type(model).__name__}"
+    )
+
+
+def _sizes(model: nn.Module) -> dict[str, int]:
+    """What tp must divide: the heads (each rank computes whole heads), the feed-forward's
+    hidden units and the vocabulary (the embedding's rows, the head's columns)."""
+    if isinstance(model, GPT):
+        cfg = model.cfg
+        return {
+            "attention heads": cfg.n_head,
+            "feed-forward units": cfg.mlp_ratio * cfg.d_model,
+            "vocabulary entries": cfg.vocab_size,
+        }
+    config: Any = model.config
+    return {
+        "attention heads": config.num_attention_heads,
+        "key/value heads": getattr(config, "num_key_value_heads", None)
+        or config.num_attention_heads,
+        "feed-forward units": config.intermediate_size,
+        "vocabulary entries": config.vocab_size,
+    }
+
+
+def _vocabulary(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
+    """The token embedding and the output head (None: an HF model without one)."""
+    if isinstance(model, GPT):
+        return model.tok_emb, model.head
+    return model.get_input_embeddings(), model.get_output_embeddings()
+
+
+def check_tensor_parallel(model: nn.Module, tp: int, *, name: str | None = None) -> None:
+    """``ValueError`` naming the fault unless :func:`parallelize_tensor` can split ``model``
+    over ``tp`` ranks: a GPT or a Hugging Face decoder whose every layer holds the Llama-style
+    projections, and heads, hidden units and vocabulary that ``tp`` divides. Reads shapes only
+    (a meta-device model does)."""
+    what = name or type(model).__name__
+    blocks, plan = _blocks_and_plan(model)
+    for index, block in enumerate(blocks):
+        modules = dict(block.named_modules())
+        missing = [path for path in plan if not isinstance(modules.get(path), nn.Linear)]
+        if missing:
+            raise ValueError(
+                f"tp: layer {index} of {what} has no {', '.join(missing)} (an nn.Linear each): "
+                f"tensor parallelism splits Llama-style layers; a mixture of experts takes --ep"
+            )
+    for what_size, count in _sizes(model).items():
+        if count % tp:
+            raise ValueError(
+                f"tp={tp} does not divide the {count} {what_size} of {what}: each rank holds an "
+                f"equal slice; use a tp that divides {count}"
+            )
+
+
+def parallelize_tensor(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split ``model`` over the 1-D ``tp_mesh`` in place (module doc); returns it. Every rank
+    must hold the same full model (the same seed): each keeps its slices. Call
+    :func:`check_tensor_parallel` first, before any rank meets the others."""
+    blocks, plan = _blocks_and_plan(model)
+    for block in blocks:
+        parallelize_module(block, tp_mesh, {path: _style(kind) for path, kind in plan.items()})
+    embedding, head = _vocabulary(model)
+    tied = head is not None and head.weight is embedding.weight
+    # The vocabulary over tp: each rank looks up its rows (the others' ids give zeros, summed
+    # over tp); the head computes its columns of the logits, gathered whole for the loss.
+    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    if head is not None:
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        if tied:  # both held the one weight; each style made a DTensor of its own
+            head.weight = embedding.weight
+    return model

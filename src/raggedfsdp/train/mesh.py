@@ -1,0 +1,129 @@
+"""The job's ranks as a mesh: FSDP over the data-parallel ranks, beside tensor parallelism
+(``--tp``) or expert parallelism (``--ep``), as torchtitan lays them out.
+
+- ``--tp N``: a ``(dp, tp)`` mesh, tp innermost (consecutive ranks form a tensor-parallel group,
+  the ranks that share a node's fastest links). The blocks' projections, the embedding and the
+  head are split over tp (:mod:`raggedfsdp.models.tensor_parallel`), then every unit is sharded
+  over dp. The ``tp`` ranks of a group compute on the same sequences: there are ``dp`` data
+  ranks.
+- ``--ep N``: a ``(dp, ep)`` mesh. Expert parallelism borrows its ranks from data parallelism
+  (every rank reads its own sequences, so all ``world`` ranks are data ranks): each experts
+  module's experts are split over ep (:mod:`raggedfsdp.models.expert_parallel`; tokens travel
+  to their expert and back by all-to-all) and sharded over dp; every other parameter is sharded
+  over dp and ep flattened. Gradients are averaged over all data ranks, the experts' too.
+
+Every rank builds the same model from ``--seed`` and keeps its slices, so the trained numbers
+are those of FSDP alone on the same global batch, up to the order of float sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ..capacity.parallel import ParallelDims
+from ..models import expert_parallel, tensor_parallel
+from ..runtime import FSDPBackend, fully_shard
+
+__all__ = ["JobMesh", "check_model", "shard_model"]
+
+
+@dataclass(frozen=True)
+class JobMesh:
+    """Where one rank sits among ``world`` ranks split ``tp`` and ``ep`` ways.
+
+    Attributes:
+        world: ranks in the job.
+        rank: this rank.
+        tp: tensor-parallel degree (innermost).
+        ep: expert-parallel degree (borrowed from data parallelism).
+    """
+
+    world: int
+    rank: int = 0
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        ParallelDims(tp=self.tp, ep=self.ep).check_world(self.world)
+        if self.tp > 1 and self.ep > 1:
+            raise ValueError(
+                f"tp={self.tp} with ep={self.ep}: the job runs tensor or expert parallelism "
+                f"beside FSDP, not both at once; choose one"
+            )
+
+    @property
+    def dp(self) -> int:
+        """FSDP ranks of a tensor-parallel slice or of an expert: ``world / (tp x ep)``."""
+        return self.world // (self.tp * self.ep)
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read sequences of their own: ``world / tp`` (ep borrows from dp)."""
+        return self.world // self.tp
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's slice of each global batch (tp peers share one)."""
+        return self.rank // self.tp
+
+    @property
+    def parallel(self) -> bool:
+        """Whether anything besides FSDP splits the model."""
+        return self.tp * self.ep > 1
+
+    def describe(self) -> dict[str, int]:
+        """The mesh's degrees, for checkpoints and banners: ``{"dp": world}`` for FSDP alone
+        (what a checkpoint of FSDP alone always meant), else with ``tp`` or ``ep``."""
+        if self.tp > 1:
+            return {"dp": self.dp, "tp": self.tp}
+        if self.ep > 1:
+            return {"dp": self.dp, "ep": self.ep}
+        return {"dp": self.world}
+
+    def __str__(self) -> str:
+        return " x ".join(f"{k}={v}" for k, v in self.describe().items())
+
+
+def check_model(model: nn.Module, mesh: JobMesh, name: str) -> None:
+    """``ValueError`` naming the fault unless ``model`` (on any device, meta too) can be split
+    as ``mesh`` asks: before any rank meets another."""
+    if mesh.tp > 1:
+        tensor_parallel.check_tensor_parallel(model, mesh.tp, name=name)
+    if mesh.ep > 1:
+        try:
+            expert_parallel.check_expert_parallel(model, mesh.ep)
+        except ValueError as err:  # named by the option, as the tensor-parallel checks are
+            raise ValueError(f"ep: {err}") from None
+
+
+def _device_mesh(mesh: JobMesh, device: torch.device) -> DeviceMesh:
+    inner = ("tp", mesh.tp) if mesh.tp > 1 else ("ep", mesh.ep)
+    return init_device_mesh(device.type, (mesh.dp, inner[1]), mesh_dim_names=("dp", inner[0]))
+
+
+def shard_model(model: nn.Module, mesh: JobMesh, device: torch.device, **fsdp: Any) -> nn.Module:
+    """Split ``model`` as ``mesh`` says, then shard it with :func:`FSDPBackend` (``fsdp``: its
+    keyword arguments, the planner and the mixed precision among them): every unit over all
+    ranks for FSDP alone; over dp beside tp; beside ep each experts module over dp (a unit of
+    its own), the rest over dp and ep flattened. A collective: every rank calls it."""
+    if not mesh.parallel:
+        return FSDPBackend(model, **fsdp)
+    device_mesh = _device_mesh(mesh, device)
+    if mesh.tp > 1:
+        tensor_parallel.parallelize_tensor(model, device_mesh["tp"])
+        return FSDPBackend(model, mesh=device_mesh["dp"], **fsdp)
+    wrap = fsdp.pop("wrap", None)
+    for experts in expert_parallel.parallelize_experts(model, device_mesh["ep"]):
+        fully_shard(experts, mesh=device_mesh["dp"], reshard_after_forward=True, **_unit(fsdp))
+    dense = device_mesh["dp", "ep"]._flatten("dp_ep")  # every rank flattens (a collective)
+    return FSDPBackend(model, mesh=dense, wrap=wrap, **fsdp)
+
+
+def _unit(fsdp: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of :func:`FSDPBackend` that :func:`fully_shard` takes too."""
+    return {k: v for k, v in fsdp.items() if k in ("planner", "mp_policy", "dbuffer_config")}

@@ -1,0 +1,141 @@
+"""``raggedfsdp train --tp N`` and ``--ep N``: FSDP on the data-parallel ranks of a 2-D mesh, in
+real launches (torchrun's agent, 4 Gloo ranks, CPU).
+
+Three runs of 5 steps, side by side: gpt-tiny at (dp=2, tp=2) with Muon (every block matrix
+split by tensor parallelism, orthogonalised whole), the tiny Hugging Face Llama at (dp=2, tp=2)
+with AdamW, the tiny Mixtral at (dp=2, ep=2) with AdamW (two of its four experts per rank, tokens
+dispatched by all-to-all). Each trains as one process does on the global batch: the losses
+agree to 1e-5 at every step. The negative control for a split that silently did not happen
+(the same losses, FSDP over dp alone, tp peers holding copies): each rank's optimizer state is a
+quarter of one process's, as (dp x tp) or (dp x ep) = 4 ways of splitting make it, where FSDP
+over dp = 2 alone would hold half. The checkpoints record the mesh and move across meshes: the
+step-3 checkpoints of the GPT and the Mixtral resume under FSDP alone on 2 ranks and finish with
+the losses of the runs they came from (1e-5). What needs no launch (options, the model checks):
+tests/unit/test_train_parallel_options.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launches import cli_command, ok, run_side_by_side
+
+COMMON = [
+    "--steps=5",
+    "--batch-size=8",
+    "--seq-len=32",
+    "--warmup-steps=2",
+    "--lr=1e-2",
+    "--log-every=1",
+    "--eval-every=0",
+    "--eval-batches=1",
+    "--checkpoint-every=3",
+]
+#: name -> (the model's options, the split's, the mesh its checkpoints record)
+CASES: dict[str, tuple[list[str], list[str], dict[str, int]]] = {
+    "gpt-tp": (["--model=gpt-tiny", "--optimizer=muon"], ["--tp=2"], {"dp": 2, "tp": 2}),
+    "llama-tp": (["--hf-config=tiny-llama"], ["--tp=2"], {"dp": 2, "tp": 2}),
+    "mixtral-ep": (["--hf-config=tiny-mixtral"], ["--ep=2"], {"dp": 2, "ep": 2}),
+}
+#: Resumed under FSDP alone on 2 ranks from the split run's step-3 checkpoint.
+RESUMED = ("gpt-tp", "mixtral-ep")
+
+
+def _records(out: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def _losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in _records(out, "train")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
+    """Per case: the 4-rank split run (``split``, with its console output), one process on the
+    global batch (``one``) and, for :data:`RESUMED`, the 2-rank resumption (``resumed``)."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("parallel")
+    found = {name: {k: root / name / k for k in ("split", "one", "resumed")} for name in CASES}
+    argvs = [
+        [*model, *COMMON, f"--data={corpus}", f"--out={found[name]['one']}"]
+        for name, (model, _, _) in CASES.items()
+    ]
+    code = (
+        "import json, sys\nfrom raggedfsdp.train import main\n"
+        "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
+    )
+    launches = [
+        cli_command(
+            "train",
+            "--nproc=4",
+            *model,
+            *split,
+            *COMMON,
+            f"--data={corpus}",
+            f"--out={found[name]['split']}",
+        )
+        for name, (model, split, _) in CASES.items()
+    ]
+    procs = run_side_by_side(*launches, [sys.executable, "-c", code, *map(json.dumps, argvs)])
+    for name, proc in zip(CASES, procs, strict=False):
+        found[name]["console"] = ok(proc).stdout
+    ok(procs[-1])
+    for name in RESUMED:
+        step3 = found[name]["split"] / "checkpoints" / "step_000003"
+        shutil.copytree(step3, found[name]["resumed"] / "checkpoints" / "step_000003")
+    resumes = [
+        cli_command(
+            "train",
+            "--nproc=2",
+            *CASES[name][0],
+            *COMMON,
+            f"--data={corpus}",
+            f"--out={found[name]['resumed']}",
+            "--resume",
+        )
+        for name in RESUMED
+    ]
+    for name, proc in zip(RESUMED, run_side_by_side(*resumes), strict=True):
+        found[name]["resumed_console"] = ok(proc).stdout
+    return found
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_split_runs_train_as_one_process(runs, name):
+    split, one = _losses(runs[name]["split"]), _losses(runs[name]["one"])
+    assert sorted(split) == [1, 2, 3, 4, 5]
+    assert split[5] < split[1] - 0.3  # it trains
+    for step in split:
+        assert abs(split[step] - one[step]) <= 1e-5, (step, split[step], one[step])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_each_rank_holds_a_quarter(runs, name):
+    """The negative control: FSDP over dp = 2 alone would train the same numbers, holding
+    half of the optimizer state per rank, not a quarter."""
+    split = _records(runs[name]["split"], "train")[-1]
+    one = _records(runs[name]["one"], "train")[-1]
+    assert split["world_size"] == 4
+    assert split["optimizer_bytes"] == pytest.approx(one["optimizer_bytes"] / 4, rel=0.01)
+    mesh = CASES[name][2]
+    words = " x ".join(f"{k}={v}" for k, v in mesh.items())
+    assert f"4 rank(s) (gloo, {words})" in runs[name]["console"]
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_checkpoints_move_to_fsdp_alone(runs, name):
+    step3 = runs[name]["split"] / "checkpoints" / "step_000003" / "COMPLETE.json"
+    assert json.loads(step3.read_text())["mesh"] == CASES[name][2]
+    resumed, split = _losses(runs[name]["resumed"]), _losses(runs[name]["split"])
+    assert sorted(resumed) == [4, 5]
+    for step in resumed:
+        assert abs(resumed[step] - split[step]) <= 1e-5, (step, resumed[step], split[step])
+    words = " x ".join(f"{k}={v}" for k, v in CASES[name][2].items())
+    assert f"saved on 4 rank(s) ({words}), now 2 rank(s)" in runs[name]["resumed_console"]
