@@ -115,11 +115,18 @@ def _resolve_planner(
 
 
 def _check_fsdp2_arguments(
-    module: object, reshard_after_forward: object, offload_policy: object
+    module: object, reshard_after_forward: object, offload_policy: object, dp_mesh_dims: object
 ) -> list[nn.Module]:
     """FSDP2's arguments that have no meaning here: a clear error, before any collective.
     Returns the modules to shard as one unit: ``module``, or the outermost of a list of them
     (FSDP2's group: one parameter group for modules that run one after the other)."""
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "rf.fully_shard: dp_mesh_dims (FSDP2's full SPMD mesh, torch 2.15) is not supported "
+            "yet; pass the data-parallel sub-mesh instead, mesh=mesh['dp'] (HSDP: "
+            "mesh['dp_replicate', 'dp_shard']), with the parameters split over the other dims "
+            "by parallelize_module, as torchtitan does"
+        )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard needs a module, or a non-empty list of modules")
@@ -351,6 +358,7 @@ def fully_shard(
     planner: StructAwarePlanner | None = None,
     dbuffer_config: DBufferConfig | None = None,
     compression: CommCompression | None = None,
+    dp_mesh_dims: object | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`
@@ -370,8 +378,10 @@ def fully_shard(
     device (not with a compressed all-gather). ``ignored_params`` stay unsharded and unmanaged
     (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather and/or
     the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
-    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter)."""
-    modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
+    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter).
+    ``dp_mesh_dims`` (torch 2.15's form: the full mesh with its data-parallel dims named) is
+    refused, naming the sub-mesh form that works."""
+    modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy, dp_mesh_dims)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     registrations = _registrations(modules, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
