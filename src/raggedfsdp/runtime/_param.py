@@ -88,11 +88,18 @@ class FSDPParam:
         if self.parallel is None:
             self.unsharded.data = view
         else:
-            self.unsharded._local_tensor = view
+            # Through ``.data``, as a plain parameter: the local tensor keeps its own version
+            # counter, so the all-gather that refills the buffer in backward does not make
+            # stale the views forward took of it (``to_local()``, as expert-parallel experts
+            # read their weights); FSDP2 preserves the counter for the same reason.
+            self.unsharded._local_tensor.data = view
 
     def unsharded_local(self) -> torch.Tensor:
-        """The unsharded parameter's values (a DTensor's local tensor)."""
-        return self.unsharded._local_tensor if self.parallel is not None else self.unsharded.data
+        """The unsharded parameter's values (a DTensor's local tensor), as ``.data``: a copy
+        into them bumps no version counter (see :meth:`bind_unsharded`)."""
+        return (
+            self.unsharded._local_tensor.data if self.parallel is not None else self.unsharded.data
+        )
 
     def set_unsharded_grad(self, view: torch.Tensor | None) -> None:
         """The unsharded parameter's gradient becomes ``view`` (autograd accumulates into it),
