@@ -5,12 +5,13 @@ Three runs of 5 steps, side by side: gpt-tiny at (dp=2, tp=2) with Muon (every b
 split by tensor parallelism, orthogonalised whole), the tiny Hugging Face Llama at (dp=2, tp=2)
 with AdamW, the tiny Mixtral at (dp=2, ep=2) with AdamW (two of its four experts per rank, tokens
 dispatched by all-to-all). Each trains as one process does on the global batch: the losses
-agree to 1e-5 at every step. The negative control for a split that silently did not happen
-(the same losses, FSDP over dp alone, tp peers holding copies): each rank's optimizer state is a
-quarter of one process's, as (dp x tp) or (dp x ep) = 4 ways of splitting make it, where FSDP
-over dp = 2 alone would hold half. The checkpoints record the mesh and move across meshes: the
-step-3 checkpoints of the GPT and the Mixtral resume under FSDP alone on 2 ranks and finish with
-the losses of the runs they came from (1e-5). What needs no launch (options, the model checks):
+agree to 1e-5 at every step (5e-5 with Muon, whose Newton-Schulz runs in bf16). The negative
+control for a split that silently did not happen (the same losses, FSDP over dp alone, tp peers
+holding copies): each rank's optimizer state is a quarter of one process's (and half of what
+tensor parallelism leaves whole), where FSDP over dp = 2 alone would hold half. The
+checkpoints record the mesh and move across meshes: the step-3 checkpoints of the GPT and the
+Mixtral resume under FSDP alone on 2 ranks and finish with the losses of the runs they came
+from (1e-5). What needs no launch (options, the model checks):
 tests/unit/test_train_parallel_options.py.
 """
 
@@ -107,23 +108,31 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
     return found
 
 
+#: How far a split run's loss may be from one process's. Muon's Newton-Schulz iteration runs in
+#: bf16 (torch's Muon, which rf.optim.Muon follows bit for bit), so the last-bit differences of
+#: a gradient summed in another order can round its update differently: measured 1.1e-5 by
+#: step 5 (AdamW: under 1e-6).
+TOLERANCE = {"gpt-tp": 5e-5, "llama-tp": 1e-5, "mixtral-ep": 1e-5}
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_split_runs_train_as_one_process(runs, name):
     split, one = _losses(runs[name]["split"]), _losses(runs[name]["one"])
     assert sorted(split) == [1, 2, 3, 4, 5]
     assert split[5] < split[1] - 0.3  # it trains
     for step in split:
-        assert abs(split[step] - one[step]) <= 1e-5, (step, split[step], one[step])
+        assert abs(split[step] - one[step]) <= TOLERANCE[name], (step, split[step], one[step])
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_each_rank_holds_a_quarter(runs, name):
     """The negative control: FSDP over dp = 2 alone would train the same numbers, holding
-    half of the optimizer state per rank, not a quarter."""
+    half of the optimizer state per rank. Split four ways a rank holds a quarter, and half of
+    what tensor parallelism leaves whole (norms, positions: a few percent of the GPT)."""
     split = _records(runs[name]["split"], "train")[-1]
-    one = _records(runs[name]["one"], "train")[-1]
+    one = _records(runs[name]["one"], "train")[-1]["optimizer_bytes"]
     assert split["world_size"] == 4
-    assert split["optimizer_bytes"] == pytest.approx(one["optimizer_bytes"] / 4, rel=0.01)
+    assert 0.99 * one / 4 <= split["optimizer_bytes"] <= 0.3 * one
     mesh = CASES[name][2]
     words = " x ".join(f"{k}={v}" for k, v in mesh.items())
     assert f"4 rank(s) (gloo, {words})" in runs[name]["console"]

@@ -313,7 +313,25 @@ def to_ragged_tensor(piece: torch.Tensor, layout: ShardLayout, like: torch.Tenso
     if isinstance(like, DTensor):
         dim = ragged_dim(like)
         assert dim is not None
-        return RaggedTensor.from_piece(piece, layout, like.device_mesh, mesh_dim=dim)
+        others = [p for d, p in enumerate(like.placements) if d != dim and not p.is_replicate()]
+        if not others:
+            return RaggedTensor.from_piece(piece, layout, like.device_mesh, mesh_dim=dim)
+        # Split by tensor or expert parallelism as well: an entry of the parameter's shape is
+        # placed as the parameter is, so that DCP writes each tp rank's slice at its offsets.
+        if layout.global_shape != like.placements[dim].layout.global_shape:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"optimizer state of shape {list(layout.global_shape)} for a parameter of shape "
+                f"{list(like.shape)} split by {tuple(like.placements)}: state shaped unlike "
+                f"the parameter cannot be placed beside tensor or expert parallelism"
+            )
+        return RaggedTensor.from_piece(
+            piece,
+            layout,
+            like.device_mesh,
+            mesh_dim=dim,
+            placements=like.placements,
+            shape=like.shape,
+        )
     info = shard_info(like)
     assert info is not None
     mesh = _group_mesh(info.group or dist.group.WORLD, piece.device.type)
