@@ -147,4 +147,4 @@ def test_checkpoints_move_to_fsdp_alone(runs, name):
     for step in resumed:
         assert abs(resumed[step] - split[step]) <= 1e-5, (step, resumed[step], split[step])
     words = " x ".join(f"{k}={v}" for k, v in CASES[name][2].items())
-    assert f"saved on 4 rank(s) ({words}), now 2 rank(s)" in runs[name]["resumed_console"]
+    assert f"saved on 4 rank(s) ({words}), now 2)" in runs[name]["resumed_console"]

@@ -39,8 +39,7 @@ def test_gpt_shape_matches_the_block_it_describes():
     assert len(shape.blocks) == cfg.n_layer and shape.root.path == ""
     for block in shape.blocks:
         assert block.matmul_numel == 12 * d * d  # q k v 3d², proj d², fc 4d², proj 4d²
-        # docs: the 16 d the GPT block keeps, ln1's output counted as each of q k v's input
-        assert block.activation_per_token == 18 * d
+        assert block.activation_per_token == 16 * d  # docs: what the GPT block keeps
         assert block.widest_per_token == 4 * d
     assert shape.root.matmul_numel == v * d  # the tied head, once; the lookups are free
 
@@ -150,9 +149,8 @@ def test_memory_counts_ragged_buffers_and_fsdp2_padding():
     assert fsdp2.params == 4 * padded
     assert ours.activations == fsdp2.activations
     tokens, d, v = 128, 64, 256
-    kept = 18 * d  # per block and token (test_gpt_shape_matches_the_block_it_describes)
-    loss = tokens * 4 * (2 * kept + 2 * d + 3 * v)  # docs: the two candidate peaks
-    block = tokens * 4 * (2 * kept + d + 4 * d) + 4 * v * d  # + the tied gradient
+    loss = tokens * 4 * (2 * 16 * d + 2 * d + 3 * v)  # docs: the two candidate peaks
+    block = tokens * 4 * (2 * 16 * d + d + 4 * d) + 4 * v * d  # + the tied gradient
     assert activation_bytes(shape, step) == (loss, block)
     assert ours.activations == (loss if ours.phase == "loss" else block)
 

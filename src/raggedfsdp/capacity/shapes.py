@@ -15,11 +15,11 @@ Pure Python over parameter shapes (models on the meta device). The rules, stated
 - **activations** kept per token by a block (no activation checkpointing, flash attention, no
   dropout): ``sum over its matrices of (in + out)`` elements, each projection's input and output
   (an output projection's output standing for the residual sum it is added into). For the plain
-  GPT block that is ``18 d`` where it keeps ``16 d``: ``ln1`` (d, counted as the input of each
-  of ``q_proj k_proj v_proj``, so three times), ``q k v`` (3d), the attention output (d), the
-  residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum (d): projections
-  that share an input over-count it, on the safe side; per-token statistics (LayerNorm mean and
-  rstd, the attention's log-sum-exp: under 0.5% of the total) are left out. With activation
+  GPT block that is ``16 d``, exactly what it keeps: ``ln1`` (d), ``q k v`` (3d), the attention
+  output (d), the residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum
+  (d). Projections that read one input (queries, keys and values; a gated feed-forward's two
+  input projections) count it once. Per-token statistics (LayerNorm mean and rstd, the
+  attention's log-sum-exp: under 0.5% of the total) are left out. With activation
   checkpointing a block keeps only its input, ``d`` per token, and recomputes the rest in its
   backward.
 - **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul
@@ -134,16 +134,45 @@ class ModelShape:
         return total
 
 
+#: Projections that read the input their sibling projections of one module read: queries, keys
+#: and values (DeepSeek's low-rank query and key-value inputs), a gated feed-forward's two input
+#: projections. The block keeps that input once.
+_SHARED_INPUT = frozenset(
+    {
+        *("q_proj", "k_proj", "v_proj", "wq", "wk", "wv"),
+        *("wq_a", "wkv_a", "q_a_proj", "kv_a_proj_with_mqa"),
+        *("gate_proj", "up_proj", "w1", "w3"),
+    }
+)
+
+
+def _shared_input(name: str, shape: tuple[int, ...]) -> tuple[str, int] | None:
+    """``(module, width)`` of the input a sibling projection may have counted already (a
+    ``Linear``'s weight, or a fused stack of experts ``[E, out, in]`` named by its role), or
+    ``None`` for a matrix whose input is its own."""
+    parts = name.split(".")
+    named_weight = len(parts) >= 2 and parts[-1] == "weight"
+    role, module = (parts[-2], parts[:-2]) if named_weight else (parts[-1], parts[:-1])
+    if role not in _SHARED_INPUT:
+        return None
+    return ".".join(module), shape[-1]
+
+
 def _matrix_terms(
-    name: str, shape: tuple[int, ...], expert_counts: Mapping[str, int], experts_per_token: int
+    name: str,
+    shape: tuple[int, ...],
+    expert_counts: Mapping[str, int],
+    experts_per_token: int,
+    counted: bool = False,
 ) -> tuple[float, float, int]:
     """(matmul elements, activation elements, output width) per token of one parameter of
-    two or more dimensions."""
-    if len(shape) == 3:  # a fused stack of E experts [E, a, b]
+    two or more dimensions (the activation: its output, and its input unless ``counted``
+    already by a sibling projection)."""
+    if len(shape) == 3:  # a fused stack of E experts [E, out, in]
         share = experts_per_token / shape[0]
         return (
             share * math.prod(shape),
-            experts_per_token * (shape[1] + shape[2]),
+            experts_per_token * (shape[1] + (0 if counted else shape[2])),
             max(shape[1], shape[2]),
         )
     match = _EXPERT_RE.search(name)
@@ -151,7 +180,7 @@ def _matrix_terms(
     if match is not None:
         share = experts_per_token / expert_counts[name[: match.start()]]
     rows, cols = shape[0], math.prod(shape[1:])
-    return share * rows * cols, share * (rows + cols), rows
+    return share * rows * cols, share * (rows + (0 if counted else cols)), rows
 
 
 def _expert_counts(names: list[str]) -> dict[str, int]:
@@ -246,10 +275,14 @@ def _unit_shape(
     matmul)."""
     matmul = activation = 0.0
     widest = 0
+    inputs: set[tuple[str, int]] = set()  # inputs that sibling projections counted
     for name, p in params:
         if p.dim() >= 2 and id(p) not in lookups:
-            m, a, out = pieces.terms(name, tuple(p.shape))
+            shared = _shared_input(name, tuple(p.shape))
+            m, a, out = pieces.terms(name, tuple(p.shape), counted=shared in inputs)
             matmul, activation, widest = matmul + m, activation + a, max(widest, out)
+            if shared is not None:
+                inputs.add(shared)
     nested = any(path.startswith(other + ".") for other in by_unit if other)
     return UnitShape(
         path=path,
@@ -284,9 +317,12 @@ class _Pieces:
         assert self.split is not None
         return self.split.local_shape(self.names[id(param)]) or ()
 
-    def terms(self, name: str, shape: tuple[int, ...]) -> tuple[float, float, int]:
-        """(matmul elements, activation elements, output width) per token on this rank."""
-        matmul, activation, out = _matrix_terms(name, shape, self.counts, self.k)
+    def terms(
+        self, name: str, shape: tuple[int, ...], *, counted: bool = False
+    ) -> tuple[float, float, int]:
+        """(matmul elements, activation elements, output width) per token on this rank;
+        ``counted``: a sibling projection counted the input already (the output alone)."""
+        matmul, activation, out = _matrix_terms(name, shape, self.counts, self.k, counted)
         if self.split is None:
             return matmul, activation, out
         tp = self.split.dims.tp

@@ -373,20 +373,17 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
     ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
     units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    devices (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator the shards,
-    gradients and optimizer state live on the host and only the unsharded parameters on the
-    device (not with a compressed all-gather). ``ignored_params`` stay unsharded and unmanaged
-    (their gradients are not reduced), as in FSDP2. ``compression`` quantizes the all-gather and/or
-    the reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
-    same one, and ``mp_policy.reduce_dtype`` be None or fp32 under a compressed reduce-scatter).
-    ``dp_mesh_dims`` (torch 2.15's form: the full mesh with its data-parallel dims named) is
-    refused, naming the sub-mesh form that works."""
+    (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and
+    optimizer state live on the host (not with a compressed all-gather). ``ignored_params`` stay
+    unsharded and unmanaged, as in FSDP2. ``compression`` quantizes the all-gather and/or the
+    reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
+    same one, ``mp_policy.reduce_dtype`` None or fp32 under a compressed reduce-scatter).
+    ``dp_mesh_dims`` (torch 2.15) is refused, naming the sub-mesh form that works."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy, dp_mesh_dims)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     registrations = _registrations(modules, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
-    device = device_for([r.param for r in registrations], mesh)
-    info = mesh_info(mesh, device)
+    info = mesh_info(mesh, device := device_for([r.param for r in registrations], mesh))
     registrations = _with_parallel_specs(registrations, info, planner.shard_policy)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)

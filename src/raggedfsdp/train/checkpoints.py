@@ -293,11 +293,11 @@ def load_checkpoint(
     model.load_state_dict(state["model"])
     load_optim_state_dict(model, optimizer, state["optim"])
     world = dist.get_world_size() if dist.is_initialized() else 1
-    same_ranks = _ranks_of(meta["world_size"], meta.get("mesh")) == _ranks_of(world, mesh)
+    saved, now = _ranks_of(meta["world_size"], meta.get("mesh")), _ranks_of(world, mesh)
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-    if same_ranks and rng_file.is_file():
+    if saved == now and rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    _load_residuals(path, model, meta["world_size"], world, same_ranks)
+    _load_residuals(path, model, (meta["world_size"], saved), (world, now))
     return meta
 
 
@@ -317,18 +317,27 @@ def _write_residuals(folder: Path, model: nn.Module, rank: int) -> None:
 
 
 def _load_residuals(
-    path: Path, model: nn.Module, saved_world: int, world: int, same_ranks: bool
+    path: Path,
+    model: nn.Module,
+    saved: tuple[int, dict[str, int]],
+    now: tuple[int, dict[str, int]],
 ) -> None:
-    """Resume the residuals at the world size and mesh they were saved at; elsewhere they
-    describe other ranks' gradients, so they restart from zero, with a warning."""
+    """Resume the residuals at the world size and mesh (``(world, mesh)`` each) they were saved
+    at; elsewhere they describe other ranks' gradients, so they restart from zero, with a
+    warning."""
     if not error_feedback_state(model):
         return
     file = path / "residuals" / f"rank_{_rank():05d}.pt"
-    if not same_ranks:
+    if saved[0] != now[0]:
         warnings.warn(
-            f"checkpoint {str(path)!r} was saved at world size {saved_world} (or another "
-            f"mesh); resuming at {world}, the error-feedback residuals are dropped and restart "
-            f"from zero",
+            f"checkpoint {str(path)!r} was saved at world size {saved[0]}; resuming at "
+            f"{now[0]}, the error-feedback residuals are dropped and restart from zero",
+            stacklevel=2,
+        )
+    elif saved[1] != now[1]:
+        warnings.warn(
+            f"checkpoint {str(path)!r} was saved on the mesh {saved[1]}; resuming on {now[1]}, "
+            f"the error-feedback residuals are dropped and restart from zero",
             stacklevel=2,
         )
     elif not file.is_file():

@@ -326,20 +326,20 @@ def _resume(
     start_step: int = meta["step"]
     if mesh.rank == 0:
         notes = "".join(f"; {note}" for note in _resume_notes(meta["config"], cfg))
-        saved = _mesh_words(meta["world_size"], meta.get("mesh"))
+        saved = f"{meta['world_size']} rank(s){_mesh_words(meta.get('mesh'))}"
         print(
             f"resumed from {ckpt} (step {start_step}, saved on {saved}, now "
-            f"{_mesh_words(mesh.world, mesh.describe())}){notes}",
+            f"{mesh.world}{_mesh_words(mesh.describe())}){notes}",
             flush=True,
         )
     return start_step
 
 
-def _mesh_words(world: int, mesh: dict[str, int] | None) -> str:
-    """``4 rank(s)``, or with tensor or expert parallelism ``4 rank(s) (dp=2 x tp=2)``."""
+def _mesh_words(mesh: dict[str, int] | None) -> str:
+    """`` (dp=2 x tp=2)`` for a mesh with tensor or expert parallelism, else nothing."""
     if not mesh or set(mesh) == {"dp"}:
-        return f"{world} rank(s)"
-    return f"{world} rank(s) ({' x '.join(f'{k}={v}' for k, v in mesh.items())})"
+        return ""
+    return f" ({' x '.join(f'{k}={v}' for k, v in mesh.items())})"
 
 
 def _resume_notes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:
