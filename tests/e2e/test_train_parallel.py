@@ -5,7 +5,7 @@ Three runs of 5 steps, side by side: gpt-tiny at (dp=2, tp=2) with Muon (every b
 split by tensor parallelism, orthogonalised whole), the tiny Hugging Face Llama at (dp=2, tp=2)
 with AdamW, the tiny Mixtral at (dp=2, ep=2) with AdamW (two of its four experts per rank, tokens
 dispatched by all-to-all). Each trains as one process does on the global batch: the losses
-agree to 1e-5 at every step (5e-5 with Muon, whose Newton-Schulz runs in bf16). The negative
+agree to 1e-5 at every step (2e-4 with Muon, whose Newton-Schulz runs in bf16). The negative
 control for a split that silently did not happen (the same losses, FSDP over dp alone, tp peers
 holding copies): each rank's optimizer state is a quarter of one process's (and half of what
 tensor parallelism leaves whole), where FSDP over dp = 2 alone would hold half. The
@@ -110,9 +110,11 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
 
 #: How far a split run's loss may be from one process's. Muon's Newton-Schulz iteration runs in
 #: bf16 (torch's Muon, which rf.optim.Muon follows bit for bit), so the last-bit differences of
-#: a gradient summed in another order can round its update differently: measured 1.1e-5 by
-#: step 5 (AdamW: under 1e-6).
-TOLERANCE = {"gpt-tp": 5e-5, "llama-tp": 1e-5, "mixtral-ep": 1e-5}
+#: a gradient summed in another order round its update differently: FSDP alone on 2 ranks is
+#: up to 5.6e-5 from one process by step 5 of this run, (dp=2, tp=2) 1.1e-5 to 8.6e-5 over
+#: three launches. That Muon orthogonalises whole matrices is tested bit for bit, with a
+#: negative control, in tests/distributed/test_tensor_parallel.py. AdamW: under 1e-6.
+TOLERANCE = {"gpt-tp": 2e-4, "llama-tp": 1e-5, "mixtral-ep": 1e-5}
 
 
 @pytest.mark.parametrize("name", CASES)
