@@ -28,31 +28,12 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from optim_grid import set_whole_grads
+from raggedfsdp.models.expert_parallel import exchange_rows
 
 WORLD, DP, EP = 4, 2, 2
 DIM, HIDDEN, EXPERTS, TOP_K = 8, 16, 4, 2
 TOKENS = 6  # per rank: the global batch is WORLD * TOKENS
 IMPLS: dict[str, Callable[..., Any]] = {"rf": rf.fully_shard, "fsdp2": fsdp2_fully_shard}
-
-
-class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` of rows with autograd: backward sends the gradients back."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
-    ) -> torch.Tensor:
-        ctx.splits, ctx.group = (in_splits, out_splits), group
-        out = x.new_empty(sum(out_splits), *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        in_splits, out_splits = ctx.splits
-        back = grad.new_empty(sum(in_splits), *grad.shape[1:])
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -103,12 +84,12 @@ class MoE(nn.Module):
         dist.all_to_all_single(received, counts, group=self.ep_group)
         grid = received.view(ep, local)
         send, recv = counts.view(ep, local).sum(1).tolist(), grid.sum(1).tolist()
-        arrived = _AllToAll.apply(tokens, recv, send, self.ep_group)  # by source, then expert
+        arrived = exchange_rows(tokens, recv, send, self.ep_group)  # by source, then expert
         pieces = arrived.split(grid.reshape(-1).tolist())
         by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(ep)])
         done = self.experts(by_expert, grid.sum(0).tolist()).split(grid.t().reshape(-1).tolist())
         back = torch.cat([done[e * ep + s] for s in range(ep) for e in range(local)])
-        return _AllToAll.apply(back, send, recv, self.ep_group)
+        return exchange_rows(back, send, recv, self.ep_group)
 
 
 class Block(nn.Module):

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["check_expert_parallel", "expert_modules", "parallelize_experts"]
+__all__ = ["check_expert_parallel", "exchange_rows", "expert_modules", "parallelize_experts"]
 
 #: The stacked weights of an experts module, each ``[experts, ...]``: the ones split over ep.
 _WEIGHTS = ("gate_up_proj", "down_proj")
@@ -226,14 +226,14 @@ def _dispatch(module: _ExpertParallel, tokens: torch.Tensor, counts: torch.Tenso
     # from each rank for its own; one host sync for both (all_to_all_single takes host lists).
     to_ranks, from_ranks = torch.stack((counts, received)).view(2, ep, local).tolist()
     send, recv = [sum(row) for row in to_ranks], [sum(row) for row in from_ranks]
-    arrived = _AllToAll.apply(tokens, recv, send, group)  # by source rank, then expert
+    arrived = exchange_rows(tokens, recv, send, group)  # by source rank, then expert
     pieces = arrived.split([n for row in from_ranks for n in row])
     by_expert = [pieces[s * local + e] for e in range(local) for s in range(ep)]
     per_expert = [sum(from_ranks[s][e] for s in range(ep)) for e in range(local)]
     done = _local_experts(module, torch.cat(by_expert), per_expert)
     results = done.split([piece.shape[0] for piece in by_expert])  # by expert, then source
     back = torch.cat([results[e * ep + s] for s in range(ep) for e in range(local)])
-    return _AllToAll.apply(back, send, recv, group)
+    return exchange_rows(back, send, recv, group)
 
 
 def _local_experts(module: nn.Module, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -251,6 +251,15 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: the local tensor of an expert-parallel DTensor (in forward, also
     under ``fully_shard`` over a dp mesh: its unsharded parameter is the DTensor over ep)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def exchange_rows(
+    rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """``all_to_all_single`` of ``rows`` over ``group`` (``in_splits[r]`` rows to rank ``r``,
+    ``out_splits[r]`` from it), differentiable: the backward sends the gradients back the way
+    the rows came. Token dispatch for expert parallelism."""
+    return _AllToAll.apply(rows, out_splits, in_splits, group)
 
 
 class _AllToAll(torch.autograd.Function):
