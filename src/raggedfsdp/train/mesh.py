@@ -117,11 +117,10 @@ def shard_model(model: nn.Module, mesh: JobMesh, device: torch.device, **fsdp: A
     if mesh.tp > 1:
         tensor_parallel.parallelize_tensor(model, device_mesh["tp"])
         return FSDPBackend(model, mesh=device_mesh["dp"], **fsdp)
-    wrap = fsdp.pop("wrap", None)
     for experts in expert_parallel.parallelize_experts(model, device_mesh["ep"]):
         fully_shard(experts, mesh=device_mesh["dp"], reshard_after_forward=True, **_unit(fsdp))
     dense = device_mesh["dp", "ep"]._flatten("dp_ep")  # every rank flattens (a collective)
-    return FSDPBackend(model, mesh=dense, wrap=wrap, **fsdp)
+    return FSDPBackend(model, mesh=dense, **fsdp)
 
 
 def _unit(fsdp: dict[str, Any]) -> dict[str, Any]:
