@@ -170,6 +170,7 @@ def _errors(base: Net, mesh: Any) -> dict[str, str]:
     uneven = nn.Linear(8, 5)  # 5 rows over 2 tensor-parallel ranks
     parallelize_module(uneven, mesh["tp"], ColwiseParallel())
     return {
+        "peers": error_message(lambda: _muon_on_other_layouts(base, mesh)),
         "shampoo": error_message(lambda: rf.optim.Shampoo(matrices, lr=0.01)),
         "muon_uneven": error_message(lambda: rf.optim.Muon([uneven.weight], lr=0.01)),
         "tile_cut": error_message(
@@ -177,6 +178,21 @@ def _errors(base: Net, mesh: Any) -> dict[str, str]:
         ),
         "same_dims": error_message(lambda: rf.fully_shard(same, mesh=mesh["tp"])),
     }
+
+
+def _muon_on_other_layouts(base: Net, mesh: Any) -> None:
+    """A program that shards differently on tensor-parallel peers (each block a unit on tp
+    rank 0, the whole model one unit on tp rank 1: down.weight's slice lands on the other dp
+    rank): Muon's first step must refuse it on every rank, not gather the wrong slices."""
+    model = copy.deepcopy(base)
+    _tensor_parallel(model, mesh)
+    if mesh.get_local_rank("tp") == 0:
+        for block in model.blocks:
+            rf.fully_shard(block, mesh=mesh["dp"])
+    rf.fully_shard(model, mesh=mesh["dp"])
+    muon = rf.optim.Muon(model.named_parameters(), lr=0.01, adamw_params=lambda p, s: len(s) != 2)
+    model(torch.randn(BATCH, 6)).backward()
+    muon.step()
 
 
 def _checkpoints(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
@@ -242,6 +258,12 @@ def test_checkpoint_loads_into_fsdp2_tp_and_at_another_dp_size(grid):
         _close(result["checkpoints"]["fsdp2"], saved)
         if rank < 2:
             _close(result["checkpoints"]["dp1"], saved)
+
+
+def test_tensor_parallel_peers_that_planned_apart_stop_muon_on_every_rank(grid):
+    for rank in grid:
+        message = rank["errors"]["peers"]
+        assert "Muon: tensor-parallel peers hold different matrices or shard layouts" in message
 
 
 def test_bad_input_is_one_clear_error(grid):

@@ -8,7 +8,10 @@ silently wrong. So the data-parallel owner of a slice gathers the slices over th
 tensor-parallel group, orthogonalises the whole matrix and keeps its own slice of the result.
 The owners agree: tensor-parallel peers hold equal slices (an even split is required), so their
 shard layouts and owner plans are equal, and every peer owns the same matrices in the same
-order. Each peer runs the same kernel on the same matrix: the numbers of one device.
+order, when every rank built the same model and plan; :func:`check_peers_agree` makes that an
+error rather than a trust, once per bucket (a peer pairing other matrices would gather the
+wrong slices, or wait in a collective the others never enter). Each peer runs the same kernel
+on the same matrix: the numbers of one device.
 
 Expert parallelism (``Shard(0)`` of a stack ``[E, rows, cols]``) splits between matrices, never
 inside one: nothing to gather. Any other split of a stack is refused.
@@ -24,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..layout import RaggedShardPlacement
 
-__all__ = ["TensorSplit", "tensor_split"]
+__all__ = ["TensorSplit", "check_peers_agree", "tensor_split"]
 
 
 @dataclass(frozen=True)
@@ -89,3 +92,50 @@ def tensor_split(param: torch.Tensor, label: str) -> TensorSplit | None:
             f"gather the matrix"
         )
     return TensorSplit(dim, mesh.get_group(mesh_dim), size, mesh.get_local_rank(mesh_dim))
+
+
+def check_peers_agree(
+    pg: dist.ProcessGroup | None, items: list[tuple[str, TensorSplit, tuple[object, ...]]]
+) -> None:
+    """``ValueError`` on every rank unless each tensor-parallel group's ranks hold the same
+    matrices in the same order, each sharded alike over the data-parallel group ``pg``:
+    ``items`` are this rank's split matrices of one bucket, as ``(label, split, layout)``
+    (``layout``: the slice's shape and its ranges over ``pg``). Collectives: one object gather
+    per tensor-parallel group, then one all-reduce over ``pg``, so that a group that
+    disagrees stops every rank, not only its own."""
+    groups: dict[int, tuple[dist.ProcessGroup, list[tuple[str, tuple[object, ...]]]]] = {}
+    for label, split, layout in items:
+        groups.setdefault(id(split.group), (split.group, []))[1].append((label, layout))
+    problem = ""
+    for group, mine in groups.values():
+        peers: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(peers, mine, group=group)
+        for rank, theirs in enumerate(peers):
+            if theirs != mine and not problem:
+                ranks = dist.get_process_group_ranks(group)
+                problem = _first_difference(mine, theirs, ranks[rank])  # type: ignore[arg-type]
+    failed = torch.tensor([int(bool(problem))])
+    if pg is not None:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=pg)
+    if failed.item():
+        raise ValueError(
+            "Muon: tensor-parallel peers hold different matrices or shard layouts "
+            f"({problem or 'on another tensor-parallel group'}): build the model, its tensor "
+            "parallelism and raggedfsdp's plan identically on every rank"
+        )
+
+
+def _first_difference(
+    mine: list[tuple[str, tuple[object, ...]]],
+    theirs: list[tuple[str, tuple[object, ...]]],
+    rank: int,
+) -> str:
+    for (label, layout), (other_label, other) in zip(mine, theirs, strict=False):
+        if (label, layout) != (other_label, other):
+            return f"here {label} {_words(layout)}; on rank {rank} {other_label} {_words(other)}"
+    return f"{len(mine)} split matrices here, {len(theirs)} on rank {rank}"
+
+
+def _words(layout: tuple[object, ...]) -> str:
+    shape, ranges = layout
+    return f"has a slice {list(shape)} cut {list(ranges)} over the data-parallel ranks"  # type: ignore[call-overload]

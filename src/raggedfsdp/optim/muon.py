@@ -43,7 +43,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 from ..layout import shard_info
 from ._common import ShardedOptimizer, comm_group, full_shape, global_shape, local, local_range
 from ._muon_args import AdamWRule, check_muon_args, route
-from ._tensor_split import TensorSplit, tensor_split
+from ._tensor_split import TensorSplit, check_peers_agree, tensor_split
 
 __all__ = ["Muon", "newton_schulz_cost", "plan_owners"]
 
@@ -363,6 +363,13 @@ class Muon(ShardedOptimizer):
                 world, me = dist.get_world_size(pg), dist.get_rank(pg)
                 ranges = [shard_info(i.param).layout.ranges for i in pending]  # type: ignore[union-attr]
             shapes = [_slice_shape(i.param) for i in pending]
+            split = [
+                (self._label_of(i.param), i.split, (shapes[k], ranges[k]))
+                for k, i in enumerate(pending)
+                if i.split is not None
+            ]
+            if split:
+                check_peers_agree(pg, split)  # type: ignore[arg-type]
             plan = self._plans[key] = _plan_bucket(shapes, ranges, world, me)
         return plan
 
