@@ -134,8 +134,7 @@ class _RunPlans:
 
 def _run_plans(cfg: TrainConfig, world_size: int) -> _RunPlans:
     """:class:`_RunPlans` of ``cfg`` at ``world_size``; ``ValueError`` for a block a split
-    or a shard would cut, or a model the split does not fit (:func:`~.build.job_mesh`)."""
-    job_mesh(cfg, world_size)
+    or a shard would cut (the split's own checks: :func:`~.build.job_mesh`, first)."""
     policy = mp_policy(cfg)
     dtype = policy.param_dtype if policy else None
     model = meta_model(cfg)
