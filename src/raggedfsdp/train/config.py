@@ -69,7 +69,7 @@ class TrainConfig:
     """Tensor-parallel degree: split every block's projections, the embedding and the head over
     groups of this many consecutive ranks (a GPT or a Llama-style --hf-config), FSDP over the
     world / tp data-parallel ranks; it must divide the heads, hidden units and vocabulary. With
-    --optimizer adamw or muon (docs/parallelism.md)."""
+    --optimizer adamw or muon (docs/training.md)."""
 
     ep: int = 1
     """Expert-parallel degree for a mixture of experts (--hf-config tiny-mixtral, ...): each
