@@ -24,12 +24,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from ..capacity.parallel import ParallelDims
 from ..capacity.wire import CODE_DTYPES
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..runtime import CommCompression
+from .mesh import JobMesh
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -352,8 +352,7 @@ class TrainConfig:
         """Raise ``ValueError`` unless ``tp x ep`` divides the world and the batch splits evenly
         over the data ranks (``world / tp``: tensor-parallel peers share their sequences) and
         micro-batches."""
-        ParallelDims(tp=self.tp, ep=self.ep).check_world(world_size)
-        data_ranks = world_size // self.tp
+        data_ranks = JobMesh(world_size, tp=self.tp, ep=self.ep).data_ranks
         split = data_ranks * self.grad_accum
         if self.batch_size % split:
             ranks = f"{data_ranks} data rank(s)" if self.tp > 1 else f"{world_size} rank(s)"

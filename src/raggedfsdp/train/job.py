@@ -54,7 +54,7 @@ from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
-from .mesh import JobMesh
+from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
@@ -339,7 +339,7 @@ def _mesh_words(mesh: dict[str, int] | None) -> str:
     """`` (dp=2 x tp=2)`` for a mesh with tensor or expert parallelism, else nothing."""
     if not mesh or set(mesh) == {"dp"}:
         return ""
-    return f" ({' x '.join(f'{k}={v}' for k, v in mesh.items())})"
+    return f" ({degrees_text(mesh)})"
 
 
 def _resume_notes(saved: dict[str, Any], cfg: TrainConfig) -> list[str]:

@@ -18,6 +18,7 @@ are those of FSDP alone on the same global batch, up to the order of float sums.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from ..capacity.parallel import ParallelDims
 from ..models import expert_parallel, tensor_parallel
 from ..runtime import FSDPBackend, fully_shard
 
-__all__ = ["JobMesh", "check_model", "shard_model"]
+__all__ = ["JobMesh", "check_model", "degrees_text", "shard_model"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,13 @@ class JobMesh:
         return {"dp": self.world}
 
     def __str__(self) -> str:
-        return " x ".join(f"{k}={v}" for k, v in self.describe().items())
+        return degrees_text(self.describe())
+
+
+def degrees_text(degrees: Mapping[str, int]) -> str:
+    """``dp=2 x tp=2``: a mesh's degrees as :meth:`JobMesh.describe` (and a checkpoint's
+    ``COMPLETE.json``) records them."""
+    return " x ".join(f"{k}={v}" for k, v in degrees.items())
 
 
 def check_model(model: nn.Module, mesh: JobMesh, name: str) -> None:

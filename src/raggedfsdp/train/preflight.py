@@ -220,9 +220,13 @@ PROCESS_BYTES = 256 * 2**20
 def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
     """What one rank of this run holds at its peak (:mod:`raggedfsdp.capacity.cost`): the run's
     own plans, micro-batch, optimizer, mixed precision and activation checkpointing."""
+    return _memory(cfg, world_size, _run_plans(cfg, world_size))
+
+
+def _memory(cfg: TrainConfig, world_size: int, run: _RunPlans) -> MemoryBreakdown:
+    """:func:`predicted_memory` from the run's plans, made already."""
     policy = mp_policy(cfg)
     param_dtype = policy.param_dtype if policy is not None else torch.float32
-    run = _run_plans(cfg, world_size)
     step = StepShape(
         batch=_micro_batch(cfg, world_size),
         seq_len=cfg.tokens_per_seq,
@@ -238,7 +242,11 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
 
 def _micro_batch(cfg: TrainConfig, world_size: int) -> int:
     """Sequences per rank and micro-batch (tensor-parallel peers compute on the same ones)."""
-    return cfg.batch_size // (world_size // cfg.tp) // cfg.grad_accum
+    return cfg.batch_size // _mesh(cfg, world_size).data_ranks // cfg.grad_accum
+
+
+def _mesh(cfg: TrainConfig, world_size: int) -> JobMesh:
+    return JobMesh(world_size, tp=cfg.tp, ep=cfg.ep)
 
 
 def _gpu_memory(index: int) -> tuple[int, int | None]:
@@ -333,7 +341,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     model, plans = run.model, run.plans
     where = f"{world_size} rank(s)"
     if cfg.tp > 1 or cfg.ep > 1:
-        where += f" ({JobMesh(world_size, tp=cfg.tp, ep=cfg.ep)}; a rank's pieces)"
+        where += f" ({_mesh(cfg, world_size)}; a rank's pieces)"
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)
     numel = sum(p.param_numel for p in plans)
@@ -352,7 +360,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     )
     # Per rank, the capacity planner's model of this run (docs/capacity.md), as the preflight
     # checks it: the peak frees the previous step's gradients (zero_grad) before forward.
-    memory = predicted_memory(cfg, world_size)
+    memory = _memory(cfg, world_size, run)
     micro = _micro_batch(cfg, world_size)
     estimates = [
         ("parameters + gradients (shards)", memory.params + memory.grads),
