@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import raggedfsdp as rf
-from harness import error_message, run_distributed
+from harness import assert_close_dicts, error_message, run_distributed
 from optim_grid import set_whole_grads
 from raggedfsdp.models.expert_parallel import exchange_rows
 
@@ -317,17 +317,11 @@ def grid(tmp_path_factory) -> list[dict[str, Any]]:
     return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("ep_dcp")))
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
-
-
 @pytest.mark.parametrize("impl", ["rf", "fsdp2", "rf_default_divide"])
 def test_dp_x_ep_computes_the_gradients_and_steps_of_one_process(grid, impl):
     for rank in grid:
-        _close(rank[impl]["grads"], rank["reference"]["grads"])
-        _close(rank[impl]["trained"], rank["reference"]["trained"])
+        assert_close_dicts(rank[impl]["grads"], rank["reference"]["grads"])
+        assert_close_dicts(rank[impl]["trained"], rank["reference"]["trained"])
 
 
 def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):
@@ -344,16 +338,16 @@ def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):
 
 def test_clip_reduces_the_norm_over_both_meshes(grid):
     for rank in grid:
-        _close(rank["rf_clipped"]["trained"], rank["reference_clipped"]["trained"])
+        assert_close_dicts(rank["rf_clipped"]["trained"], rank["reference_clipped"]["trained"])
 
 
 def test_checkpoint_moves_between_fsdp2_and_across_dp_sizes(grid):
     for rank, result in enumerate(grid):
         checkpoints = result["checkpoints"]
-        _close(checkpoints["into_fsdp2"], checkpoints["saved"])
-        _close(checkpoints["from_fsdp2"], checkpoints["fsdp2_saved"])
+        assert_close_dicts(checkpoints["into_fsdp2"], checkpoints["saved"])
+        assert_close_dicts(checkpoints["from_fsdp2"], checkpoints["fsdp2_saved"])
         if rank < 2:
-            _close(checkpoints["dp1"], checkpoints["saved"])
+            assert_close_dicts(checkpoints["dp1"], checkpoints["saved"])
 
 
 def test_bad_input_is_one_clear_error(grid):

@@ -40,7 +40,7 @@ import torch
 pytest.importorskip("accelerate", reason="the optional extra raggedfsdp[frameworks] is missing")
 pytest.importorskip("transformers", reason="the optional extra raggedfsdp[hf] is missing")
 
-from harness import run_distributed
+from harness import assert_close_dicts, run_distributed
 
 WORLD = 2
 BATCH = 2  # sequences per rank
@@ -201,12 +201,6 @@ def grid() -> list[dict[str, Any]]:
     return run_distributed(_cases, WORLD, timeout=900)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
-
-
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("impl", IMPLS)
 def test_prepare_trains_and_clips_as_one_process(grid, impl, case):
@@ -216,7 +210,7 @@ def test_prepare_trains_and_clips_as_one_process(grid, impl, case):
         assert run["dtensors"] and run["units"] >= 4  # layers, embedding, [norm, head], root
         assert run["norms"] == pytest.approx(reference["norms"], rel=1e-5)
         assert min(reference["norms"]) > MAX_NORM  # every step clipped
-        _close(run["state"], reference["state"])
+        assert_close_dicts(run["state"], reference["state"], atol=1e-6)
 
 
 def test_activation_checkpointing_wraps_then_shards(grid):
@@ -237,8 +231,10 @@ def test_ram_efficient_loading_places_rank_0s_weights(grid):
         # rank 1 built other weights; training from them would not match the reference
         for impl in IMPLS:
             assert not isinstance(rank[f"{impl}/ram_efficient"], str), rank[f"{impl}/ram_efficient"]
-        _close(rank["fsdp2/ram_efficient"]["state"], rank["reference"]["state"])
-        _close(rank["rf/ram_efficient"]["state"], rank["reference"]["state"])
+        assert_close_dicts(
+            rank["fsdp2/ram_efficient"]["state"], rank["reference"]["state"], atol=1e-6
+        )
+        assert_close_dicts(rank["rf/ram_efficient"]["state"], rank["reference"]["state"], atol=1e-6)
         # negative control: torch's distribute_tensor refuses a ragged placement; the one
         # import raggedfsdp installs takes it
         controls = rank["controls"]

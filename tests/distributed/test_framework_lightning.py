@@ -34,7 +34,7 @@ from torch import nn
 
 pytest.importorskip("lightning", reason="the optional extra raggedfsdp[frameworks] is missing")
 
-from harness import run_distributed
+from harness import assert_close_dicts, run_distributed
 
 WORLD = 2
 BATCH = 4  # per rank
@@ -238,12 +238,6 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_distributed(_cases, WORLD, tmp_path_factory.mktemp("lightning"), timeout=900)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
-
-
 @pytest.mark.parametrize("kind", ["dcp", "full"])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_trains_clips_saves_and_resumes_as_one_process(grid, impl, kind):
@@ -256,8 +250,8 @@ def test_trains_clips_saves_and_resumes_as_one_process(grid, impl, kind):
         assert resumed["steps"] == (STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH)
         assert resumed["norms"] == pytest.approx(reference["norms"], rel=1e-5)
         assert min(reference["norms"]) > CLIP  # every step clipped
-        _close(run["after_first"], reference["states"][0])
-        _close(resumed["after_resume"], reference["states"][1])
+        assert_close_dicts(run["after_first"], reference["states"][0], atol=1e-6)
+        assert_close_dicts(resumed["after_resume"], reference["states"][1], atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -271,7 +265,7 @@ def test_empty_init_trains(grid, impl):
         trained = run["reference"]["dcp"]["states"][1]
         for key, value in run["initial"].items():
             assert (trained[key] - value).abs().max() > 1e-3, key
-        _close(run["dcp"]["after_resume"], trained)
+        assert_close_dicts(run["dcp"]["after_resume"], trained, atol=1e-6)
 
 
 def test_empty_init_draws_what_one_process_draws(grid):

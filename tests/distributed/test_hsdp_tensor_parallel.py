@@ -22,7 +22,7 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import assert_close_dicts, run_distributed
 from raggedfsdp.models import GPT, GPTConfig
 from raggedfsdp.models.tensor_parallel import parallelize_tensor
 
@@ -86,16 +86,10 @@ def grid() -> list[dict[str, Any]]:
     return run_distributed(_grid, REPLICATE * SHARD * TP)
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
-
-
 def test_hsdp_x_tp_trains_as_one_process_and_as_fsdp2(grid):
     for rank in grid:
-        _close(rank["rf"]["trained"], rank["reference"])
-        _close(rank["fsdp2"]["trained"], rank["reference"])
+        assert_close_dicts(rank["rf"]["trained"], rank["reference"])
+        assert_close_dicts(rank["fsdp2"]["trained"], rank["reference"])
 
 
 def test_parameters_carry_the_three_placements(grid):

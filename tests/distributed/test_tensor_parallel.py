@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp as rf
-from harness import error_message, run_distributed
+from harness import assert_close_dicts, error_message, run_distributed
 from optim_grid import set_whole_grads
 
 WORLD, DP, TP = 4, 2, 2
@@ -228,16 +228,10 @@ def grid(tmp_path_factory) -> list[dict[str, Any]]:
     return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("tp_dcp")))
 
 
-def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-5, msg=key)
-
-
 def test_dp_x_tp_trains_as_one_process_and_as_fsdp2(grid):
     for rank in grid:
-        _close(rank["fsdp2"]["trained"], rank["reference"])
-        _close(rank["rf"]["trained"], rank["reference"])
+        assert_close_dicts(rank["fsdp2"]["trained"], rank["reference"])
+        assert_close_dicts(rank["rf"]["trained"], rank["reference"])
 
 
 def test_parameters_carry_both_placements(grid):
@@ -249,15 +243,15 @@ def test_parameters_carry_both_placements(grid):
 
 def test_clip_reduces_the_norm_over_dp_and_tp(grid):
     for rank in grid:
-        _close(rank["rf"]["clipped"], rank["reference_clipped"])
+        assert_close_dicts(rank["rf"]["clipped"], rank["reference_clipped"])
 
 
 def test_checkpoint_loads_into_fsdp2_tp_and_at_another_dp_size(grid):
     for rank, result in enumerate(grid):
         saved = result["checkpoints"]["saved"]
-        _close(result["checkpoints"]["fsdp2"], saved)
+        assert_close_dicts(result["checkpoints"]["fsdp2"], saved)
         if rank < 2:
-            _close(result["checkpoints"]["dp1"], saved)
+            assert_close_dicts(result["checkpoints"]["dp1"], saved)
 
 
 def test_tensor_parallel_peers_that_planned_apart_stop_muon_on_every_rank(grid):

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from launches import assert_same_tensors, ok, run_cli
+from launches import assert_same_tensors, ok, run_cli, train_losses
 from raggedfsdp import cli
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import COMPLETE, verify_checkpoint
@@ -37,11 +37,6 @@ COMMON = [
 ]
 _run = functools.partial(run_cli, timeout=120)
 STEP2, STEP4, STEP6 = (f"checkpoints/step_{step:06d}" for step in (2, 4, 6))
-
-
-def _losses(out: Path) -> dict[int, float]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines) if r["kind"] == "train"}
 
 
 def _flip_byte(file: Path) -> None:
@@ -75,7 +70,7 @@ def reference(tmp_path_factory, corpus) -> dict[str, Any]:
     """The uninterrupted run: its folder, its losses and its final parameters."""
     out = tmp_path_factory.mktemp("reference") / "run"
     ok(_run("train", *COMMON, f"--data={corpus}", f"--out={out}"))
-    return {"out": out, "losses": _losses(out), "final": load_full(out / STEP6)}
+    return {"out": out, "losses": train_losses(out), "final": load_full(out / STEP6)}
 
 
 @pytest.fixture
@@ -105,7 +100,7 @@ def test_truncated_checkpoint_falls_back_exactly(reference, damaged, corpus):
         f"resuming from {STEP2}"
     ], proc.stdout
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
-    losses = _losses(damaged)
+    losses = train_losses(damaged)
     assert losses == {step: reference["losses"][step] for step in (3, 4, 5, 6)}  # bit for bit
     assert_same_tensors(load_full(damaged / STEP6), reference["final"])
     assert verify_checkpoint(damaged / STEP4) is None  # saved again, whole

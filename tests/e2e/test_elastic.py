@@ -32,6 +32,7 @@ from launches import (
     descendants,
     free_port,
     kill_tree,
+    metrics,
     run_cli,
 )
 from raggedfsdp.train import health
@@ -174,11 +175,6 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has died; its parent is gone
 
 
-def _train_records(out: Path) -> list[dict]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
-
-
 def _finish(tmp: Path, *nodes: tuple[str, subprocess.Popen]) -> dict[str, str]:
     """Wait for ``nodes`` to end; each one's output, after asserting it exited 0 and printed no
     traceback (workers' errors are one line; tracebacks go to OUT/logs)."""
@@ -228,7 +224,7 @@ def test_replacement_node_joins_a_fixed_size_job(tmp_path, corpus):
     # replacement is rank 0 when its PID is the smaller (after the PIDs wrap around).
     resumed = _resumed(tmp_path)
     assert len(resumed) == 1 and "saved on 2 rank(s), now 2)" in resumed.pop(), outputs
-    records = _train_records(out)
+    records = metrics(out, "train")
     assert {r["world_size"] for r in records} == {2}
     assert records[-1]["step"] == steps
     # The one line of the survivor's worker that lost its peer; its traceback in OUT/logs.
@@ -262,7 +258,7 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
             f"{time.monotonic() - alone:.1f} s from the joiner's start to 2 ranks"
         )
         outputs = _finish(tmp_path, ("a", a), ("c", c))
-    records = _train_records(out)
+    records = metrics(out, "train")
     sizes = [r["world_size"] for r in records]
     phases = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
     assert phases == [2, 1, 2], sizes
@@ -300,9 +296,9 @@ def test_losing_the_first_node_behind_a_rendezvous_store(tmp_path, corpus, store
             return
         outputs = _finish(tmp_path, ("b", b))
     assert "now 1)" in "".join(_resumed(tmp_path)), outputs
-    sizes = [r["world_size"] for r in _train_records(out)]
+    sizes = [r["world_size"] for r in metrics(out, "train")]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [2, 1], sizes
-    assert _train_records(out)[-1]["step"] == steps
+    assert metrics(out, "train")[-1]["step"] == steps
 
 
 def _text(path: Path) -> str:
@@ -334,14 +330,14 @@ def test_three_nodes_lose_one_and_take_a_late_joiner(tmp_path, corpus):
             f"{time.monotonic() - survived:.1f} s from the joiner's start to 3 ranks"
         )
         _finish(tmp_path, ("a", a), ("b", b), ("d", d))
-    sizes = [r["world_size"] for r in _train_records(out)]
+    sizes = [r["world_size"] for r in metrics(out, "train")]
     phases = [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]
     assert phases[-3:] == [3, 2, 3], sizes
     after = _resumed(tmp_path) - before
     assert len(after) == 2, after  # one resume at 2 ranks, one at 3 (printed by rank 0)
     assert any("saved on 3 rank(s), now 2)" in line for line in after), after
     assert any("saved on 2 rank(s), now 3)" in line for line in after), after
-    records = _train_records(out)
+    records = metrics(out, "train")
     assert records[-1]["step"] == steps and records[-1]["world_size"] == 3
     assert records[-1]["loss"] < records[0]["loss"]
 

@@ -24,7 +24,16 @@ from typing import Any
 import pytest
 import torch
 
-from launches import ENV, assert_same_tensors, cli_command, ok, run_side_by_side
+from launches import (
+    ENV,
+    assert_same_tensors,
+    cli_command,
+    metrics,
+    ok,
+    run_side_by_side,
+    train_losses,
+    workers_in_one_process,
+)
 from raggedfsdp import cli
 from raggedfsdp.data import eval_batches, load_corpus
 from raggedfsdp.models import hf
@@ -52,14 +61,8 @@ COMMON = [
 ]
 
 
-def _losses(out: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r.get("kind") == "train"}
-
-
 def _val_loss(out: Path) -> float:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["val_loss"] for r in records if r.get("kind") == "eval"][-1]
+    return metrics(out, "eval")[-1]["val_loss"]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +79,6 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
         [f"--hf-config={name}", *COMMON, f"--data={corpus}", f"--out={found[name]['w1']}"]
         for name in CASES
     ]
-    code = (
-        "import json, sys\nfrom raggedfsdp.train import main\n"
-        "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
-    )
     # The launches and the references are independent: side by side, their waits overlap.
     for proc in run_side_by_side(
         *(
@@ -92,7 +91,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
             )
             for name in CASES
         ),
-        [sys.executable, "-c", code, *map(json.dumps, argvs)],
+        workers_in_one_process(*argvs),
     ):
         ok(proc)
     for name in RESUMED:
@@ -116,7 +115,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("name", CASES)
 def test_two_ranks_match_one_process(runs, name):
-    w2, w1 = _losses(runs[name]["w2"]), _losses(runs[name]["w1"])
+    w2, w1 = train_losses(runs[name]["w2"]), train_losses(runs[name]["w1"])
     assert sorted(w2) == [1, 2, 3, 4, 5]
     assert w2[5] < w2[1] - 0.5  # it trains
     for step in w2:
@@ -125,8 +124,8 @@ def test_two_ranks_match_one_process(runs, name):
 
 @pytest.mark.parametrize("name", RESUMED)
 def test_resume_is_bit_exact(runs, name, tmp_path):
-    assert _losses(runs[name]["resumed"]) == {
-        k: v for k, v in _losses(runs[name]["w2"]).items() if k > 3
+    assert train_losses(runs[name]["resumed"]) == {
+        k: v for k, v in train_losses(runs[name]["w2"]).items() if k > 3
     }
     export_checkpoint(runs[name]["w2"], tmp_path / "full.pt")
     export_checkpoint(runs[name]["resumed"], tmp_path / "resumed.pt")

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from launches import cli_command, ok, run_side_by_side
+from launches import (
+    cli_command,
+    metrics,
+    ok,
+    run_side_by_side,
+    train_losses,
+    workers_in_one_process,
+)
 
 COMMON = [
     "--steps=5",
@@ -48,15 +53,6 @@ CASES: dict[str, tuple[list[str], list[str], dict[str, int]]] = {
 RESUMED = ("gpt-tp", "mixtral-ep")
 
 
-def _records(out: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
-
-
-def _losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _records(out, "train")}
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
     """Per case: the 4-rank split run (``split``, with its console output), one process on the
@@ -68,10 +64,6 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
         [*model, *COMMON, f"--data={corpus}", f"--out={found[name]['one']}"]
         for name, (model, _, _) in CASES.items()
     ]
-    code = (
-        "import json, sys\nfrom raggedfsdp.train import main\n"
-        "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
-    )
     launches = [
         cli_command(
             "train",
@@ -84,7 +76,7 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
         )
         for name, (model, split, _) in CASES.items()
     ]
-    procs = run_side_by_side(*launches, [sys.executable, "-c", code, *map(json.dumps, argvs)])
+    procs = run_side_by_side(*launches, workers_in_one_process(*argvs))
     for name, proc in zip(CASES, procs, strict=False):
         found[name]["console"] = ok(proc).stdout
     ok(procs[-1])
@@ -119,7 +111,7 @@ TOLERANCE = {"gpt-tp": 2e-4, "llama-tp": 1e-5, "mixtral-ep": 1e-5}
 
 @pytest.mark.parametrize("name", CASES)
 def test_split_runs_train_as_one_process(runs, name):
-    split, one = _losses(runs[name]["split"]), _losses(runs[name]["one"])
+    split, one = train_losses(runs[name]["split"]), train_losses(runs[name]["one"])
     assert sorted(split) == [1, 2, 3, 4, 5]
     assert split[5] < split[1] - 0.3  # it trains
     for step in split:
@@ -131,8 +123,8 @@ def test_each_rank_holds_a_quarter(runs, name):
     """The negative control: FSDP over dp = 2 alone would train the same numbers, holding
     half of the optimizer state per rank. Split four ways a rank holds a quarter, and half of
     what tensor parallelism leaves whole (norms, positions: a few percent of the GPT)."""
-    split = _records(runs[name]["split"], "train")[-1]
-    one = _records(runs[name]["one"], "train")[-1]["optimizer_bytes"]
+    split = metrics(runs[name]["split"], "train")[-1]
+    one = metrics(runs[name]["one"], "train")[-1]["optimizer_bytes"]
     assert split["world_size"] == 4
     assert 0.99 * one / 4 <= split["optimizer_bytes"] <= 0.3 * one
     mesh = CASES[name][2]
@@ -144,7 +136,7 @@ def test_each_rank_holds_a_quarter(runs, name):
 def test_checkpoints_move_to_fsdp_alone(runs, name):
     step3 = runs[name]["split"] / "checkpoints" / "step_000003" / "COMPLETE.json"
     assert json.loads(step3.read_text())["mesh"] == CASES[name][2]
-    resumed, split = _losses(runs[name]["resumed"]), _losses(runs[name]["split"])
+    resumed, split = train_losses(runs[name]["resumed"]), train_losses(runs[name]["split"])
     assert sorted(resumed) == [4, 5]
     for step in resumed:
         assert abs(resumed[step] - split[step]) <= 1e-5, (step, resumed[step], split[step])

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from raggedfsdp.spawn import run_on_ranks
@@ -117,6 +118,16 @@ def assert_no_failures(grid: Grid, world: int) -> None:
     for rank, result in enumerate(grid[world]):
         failures = result["failures"]
         assert failures == [], f"W={world} rank {rank}: {failures[:5]}"
+
+
+def assert_close_dicts(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], *, atol: float = 1e-5
+) -> None:
+    """The same keys, and every tensor within ``rtol=1e-5`` and ``atol`` of ``want``'s (the
+    key in the message of the first that is not)."""
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=atol, msg=key)
 
 
 def error_message(fn: Callable[[], object]) -> str:

@@ -5,6 +5,7 @@ results, and how they start, watch and kill launchers and their workers."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -75,6 +76,28 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """``proc``, after asserting it exited 0 (the output in the message when not)."""
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc
+
+
+def workers_in_one_process(*argvs: list[str]) -> list[str]:
+    """The command that runs the training worker without torchrun (a group of one) once per
+    ``argv``, in turn, in one interpreter: single-process references without a launch's
+    start-up each; it exits with the largest status."""
+    code = (
+        "import json, sys\nfrom raggedfsdp.train import main\n"
+        "sys.exit(max(main(json.loads(a)) for a in sys.argv[1:]))"
+    )
+    return [sys.executable, "-c", code, *map(json.dumps, argvs)]
+
+
+def metrics(out: Path, kind: str) -> list[dict]:
+    """The records of ``kind`` (``train``, ``eval``) a run wrote to ``out/metrics.jsonl``."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """Step -> the loss a run logged (``--log-every 1`` logs them all)."""
+    return {r["step"]: r["loss"] for r in metrics(out, "train")}
 
 
 def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
