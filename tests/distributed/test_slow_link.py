@@ -27,10 +27,17 @@ def _namespaces() -> str:
 
 @can_throttle
 def test_the_bed_gives_each_rank_its_share_of_the_rate():
-    probe = probe_link(1.0, burst_kb=32, timeout=120)
-    assert probe["one_way"] == pytest.approx(1e9 / 8, rel=0.1)  # bytes/s
+    # The fastest of up to three probes: the bucket caps the rate, and the suite's other worker
+    # can only slow a sender below it (measured: 107.6 of 125 MB/s once, under a launch beside).
+    one_way = both_ways = 0.0
+    for _ in range(3):
+        probe = probe_link(1.0, burst_kb=32, timeout=120)
+        one_way, both_ways = max(one_way, probe["one_way"]), max(both_ways, probe["both_ways"])
+        if one_way >= 0.9 * 1e9 / 8 and both_ways >= 0.9 * per_rank_gbit(1.0, 2) * 1e9 / 8:
+            break
+    assert one_way == pytest.approx(1e9 / 8, rel=0.1)  # bytes/s
     # both ranks sending at once share the bucket: each gets rate / 2
-    assert probe["both_ways"] == pytest.approx(per_rank_gbit(1.0, 2) * 1e9 / 8, rel=0.1)
+    assert both_ways == pytest.approx(per_rank_gbit(1.0, 2) * 1e9 / 8, rel=0.1)
     assert "raggedfsdp-bench" not in _namespaces()  # removed afterwards
 
 
