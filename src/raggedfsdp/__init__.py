@@ -41,6 +41,7 @@ from .materialize import init_sharded_
 from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
 from .runtime import (
     CommCompression,
+    DataParallelMeshDims,
     DBufferConfig,
     FSDPBackend,
     FSDPModule,
@@ -54,6 +55,7 @@ from .runtime import (
 __all__ = [
     "CommCompression",
     "DBufferConfig",
+    "DataParallelMeshDims",
     "FSDPBackend",
     "FSDPModule",
     "MixedPrecisionPolicy",

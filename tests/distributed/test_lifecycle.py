@@ -285,8 +285,6 @@ def _errors(base: Net) -> dict[str, str]:
             lambda: rf.fully_shard(nn.Linear(4, 3), shard_placement_fn=lambda p: Shard(1))
         ),
         "one_d": "accepted" if isinstance(one_d.bias, DTensor) else "refused",
-        # torch 2.15's form (any value: the argument alone is refused, before any collective)
-        "dp_mesh_dims": error_message(lambda: rf.fully_shard(nn.Linear(2, 2), dp_mesh_dims="dp")),
     }
 
 
@@ -361,8 +359,6 @@ def test_bad_input_is_one_clear_error(grid):
     assert "still on the meta device" in errors["meta"] and "blocks.0.fc.weight" in errors["meta"]
     assert "Shard(dim=1)" in errors["column"]
     assert errors["one_d"] == "accepted"
-    assert "dp_mesh_dims (FSDP2's full SPMD mesh" in errors["dp_mesh_dims"]
-    assert "mesh=mesh['dp']" in errors["dp_mesh_dims"]
 
 
 def test_reset_iter_state_after_an_interrupted_backward(grid):

@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 import raggedfsdp as rf
 from harness import assert_close_dicts, error_message, run_distributed
-from optim_grid import set_whole_grads
+from optim_grid import muon_on_one_device, set_whole_grads
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -143,17 +143,7 @@ def _muon(base: Net, mesh: Any) -> dict[str, dict[str, torch.Tensor]]:
             set_whole_grads(model, step)
             optimizer.step()
         out[kind] = _full(model)
-    reference = copy.deepcopy(base)
-    matrices = [p for p in reference.parameters() if p.dim() == 2]
-    others = [p for p in reference.parameters() if p.dim() != 2]
-    adamw = torch.optim.AdamW(others, lr=3e-4, weight_decay=0.01)  # Muon's auxiliary AdamW
-    optimizers = [torch.optim.Muon(matrices), adamw]
-    for step in grads:
-        for name, p in reference.named_parameters():
-            p.grad = step[name].clone()
-        for optimizer in optimizers:
-            optimizer.step()
-    out["reference"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    out["reference"] = muon_on_one_device(copy.deepcopy(base), grads)
     return out
 
 

@@ -1,7 +1,7 @@
 """What the optimizer tests share: the world sizes of their grid (run by
 :func:`harness.run_world_grid`), sharded parameters on random layouts, stepping them beside their
-single-device twins, the state dict round trip, and gradients given to the parameters of a
-sharded model from whole tensors."""
+single-device twins, the state dict round trip, gradients given to the parameters of a sharded
+model from whole tensors, and Muon on one device."""
 
 from __future__ import annotations
 
@@ -102,3 +102,22 @@ def set_whole_grads(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
         start, end = local_range(param)
         param.grad = torch.zeros_like(param)
         local_piece(param.grad).view(-1).copy_(whole.reshape(-1)[start:end])
+
+
+def muon_on_one_device(
+    model: nn.Module, steps: Sequence[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """What ``rf.optim.Muon(model.named_parameters(), adamw_params=<not a matrix>)`` at its
+    defaults must give: torch's Muon on the matrices of the unsharded ``model`` (changed in
+    place) and the auxiliary AdamW on the rest, each step given ``steps[i]``'s whole gradients;
+    the state dict after."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    adamw = torch.optim.AdamW(others, lr=3e-4, weight_decay=0.01)  # Muon's auxiliary AdamW
+    optimizers = [torch.optim.Muon(matrices), adamw]
+    for step in steps:
+        for name, p in model.named_parameters():
+            p.grad = step[name].clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -169,11 +169,11 @@ class DBuffer:
         if original.device.type != "meta":
             view.copy_(layout.to_local(registration.local.detach().to(view.device), rank))
         sharded = nn.Parameter(
-            self._sharded(view, layout, registration.parallel),
+            self._sharded(view, layout, registration),
             requires_grad=original.requires_grad,
         )
         unsharded = nn.Parameter(
-            self._unsharded(registration.parallel), requires_grad=original.requires_grad
+            self._unsharded(registration), requires_grad=original.requires_grad
         )
         return FSDPParam(
             registration,
@@ -185,14 +185,19 @@ class DBuffer:
         )
 
     def _sharded(
-        self, view: torch.Tensor, layout: ShardLayout, parallel: DTensorSpec | None
+        self, view: torch.Tensor, layout: ShardLayout, registration: Registration
     ) -> RaggedTensor:
         """The sharded parameter: ``view`` placed by ``layout`` over the data-parallel mesh (and
-        by its own placements over the parallel dims of a DTensor parameter)."""
-        info = self.mesh_info
+        by its own placements over the parallel dims of a DTensor parameter; on the caller's
+        own mesh under ``dp_mesh_dims``, whose data-parallel dims lead)."""
+        info, parallel, spmd = self.mesh_info, registration.parallel, registration.spmd
         if parallel is None:
-            return RaggedTensor.from_piece(view, layout, info.mesh, mesh_dim=info.shard_dim)
-        mesh = combined_mesh(info.mesh, parallel.mesh)
+            mesh = info.mesh if spmd is None else spmd.sharded_mesh(info.mesh, None)
+            return RaggedTensor.from_piece(view, layout, mesh, mesh_dim=info.shard_dim)
+        if spmd is None:
+            mesh = combined_mesh(info.mesh, parallel.mesh)
+        else:
+            mesh = spmd.sharded_mesh(info.mesh, parallel)
         placements = (Replicate(),) * info.mesh.ndim + tuple(parallel.placements)
         return RaggedTensor.from_piece(
             view,
@@ -203,10 +208,15 @@ class DBuffer:
             shape=parallel.shape,
         )
 
-    def _unsharded(self, parallel: DTensorSpec | None) -> torch.Tensor:
+    def _unsharded(self, registration: Registration) -> torch.Tensor:
         """The unsharded form's first value (its data is bound later): a plain tensor, or a
-        DTensor placed as the parameter over its parallel dims."""
+        DTensor placed as the parameter over its parallel dims (as the caller placed it on the
+        whole mesh under ``dp_mesh_dims``)."""
         empty = torch.empty(0, dtype=self.comm_dtype, device=self.device)
+        parallel = registration.parallel
+        if registration.spmd is not None:
+            spec = registration.spmd.unsharded_spec(self.comm_dtype)
+            return DTensor(empty, spec, requires_grad=False)
         if parallel is None:
             return empty
         meta = parallel.tensor_meta

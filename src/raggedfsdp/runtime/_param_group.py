@@ -98,6 +98,8 @@ class FSDPParamGroup:
         self._bind_storages()
         for param in self.params:
             if param.unsharded.requires_grad:  # of a trainable bucket, then
+                if param.spmd is not None:
+                    param.unsharded.register_hook(param.spmd.relabel_grad)
                 param.unsharded.register_hook(self._gradient_arrives)
             param.hold(unsharded=False)
 

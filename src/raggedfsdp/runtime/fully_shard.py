@@ -36,6 +36,7 @@ from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
+from ._spmd import DataParallelMeshDims, SpmdMesh, spmd_mesh, spmd_param
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -115,18 +116,11 @@ def _resolve_planner(
 
 
 def _check_fsdp2_arguments(
-    module: object, reshard_after_forward: object, offload_policy: object, dp_mesh_dims: object
+    module: object, reshard_after_forward: object, offload_policy: object
 ) -> list[nn.Module]:
     """FSDP2's arguments that have no meaning here: a clear error, before any collective.
     Returns the modules to shard as one unit: ``module``, or the outermost of a list of them
     (FSDP2's group: one parameter group for modules that run one after the other)."""
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "rf.fully_shard: dp_mesh_dims (FSDP2's full SPMD mesh, torch 2.15) is not supported "
-            "yet; pass the data-parallel sub-mesh instead, mesh=mesh['dp'] (HSDP: "
-            "mesh['dp_replicate', 'dp_shard']), with the parameters split over the other dims "
-            "by parallelize_module, as torchtitan does"
-        )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules:
         raise ValueError("fully_shard needs a module, or a non-empty list of modules")
@@ -240,10 +234,15 @@ def _check_placements(
 _SHARDED_BY = "_raggedfsdp_sharded_by"
 
 
-def _mark_sharded(registrations: list[Registration], modules: list[nn.Module]) -> None:
+def _become_unit(registrations: list[Registration], modules: list[nn.Module]) -> None:
+    """Mark the unit's original parameters sharded and extend its modules' classes with
+    :class:`FSDPModule`."""
     unit = " + ".join(type(m).__name__ for m in modules)
     for registration in registrations:
         setattr(registration.param, _SHARDED_BY, f"{unit} (as {registration.fqn!r})")
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            module.__class__ = fsdp_class(type(module))
 
 
 def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list[Registration]:
@@ -273,14 +272,25 @@ def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list
 
 
 def _with_parallel_specs(
-    registrations: list[Registration], info: MeshInfo, policy: RaggedShard
+    registrations: list[Registration],
+    info: MeshInfo,
+    policy: RaggedShard,
+    spmd: SpmdMesh | None,
 ) -> list[Registration]:
     """``registrations`` with how each parameter is split over the mesh's other (tensor- or
-    expert-parallel) dims, each checked against the shard policy's units."""
-    registrations = [
-        dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
-        for r in registrations
-    ]
+    expert-parallel) dims, each checked against the shard policy's units; under
+    ``dp_mesh_dims`` with its place on the whole mesh too."""
+    if spmd is None:
+        registrations = [
+            dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
+            for r in registrations
+        ]
+    else:
+        registrations = [
+            dataclasses.replace(r, spmd=whole, parallel=parallel)
+            for r in registrations
+            for whole, parallel in [spmd_param(r.fqn, r.param, spmd)]
+        ]
     for registration in registrations:
         _check_parallel_cuts(registration, policy)
     return registrations
@@ -358,7 +368,7 @@ def fully_shard(
     planner: StructAwarePlanner | None = None,
     dbuffer_config: DBufferConfig | None = None,
     compression: CommCompression | None = None,
-    dp_mesh_dims: object | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not in an inner ``fully_shard``-ed module) over the
     mesh, in place; returns the same object with its class extended by :class:`FSDPModule`
@@ -373,18 +383,21 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
     ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
     units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and
-    optimizer state live on the host (not with a compressed all-gather). ``ignored_params`` stay
-    unsharded and unmanaged, as in FSDP2. ``compression`` quantizes the all-gather and/or the
-    reduce-scatter by blocks (:class:`CommCompression`; a ``planner`` given too must carry the
-    same one, ``mp_policy.reduce_dtype`` None or fp32 under a compressed reduce-scatter).
-    ``dp_mesh_dims`` (torch 2.15) is refused, naming the sub-mesh form that works."""
-    modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy, dp_mesh_dims)
+    (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer
+    state live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
+    unmanaged, as in FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by
+    blocks (:class:`CommCompression`; a ``planner`` given too must carry the same one,
+    ``mp_policy.reduce_dtype`` None or fp32 under a compressed reduce-scatter). With
+    ``dp_mesh_dims`` (FSDP2's full-SPMD-mesh form, ``_spmd.py``) ``mesh`` is the whole mesh, its
+    leading dims the data-parallel ones named, and every parameter a DTensor on it."""
+    modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
+    spmd = None if dp_mesh_dims is None else spmd_mesh(mesh, dp_mesh_dims)
     registrations = _registrations(modules, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
-    info = mesh_info(mesh, device := device_for([r.param for r in registrations], mesh))
-    registrations = _with_parallel_specs(registrations, info, planner.shard_policy)
+    device = device_for([r.param for r in registrations], mesh)
+    info = mesh_info(mesh if spmd is None else spmd.dp_mesh, device)
+    registrations = _with_parallel_specs(registrations, info, planner.shard_policy, spmd)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
@@ -400,10 +413,7 @@ def fully_shard(
     )
     _move_buffers(modules, device)
     FSDPState(modules, group, reshard_after_forward)
-    _mark_sharded(registrations, modules)
-    for unit in modules:
-        if not isinstance(unit, FSDPModule):
-            unit.__class__ = fsdp_class(type(unit))
+    _become_unit(registrations, modules)
     return module
 
 

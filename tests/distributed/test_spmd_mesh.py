@@ -1,0 +1,412 @@
+"""FSDP2's full-SPMD-mesh form, ``fully_shard(module, mesh=mesh, dp_mesh_dims=...)``: every
+parameter a DTensor on the whole mesh (``Replicate()`` over the data-parallel dims, split over
+tp), the batch a DTensor ``Shard(0)`` over the data-parallel dims, forward written against the
+whole mesh.
+
+One launch of 4 Gloo ranks runs three meshes -- (dp, tp) with tensor parallelism; HSDP's
+(dp_replicate, dp_shard) alone; two shard dims (dp_shard, cp) flattened into one -- and one of 8
+ranks (dp_replicate, dp_shard, tp). Each trains 3 SGD steps against one process on the global batch
+(fp32, 1e-5), with FSDP2's own ``dp_mesh_dims`` in the same launch where torch has it (torch 2.13
+does). Negative control: the gradient placed ``Replicate()`` over dp, as a translation to the
+sub-mesh form would place it, makes DTensor all-reduce it before the reduce-scatter (the mean
+counted ``dp`` times): the run drifts from the reference. A DCP checkpoint of the (dp, tp) run loads
+into FSDP2's form on that mesh and into raggedfsdp's on (dp_shard, cp), bit for bit;
+``rf.optim.Muon`` given whole gradients is torch's Muon on one device, bit for bit; torch's
+``clip_grad_norm_`` gives one process's norms. Bad input is refused before any collective, naming
+what is at fault.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import raggedfsdp as rf
+from harness import assert_close_dicts, error_message, run_distributed
+from optim_grid import muon_on_one_device, set_whole_grads
+from raggedfsdp.runtime._spmd import SpmdParam
+
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+except ImportError:  # an older torch: raggedfsdp alone against the reference
+    TorchDims = None
+
+VOCAB, DIM, HIDDEN, SEQ, STEPS = 16, 8, 16, 4, 3
+SEQUENCES = 2  # per data rank
+
+#: name -> (mesh shape, dim names, data-parallel dims); tp is the dim outside them
+MESHES: dict[str, tuple[tuple[int, ...], tuple[str, ...], dict[str, Any]]] = {
+    "dp_tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}),
+    "hsdp": (
+        (2, 2),
+        ("dp_replicate", "dp_shard"),
+        {"shard": "dp_shard", "replicate": "dp_replicate"},
+    ),
+    # cp's ranks hold other tokens of a batch, so to FSDP they are data-parallel ranks too:
+    # here each holds other sequences
+    "flattened": ((2, 2), ("dp_shard", "cp"), {"shard": ("dp_shard", "cp")}),
+    "hsdp_tp": (
+        (2, 2, 2),
+        ("dp_replicate", "dp_shard", "tp"),
+        {"shard": "dp_shard", "replicate": "dp_replicate"},
+    ),
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _tp_placement(name: str) -> Shard | Replicate:
+    """Megatron's split over tp: the feed-forward's input projection by rows (and its bias), the
+    output projection by columns; the rest whole."""
+    if name.endswith("up.weight") or name.endswith("up.bias"):
+        return Shard(0)
+    if name.endswith("down.weight"):
+        return Shard(1)
+    return Replicate()
+
+
+def _distribute(model: Net, mesh: DeviceMesh, dp_dims: int) -> Net:
+    """Every parameter a DTensor on the whole mesh: Replicate over dp, split over tp."""
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = f"{module_name}.{name}"
+            others = (_tp_placement(full),) * (mesh.ndim - dp_dims)
+            placements = (Replicate(),) * dp_dims + others
+            dtensor = distribute_tensor(param.detach(), mesh, placements)
+            module.register_parameter(name, nn.Parameter(dtensor))
+    return model
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(5)
+    return [
+        (
+            torch.randint(0, VOCAB, (SEQUENCES * 4, SEQ), generator=generator),
+            torch.randint(0, VOCAB, (SEQUENCES * 4, SEQ), generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _train(model: nn.Module, data_ranks: int, step_input: Any) -> list[float]:
+    """3 SGD steps, gradient norms by torch's ``clip_grad_norm_``; ``step_input(tokens)``
+    gives forward its input (the global batch, or this rank's rows as a DTensor); the loss is
+    the mean over the rows forward returns. Returns the gradient norms."""
+    # SGD: a gradient off by a constant factor moves the weights by as much (Adam would hide it)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = []
+    for tokens, targets in _batches():
+        tokens, targets = tokens[: SEQUENCES * data_ranks], targets[: SEQUENCES * data_ranks]
+        logits, rows = step_input(model, tokens)
+        F.cross_entropy(logits.reshape(-1, VOCAB), targets[rows].reshape(-1)).backward()
+        # a bound the norms stay under: clipping would hide a gradient off by a constant factor
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=10.0)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+def _spmd_step(mesh: DeviceMesh, dp_dims: int, data_rank: int) -> Any:
+    """Forward on this rank's sequences as a DTensor Shard(0) over the data-parallel dims; its
+    logits back as this rank's local rows."""
+    rows = slice(data_rank * SEQUENCES, (data_rank + 1) * SEQUENCES)
+    batch = (Shard(0),) * dp_dims + (Replicate(),) * (mesh.ndim - dp_dims)
+
+    def step(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, slice]:
+        logits = model(DTensor.from_local(tokens[rows], mesh, batch))
+        return logits.redistribute(placements=batch).to_local(), rows
+
+    return step
+
+
+def _shard(model: Net, shard: Any, mesh: DeviceMesh, dims: Any) -> Net:
+    for block in model.blocks:
+        shard(block, mesh=mesh, dp_mesh_dims=dims)
+    shard(model, mesh=mesh, dp_mesh_dims=dims)
+    return model
+
+
+def _dp_dims(dims: dict[str, Any]) -> int:
+    return sum(len((v,) if isinstance(v, str) else v) for v in dims.values())
+
+
+def _case(rank: int, name: str, *, checks: bool = False) -> dict[str, Any]:
+    """Train on ``name``'s mesh with each fully_shard; with ``checks`` the negative control and
+    bad input too, and the trained model and its mesh for :func:`_checkpoints`."""
+    shape, names, dims = MESHES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_dims = _dp_dims(dims)
+    data_ranks = math.prod(shape[:dp_dims])
+    coordinate = mesh.get_coordinate()
+    assert coordinate is not None
+    data_rank = 0
+    for dim in range(dp_dims):  # row-major over the data-parallel dims
+        data_rank = data_rank * shape[dim] + coordinate[dim]
+    torch.manual_seed(0)
+    base = Net()
+    reference = copy.deepcopy(base)
+    norms = _train(reference, data_ranks, lambda model, tokens: (model(tokens), slice(None)))
+    out: dict[str, Any] = {
+        "reference": dict(reference.state_dict()),
+        "initial": base.state_dict(),
+        "norms": norms,
+    }
+    impls = {"rf": (rf.fully_shard, rf.DataParallelMeshDims(**dims))}
+    if TorchDims is not None:
+        impls["fsdp2"] = (fsdp2_fully_shard, TorchDims(**dims))
+    step = _spmd_step(mesh, dp_dims, data_rank)
+    trained = {}
+    for impl, (shard, dp_mesh_dims) in impls.items():
+        model = _shard(_distribute(copy.deepcopy(base), mesh, dp_dims), shard, mesh, dp_mesh_dims)
+        norms = _train(model, data_ranks, step)
+        trained[impl] = model
+        weight = model.blocks[0].up.weight
+        out[impl] = {
+            "placements": [type(p).__name__ for p in weight.placements],
+            "dims": weight.device_mesh.mesh_dim_names,
+            "same_mesh": weight.device_mesh is mesh,
+            "trained": _full(model),
+            "norms": norms,
+        }
+    if checks:
+        out["replicated_grads"] = _replicated_grads(base, mesh, dp_dims, data_ranks, step, dims)
+        out["errors"] = _errors(mesh)
+        out["muon"] = _muon(base, mesh, dp_dims, dims)
+        out["model"], out["mesh"] = trained["rf"], mesh
+    return out
+
+
+def _muon(base: Net, mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any]:
+    """Two steps of raggedfsdp's Muon (1-D parameters to its auxiliary AdamW) on the full-mesh
+    form given the same whole gradients as torch's Muon and AdamW on one device."""
+    generator = torch.Generator().manual_seed(6)
+    grads = [{n: torch.randn(p.shape, generator=generator) for n, p in base.named_parameters()}]
+    model = _distribute(copy.deepcopy(base), mesh, dp_dims)
+    model = _shard(model, rf.fully_shard, mesh, rf.DataParallelMeshDims(**dims))
+    optimizer = rf.optim.Muon(model.named_parameters(), adamw_params=lambda p, s: len(s) != 2)
+    for step in grads * 2:
+        set_whole_grads(model, step)
+        optimizer.step()
+    return {"rf": _full(model), "reference": muon_on_one_device(copy.deepcopy(base), grads * 2)}
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def _checkpoints(trained: Net, mesh: DeviceMesh, path: str) -> dict[str, dict[str, torch.Tensor]]:
+    """A DCP checkpoint of the model trained on the (dp, tp) mesh, loaded into FSDP2's form on
+    the same mesh and into raggedfsdp's on the (dp_shard, cp) mesh (4-way ragged shards, no tp)."""
+    dcp.save(trained.state_dict(), checkpoint_id=path)
+    torch.manual_seed(9)  # other values, which the load must replace
+    other = Net()
+    targets = [("rf", "flattened")]
+    if TorchDims is not None:
+        targets.insert(0, ("fsdp2", "dp_tp"))
+    out = {}
+    for impl, name in targets:
+        shape, names, dims = MESHES[name]
+        if name != "dp_tp":
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        shard, kind = (
+            (fsdp2_fully_shard, TorchDims)
+            if impl == "fsdp2"
+            else (rf.fully_shard, rf.DataParallelMeshDims)
+        )
+        model = _distribute(copy.deepcopy(other), mesh, _dp_dims(dims))
+        model = _shard(model, shard, mesh, kind(**dims))
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state)
+        out[f"{impl} on {name}"] = _full(model)
+    return out
+
+
+def _replicated_grads(
+    base: Net, mesh: DeviceMesh, dp_dims: int, data_ranks: int, step: Any, dims: Any
+) -> Any:
+    """The negative control: unsharded gradients placed Replicate over dp (as the sub-mesh form
+    places them), so DTensor all-reduces each Partial gradient into them."""
+    original = SpmdParam.grad_spec, SpmdParam.relabel_grad
+    SpmdParam.grad_spec = SpmdParam.unsharded_spec  # type: ignore[method-assign]
+    SpmdParam.relabel_grad = lambda self, grad: grad  # type: ignore[method-assign]
+    try:
+        model = _shard(
+            _distribute(copy.deepcopy(base), mesh, dp_dims),
+            rf.fully_shard,
+            mesh,
+            rf.DataParallelMeshDims(**dims),
+        )
+        _train(model, data_ranks, step)
+    finally:
+        SpmdParam.grad_spec, SpmdParam.relabel_grad = original  # type: ignore[method-assign]
+    return _full(model)
+
+
+def _errors(mesh: DeviceMesh) -> dict[str, str]:
+    dims = rf.DataParallelMeshDims(shard="dp")
+
+    def shard(model: nn.Module, on: DeviceMesh | None = mesh, dp_mesh_dims: Any = dims) -> Any:
+        return lambda: rf.fully_shard(model, mesh=on, dp_mesh_dims=dp_mesh_dims)
+
+    plain = nn.Linear(2, 2)
+    wrong_dp = nn.Linear(4, 4)
+    wrong_dp.weight = nn.Parameter(
+        distribute_tensor(wrong_dp.weight.detach(), mesh, (Shard(0), Replicate()))
+    )
+    other_mesh = nn.Linear(4, 4)
+    other_mesh.weight = nn.Parameter(
+        distribute_tensor(other_mesh.weight.detach(), mesh["tp"], (Shard(0),))
+    )
+    return {
+        "plain": error_message(shard(plain)),
+        "wrong_dp": error_message(shard(wrong_dp)),
+        "other_mesh": error_message(shard(other_mesh)),
+        "no_mesh": error_message(shard(nn.Linear(2, 2), on=None)),
+        "unknown": error_message(
+            shard(nn.Linear(2, 2), dp_mesh_dims=rf.DataParallelMeshDims(shard="fsdp"))
+        ),
+        "order": error_message(
+            shard(nn.Linear(2, 2), dp_mesh_dims=rf.DataParallelMeshDims(shard="tp"))
+        ),
+        "replicate_only": error_message(
+            shard(nn.Linear(2, 2), dp_mesh_dims=rf.DataParallelMeshDims(replicate="dp"))
+        ),
+    }
+
+
+def _four(rank: int, world: int, path: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out = {
+        name: _case(rank, name, checks=name == "dp_tp") for name in ("dp_tp", "hsdp", "flattened")
+    }
+    # after the cases: a mesh made again equal to an earlier one is not the object DTensor
+    # places parameters on, which FSDP2 refuses ("different mesh objects")
+    first = out["dp_tp"]
+    first["loaded"] = _checkpoints(first.pop("model"), first.pop("mesh"), path)
+    return out
+
+
+def _eight(rank: int, world: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    return {"hsdp_tp": _case(rank, "hsdp_tp")}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict[str, Any]]:
+    return run_distributed(_four, 4, str(tmp_path_factory.mktemp("spmd_dcp")))
+
+
+@pytest.fixture(scope="module")
+def eight() -> list[dict[str, Any]]:
+    return run_distributed(_eight, 8)
+
+
+def _check_case(ranks: list[dict[str, Any]], name: str) -> None:
+    for rank in ranks:
+        case = rank[name]
+        reference = case["reference"]
+        moved = max((reference[k] - case["initial"][k]).abs().max().item() for k in reference)
+        assert moved > 1e-2  # training moved the weights: agreeing is not trivial
+        for impl in ("rf", "fsdp2"):
+            if impl in case:
+                assert_close_dicts(case[impl]["trained"], reference)
+                assert case[impl]["norms"] == pytest.approx(case["norms"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dp_tp", "hsdp", "flattened"])
+def test_full_mesh_form_trains_as_one_process(four, name):
+    _check_case(four, name)
+
+
+def test_hsdp_with_tensor_parallelism_on_the_full_mesh(eight):
+    _check_case(eight, "hsdp_tp")
+    ours = eight[0]["hsdp_tp"]["rf"]
+    assert ours["placements"] == ["Replicate", "RaggedShardPlacement", "Shard"]
+    assert ours["same_mesh"] and ours["dims"] == ("dp_replicate", "dp_shard", "tp")
+
+
+def test_sharded_parameters_live_on_the_callers_mesh(four):
+    ours = {name: four[0][name]["rf"] for name in ("dp_tp", "hsdp", "flattened")}
+    assert ours["dp_tp"]["placements"] == ["RaggedShardPlacement", "Shard"]
+    assert ours["dp_tp"]["same_mesh"] and ours["hsdp"]["same_mesh"]
+    assert ours["hsdp"]["placements"] == ["Replicate", "RaggedShardPlacement"]
+    # two shard dims flattened into one, as FSDP2 flattens them
+    assert ours["flattened"]["dims"] == ("dp_shard_cp",)
+    assert ours["flattened"]["placements"] == ["RaggedShardPlacement"]
+
+
+def test_gradients_replicated_over_dp_would_be_counted_twice(four):
+    for rank in four:
+        case = rank["dp_tp"]
+        drift = max(
+            (case["replicated_grads"][k] - case["reference"][k]).abs().max().item()
+            for k in case["reference"]
+        )
+        assert drift > 1e-3
+
+
+def test_bad_input_is_refused_before_any_collective(four):
+    errors = four[0]["dp_tp"]["errors"]
+    assert "all parameters must be DTensors on the full SPMD mesh" in errors["plain"]
+    assert "'weight'" in errors["plain"]
+    assert "Expected Replicate() on DP dim 'dp'" in errors["wrong_dp"]
+    assert "not the mesh passed to fully_shard" in errors["other_mesh"]
+    assert "needs mesh=" in errors["no_mesh"]
+    assert "['fsdp']" in errors["unknown"]
+    assert "must lead the mesh" in errors["order"]
+    assert "no shard dims" in errors["replicate_only"]
+
+
+def test_checkpoint_loads_into_fsdp2_and_at_another_mesh(four):
+    for rank in four:
+        case = rank["dp_tp"]
+        assert len(case["loaded"]) == (2 if TorchDims is not None else 1)
+        for loaded in case["loaded"].values():
+            assert loaded.keys() == case["rf"]["trained"].keys()
+            for key, value in case["rf"]["trained"].items():
+                assert torch.equal(loaded[key], value), key
+
+
+def test_muon_on_the_full_mesh_form_is_one_device_bitwise(four):
+    for rank in four:
+        muon = rank["dp_tp"]["muon"]
+        assert muon["rf"].keys() == muon["reference"].keys()
+        for key, value in muon["reference"].items():
+            assert torch.equal(muon["rf"][key], value), key
