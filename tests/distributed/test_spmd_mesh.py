@@ -12,8 +12,8 @@ sub-mesh form would place it, makes DTensor all-reduce it before the reduce-scat
 counted ``dp`` times): the run drifts from the reference. A DCP checkpoint of the (dp, tp) run loads
 into FSDP2's form on that mesh and into raggedfsdp's on (dp_shard, cp), bit for bit;
 ``rf.optim.Muon`` given whole gradients is torch's Muon on one device, bit for bit; torch's
-``clip_grad_norm_`` gives one process's norms. Bad input is refused before any collective, naming
-what is at fault.
+``clip_grad_norm_`` gives one process's norms; under bf16 mixed precision raggedfsdp is FSDP2's form
+to 1e-6. Bad input is refused before any collective, naming what is at fault.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import raggedfsdp as rf
@@ -142,23 +143,31 @@ def _train(model: nn.Module, data_ranks: int, step_input: Any) -> list[float]:
     return norms
 
 
-def _spmd_step(mesh: DeviceMesh, dp_dims: int, data_rank: int) -> Any:
-    """Forward on this rank's sequences as a DTensor Shard(0) over the data-parallel dims; its
-    logits back as this rank's local rows."""
+def _spmd_step(
+    mesh: DeviceMesh, dp_dims: int, data_rank: int, *, sequence_parallel: bool = False
+) -> Any:
+    """Forward on this rank's sequences as a DTensor Shard(0) over the data-parallel dims (and,
+    ``sequence_parallel``, Shard(1) over tp: the norms' gradients then arrive Partial over tp);
+    its logits back as this rank's local rows."""
     rows = slice(data_rank * SEQUENCES, (data_rank + 1) * SEQUENCES)
-    batch = (Shard(0),) * dp_dims + (Replicate(),) * (mesh.ndim - dp_dims)
+    others = (Shard(1) if sequence_parallel else Replicate(),) * (mesh.ndim - dp_dims)
+    batch = (Shard(0),) * dp_dims + others
+    logits_placements = (Shard(0),) * dp_dims + (Replicate(),) * (mesh.ndim - dp_dims)
 
     def step(model: nn.Module, tokens: torch.Tensor) -> tuple[torch.Tensor, slice]:
-        logits = model(DTensor.from_local(tokens[rows], mesh, batch))
-        return logits.redistribute(placements=batch).to_local(), rows
+        local = tokens[rows]
+        if sequence_parallel:  # this tp rank's part of each sequence (one tp dim, the last)
+            local = local.chunk(mesh.size(-1), dim=1)[mesh.get_local_rank(mesh.ndim - 1)]
+        logits = model(DTensor.from_local(local, mesh, batch))
+        return logits.redistribute(placements=logits_placements).to_local(), rows
 
     return step
 
 
-def _shard(model: Net, shard: Any, mesh: DeviceMesh, dims: Any) -> Net:
+def _shard(model: Net, shard: Any, mesh: DeviceMesh, dims: Any, **kwargs: Any) -> Net:
     for block in model.blocks:
-        shard(block, mesh=mesh, dp_mesh_dims=dims)
-    shard(model, mesh=mesh, dp_mesh_dims=dims)
+        shard(block, mesh=mesh, dp_mesh_dims=dims, **kwargs)
+    shard(model, mesh=mesh, dp_mesh_dims=dims, **kwargs)
     return model
 
 
@@ -208,6 +217,10 @@ def _case(rank: int, name: str, *, checks: bool = False) -> dict[str, Any]:
         out["replicated_grads"] = _replicated_grads(base, mesh, dp_dims, data_ranks, step, dims)
         out["errors"] = _errors(mesh)
         out["muon"] = _muon(base, mesh, dp_dims, dims)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        out["bf16"] = _each_impl(base, mesh, data_ranks, step, dims, mp_policy=policy)
+        sequences = _spmd_step(mesh, dp_dims, data_rank, sequence_parallel=True)
+        out["sequence_parallel"] = _each_impl(base, mesh, data_ranks, sequences, dims)
         out["model"], out["mesh"] = trained["rf"], mesh
     return out
 
@@ -224,6 +237,23 @@ def _muon(base: Net, mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any
         set_whole_grads(model, step)
         optimizer.step()
     return {"rf": _full(model), "reference": muon_on_one_device(copy.deepcopy(base), grads * 2)}
+
+
+def _each_impl(
+    base: Net, mesh: DeviceMesh, data_ranks: int, step: Any, dims: Any, **kwargs: Any
+) -> dict[str, Any]:
+    """Each fully_shard of the full-mesh form trained by ``step`` (``kwargs`` to fully_shard):
+    the trained weights and gradient norms."""
+    impls = {"rf": (rf.fully_shard, rf.DataParallelMeshDims)}
+    if TorchDims is not None:
+        impls["fsdp2"] = (fsdp2_fully_shard, TorchDims)
+    out = {}
+    for impl, (shard, kind) in impls.items():
+        model = _distribute(copy.deepcopy(base), mesh, _dp_dims(dims))
+        model = _shard(model, shard, mesh, kind(**dims), **kwargs)
+        norms = _train(model, data_ranks, step)
+        out[impl] = {"trained": _full(model), "norms": norms}
+    return out
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -410,3 +440,22 @@ def test_muon_on_the_full_mesh_form_is_one_device_bitwise(four):
         assert muon["rf"].keys() == muon["reference"].keys()
         for key, value in muon["reference"].items():
             assert torch.equal(muon["rf"][key], value), key
+
+
+def test_mixed_precision_matches_fsdp2s_full_mesh_form(four):
+    for rank in four:
+        bf16 = rank["dp_tp"]["bf16"]
+        if TorchDims is not None:
+            assert_close_dicts(bf16["rf"]["trained"], bf16["fsdp2"]["trained"], atol=1e-6)
+        initial = rank["dp_tp"]["initial"]["head.weight"]
+        assert (bf16["rf"]["trained"]["head.weight"] - initial).abs().max() > 1e-2
+
+
+def test_sequence_parallel_gradients_are_reduced_over_tp(four):
+    """The batch split by sequence over tp too: the norms' and head's gradients arrive Partial
+    over tp and are all-reduced there, as FSDP2 does, before the reduce-scatter over dp."""
+    for rank in four:
+        case = rank["dp_tp"]
+        for impl, result in case["sequence_parallel"].items():
+            assert_close_dicts(result["trained"], case["reference"])
+            assert result["norms"] == pytest.approx(case["norms"], rel=1e-5), impl

@@ -1,8 +1,9 @@
 """FSDP on the data-parallel dim of a (dp, tp) mesh, beside tensor parallelism: one launch of 4
 Gloo ranks trains a model whose blocks are tensor-parallel (ColwiseParallel / RowwiseParallel over
-mesh["tp"]) and then sharded over mesh["dp"], with rf.fully_shard and with FSDP2 in the same
-launch, against one process on the global batch; the parameters carry both placements, the
-gradients are reduced over dp only, and a checkpoint moves between the two and across dp sizes.
+mesh["tp"]; a second model with SequenceParallel norms) and then sharded over mesh["dp"], with
+rf.fully_shard and with FSDP2 in the same launch, against one process on the global batch; the
+parameters carry both placements, the gradients are reduced over dp only, and a checkpoint moves
+between the two and across dp sizes.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -56,6 +58,80 @@ class Net(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.output(h).pow(2).mean()
+
+
+class NormBlock(nn.Module):
+    """A block with a norm, as sequence parallelism splits one."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class SequenceNet(nn.Module):
+    """Sequences in, a mean of squares out: the layout torchtitan's sequence parallelism
+    splits (embedding to the sequence shards, norms on them, head back to whole sequences)."""
+
+    def __init__(self, dim: int = 8, vocab: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, dim)
+        self.blocks = nn.ModuleList(NormBlock(dim) for _ in range(2))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.output(self.norm(h)).pow(2).mean()
+
+
+def _sequence_parallel(model: SequenceNet, mesh: Any) -> None:
+    """torchtitan's plan with sequence parallelism: activations between blocks split by
+    sequence over tp, the norms computed on those splits (their gradients Partial over tp)."""
+    tp = mesh["tp"]
+    parallelize_module(
+        model,
+        tp,
+        {
+            "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for block in model.blocks:
+        plan = {
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp, plan)
+
+
+def _train_sequences(impl: str | None, base: SequenceNet, mesh: Any, dp_rank: int) -> Any:
+    """3 SGD steps on sequences (one process on the global batch when ``impl`` is None, else
+    sequence parallelism then FSDP over dp); SGD, so a gradient missing its all-reduce over tp
+    moves the weights otherwise."""
+    model = copy.deepcopy(base)
+    if impl is not None:
+        _sequence_parallel(model, mesh)
+        for block in model.blocks:
+            IMPLS[impl](block, mesh=mesh["dp"])
+        IMPLS[impl](model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(BATCH * DP, 4, 6, generator=generator)
+        mine = x if impl is None else x[dp_rank * BATCH : (dp_rank + 1) * BATCH]
+        model(mine).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _full(model) if impl is not None else dict(model.state_dict())
 
 
 def _parallelize(impl: str, model: Net, mesh: Any) -> Net:
@@ -116,6 +192,11 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     clipped = _parallelize("rf", copy.deepcopy(base), mesh)
     out["rf"]["clipped"] = _train(clipped, dp_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, mesh, dp_rank, path)
+    torch.manual_seed(1)
+    sequences = SequenceNet()
+    out["sequence_parallel"] = {
+        impl: _train_sequences(impl, sequences, mesh, dp_rank) for impl in (None, *IMPLS)
+    }
     out["muon"] = _muon(base, mesh)
     out["errors"] = _errors(base, mesh)
     return out
@@ -222,6 +303,18 @@ def test_dp_x_tp_trains_as_one_process_and_as_fsdp2(grid):
     for rank in grid:
         assert_close_dicts(rank["fsdp2"]["trained"], rank["reference"])
         assert_close_dicts(rank["rf"]["trained"], rank["reference"])
+
+
+def test_sequence_parallel_trains_as_one_process_and_as_fsdp2(grid):
+    """SequenceParallel norms: gradients Partial over tp, all-reduced there before the
+    reduce-scatter over dp."""
+    for rank in grid:
+        trained = rank["sequence_parallel"]
+        reference = trained[None]
+        assert_close_dicts(trained["rf"], reference)
+        assert_close_dicts(trained["fsdp2"], reference)
+        # the norms trained: their gradients, reduced over tp, count
+        assert (reference["blocks.0.norm.weight"] - 1).abs().max() > 1e-2
 
 
 def test_parameters_carry_both_placements(grid):
