@@ -19,14 +19,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import raggedfsdp as rf
-from harness import assert_close_dicts, error_message, run_distributed
+from harness import assert_close_dicts, error_message, full_state, run_distributed
 from optim_grid import set_whole_grads
 from raggedfsdp.models.expert_parallel import exchange_rows
 
@@ -34,6 +34,11 @@ WORLD, DP, EP = 4, 2, 2
 DIM, HIDDEN, EXPERTS, TOP_K = 8, 16, 4, 2
 TOKENS = 6  # per rank: the global batch is WORLD * TOKENS
 IMPLS: dict[str, Callable[..., Any]] = {"rf": rf.fully_shard, "fsdp2": fsdp2_fully_shard}
+
+try:
+    from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
+except ImportError:  # an older torch: raggedfsdp's full-mesh form alone against the reference
+    TorchDims = None
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -68,7 +73,10 @@ class MoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = torch.softmax(self.router(x), dim=-1).topk(TOP_K, dim=-1)
+        if isinstance(x, DTensor):  # a program on the whole mesh: the MoE maps the local rows
+            return DTensor.from_local(self.forward(x.to_local()), x.device_mesh, x.placements)
+        router = F.linear(x, _local(self.router.weight))
+        weights, chosen = torch.softmax(router, dim=-1).topk(TOP_K, dim=-1)
         order = chosen.reshape(-1).argsort(stable=True)  # each token's TOP_K copies by expert
         tokens = x.repeat_interleave(TOP_K, dim=0)[order]
         counts = torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
@@ -113,7 +121,8 @@ class Net(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
-        return self.output(h).pow(2).mean()
+        out = self.output(h)
+        return (out.to_local() if isinstance(out, DTensor) else out).pow(2).mean()
 
 
 def _place_experts(block: Block, ep_mesh: DeviceMesh, placement: Shard | None = None) -> None:
@@ -143,20 +152,46 @@ def _parallelize(impl: str, model: Net, meshes: tuple[Any, Any], divide: bool = 
     return model
 
 
+def _full_mesh(impl: str, model: Net, mesh: DeviceMesh) -> Net:
+    """FSDP2's full-mesh form of the same layout: every parameter a DTensor on the whole (dp, ep)
+    mesh (experts ``Shard(0)`` over ep, the rest replicated), the experts sharded over dp
+    (``dp_mesh_dims(shard="dp")``), the rest over dp and ep flattened (``shard=("dp", "ep")``)."""
+    dims = rf.DataParallelMeshDims if impl == "rf" else TorchDims
+    for module in model.modules():
+        placements = (Replicate(), Shard(0) if isinstance(module, Experts) else Replicate())
+        for name, param in list(module.named_parameters(recurse=False)):
+            weight = distribute_tensor(param.detach(), mesh, placements)
+            module.register_parameter(name, nn.Parameter(weight))
+    for block in model.blocks:
+        block.moe.ep_group = mesh.get_group("ep")
+        experts = IMPLS[impl](block.moe.experts, mesh=mesh, dp_mesh_dims=dims(shard="dp"))
+        experts.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM
+        experts.set_gradient_divide_factor(float(mesh.size()))
+        IMPLS[impl](block, mesh=mesh, dp_mesh_dims=dims(shard=("dp", "ep")))
+    IMPLS[impl](model, mesh=mesh, dp_mesh_dims=dims(shard=("dp", "ep")))
+    return model
+
+
 def _batches(steps: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     return [torch.randn(TOKENS * WORLD, 6, generator=generator) for _ in range(steps)]
 
 
 def _train(
-    model: nn.Module, data_rank: int | None, clip: Callable[..., Any] | None = None
+    model: nn.Module,
+    data_rank: int | None,
+    clip: Callable[..., Any] | None = None,
+    mesh: DeviceMesh | None = None,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Three AdamW steps; the full gradients of the first (before any clip) and the trained
-    parameters. ``data_rank``: this rank's slice of each global batch (None: all of it)."""
+    parameters. ``data_rank``: this rank's slice of each global batch (None: all of it);
+    ``mesh``: given as a DTensor split by rows over both its dims (the full-mesh form)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     grads: dict[str, torch.Tensor] = {}
     for x in _batches(3):
         mine = x if data_rank is None else x[data_rank * TOKENS : (data_rank + 1) * TOKENS]
+        if mesh is not None:
+            mine = DTensor.from_local(mine, mesh, (Shard(0), Shard(0)))
         model(mine).backward()
         grads = grads or {n: _whole(p.grad) for n, p in model.named_parameters()}
         if clip is not None:
@@ -165,7 +200,7 @@ def _train(
         optimizer.zero_grad()
     if data_rank is None:
         return {"grads": grads, "trained": {k: v.clone() for k, v in model.state_dict().items()}}
-    return {"grads": grads, "trained": _full(model)}
+    return {"grads": grads, "trained": full_state(model)}
 
 
 def _whole(grad: torch.Tensor) -> torch.Tensor:
@@ -188,6 +223,11 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
         models[impl] = _parallelize(impl, copy.deepcopy(base), meshes)
         out[impl] = _train(models[impl], data_rank)
         out[impl]["placements"] = _placements(models[impl])
+    for impl in IMPLS if TorchDims is not None else ("rf",):
+        spmd = _full_mesh(impl, copy.deepcopy(base), mesh)
+        out[f"{impl}_full_mesh"] = _train(spmd, data_rank, mesh=mesh)
+        weights = (spmd.blocks[0].moe.experts.w1, spmd.blocks[0].moe.router.weight)
+        out[f"{impl}_full_mesh"]["dims"] = [w.device_mesh.mesh_dim_names for w in weights]
     default = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
     out["rf_default_divide"] = _train(default, data_rank)
     clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
@@ -213,7 +253,7 @@ def _muon(base: Net, meshes: tuple[Any, Any]) -> dict[str, dict[str, torch.Tenso
         for step in grads:
             set_whole_grads(model, step)
             optimizer.step()
-        out[kind] = _full(model) if kind == "rf" else dict(model.state_dict())
+        out[kind] = full_state(model) if kind == "rf" else dict(model.state_dict())
     return out
 
 
@@ -244,7 +284,7 @@ def _checkpoints(
     loaded into raggedfsdp at (2, 2)."""
     saved = os.path.join(path, "rf")
     dcp.save(models["rf"].state_dict(), checkpoint_id=saved)
-    out = {"saved": _full(models["rf"]), "fsdp2_saved": _full(models["fsdp2"])}
+    out = {"saved": full_state(models["rf"]), "fsdp2_saved": full_state(models["fsdp2"])}
     torch.manual_seed(9)  # other values, which the loads must replace
     other = Net()
     out["into_fsdp2"] = _load(_parallelize("fsdp2", copy.deepcopy(other), meshes), saved)
@@ -263,7 +303,7 @@ def _load(model: nn.Module, path: str, group: Any = None) -> dict[str, torch.Ten
     state = model.state_dict()
     dcp.load(state, checkpoint_id=path, process_group=group)
     model.load_state_dict(state)
-    return _full(model)
+    return full_state(model)
 
 
 def _errors(base: Net, meshes: tuple[Any, Any]) -> dict[str, str]:
@@ -308,10 +348,6 @@ def _short_mesh(base: Net, x: torch.Tensor) -> str:
     return error_message(lambda: model(x))
 
 
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> list[dict[str, Any]]:
     return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("ep_dcp")))
@@ -322,6 +358,18 @@ def test_dp_x_ep_computes_the_gradients_and_steps_of_one_process(grid, impl):
     for rank in grid:
         assert_close_dicts(rank[impl]["grads"], rank["reference"]["grads"])
         assert_close_dicts(rank[impl]["trained"], rank["reference"]["trained"])
+
+
+def test_full_mesh_form_beside_expert_parallelism(grid):
+    """dp_mesh_dims over DTensors on the whole (dp, ep) mesh, the MoE a local map: the same
+    gradients and steps as one process, for raggedfsdp and FSDP2's form."""
+    for rank in grid:
+        for impl in ("rf", "fsdp2"):
+            if f"{impl}_full_mesh" in rank:
+                result = rank[f"{impl}_full_mesh"]
+                assert_close_dicts(result["grads"], rank["reference"]["grads"])
+                assert_close_dicts(result["trained"], rank["reference"]["trained"])
+        assert rank["rf_full_mesh"]["dims"] == [("dp", "ep"), ("dp_ep",)]
 
 
 def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):

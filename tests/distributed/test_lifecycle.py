@@ -18,13 +18,12 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 import raggedfsdp as rf
-from harness import error_message, run_distributed
+from harness import error_message, full_state, run_distributed
 
 WORLD = 2
 BATCH = 4  # per rank
@@ -86,10 +85,6 @@ def _mine(x: torch.Tensor, rank: int) -> torch.Tensor:
     return x[rank * BATCH : (rank + 1) * BATCH]
 
 
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-
-
 def _train(model: nn.Module, rank: int, *, steps: int = 3, twice: bool = False) -> dict:
     """AdamW steps (``twice``: two forwards, one of a flipped batch, then one backward)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -102,7 +97,7 @@ def _train(model: nn.Module, rank: int, *, steps: int = 3, twice: bool = False) 
         optimizer.step()
         optimizer.zero_grad()
     return (
-        _full(model)
+        full_state(model)
         if rank >= 0
         else {k: v.detach().clone() for k, v in model.state_dict().items()}
     )
@@ -117,7 +112,7 @@ def _meta_recipe(impl: str, rank: int) -> dict[str, Any]:
     model.to_empty(device="cpu")
     torch.manual_seed(1)
     model.init_weights()
-    initial = _full(model)
+    initial = full_state(model)
     return {"initial": initial, "trained": _train(model, rank)}
 
 
@@ -171,7 +166,7 @@ def _chunked(model: Net, rank: int) -> dict[str, torch.Tensor]:
         optimizer.zero_grad()
     if rank < 0:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return _full(model)
+    return full_state(model)
 
 
 def _row_norms(model: Net) -> torch.Tensor:
@@ -188,7 +183,7 @@ def _train_double(model: Net, rank: int) -> dict[str, torch.Tensor]:
         model(_mine(x, rank).double()).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return _full(model)
+    return full_state(model)
 
 
 def _summed_gradient_norm(impl: str, base: Net, rank: int) -> tuple[float, float]:
@@ -234,7 +229,7 @@ def _local_init(rank: int) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().normal_()
-    return _full(model)
+    return full_state(model)
 
 
 class _FailOnce(torch.autograd.Function):

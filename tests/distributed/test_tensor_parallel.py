@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -28,8 +27,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp as rf
-from harness import assert_close_dicts, error_message, run_distributed
+from harness import assert_close_dicts, error_message, full_state, run_distributed
 from optim_grid import muon_on_one_device, set_whole_grads
+from raggedfsdp.runtime import materialize_shards_
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -131,7 +131,7 @@ def _train_sequences(impl: str | None, base: SequenceNet, mesh: Any, dp_rank: in
         model(mine).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return _full(model) if impl is not None else dict(model.state_dict())
+    return full_state(model) if impl is not None else dict(model.state_dict())
 
 
 def _parallelize(impl: str, model: Net, mesh: Any) -> Net:
@@ -168,7 +168,7 @@ def _train(
         optimizer.zero_grad()
     if dp_rank is None:
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return _full(model)
+    return full_state(model)
 
 
 def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
@@ -192,6 +192,7 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     clipped = _parallelize("rf", copy.deepcopy(base), mesh)
     out["rf"]["clipped"] = _train(clipped, dp_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, mesh, dp_rank, path)
+    out["meta"] = _built_on_meta(mesh)
     torch.manual_seed(1)
     sequences = SequenceNet()
     out["sequence_parallel"] = {
@@ -223,7 +224,7 @@ def _muon(base: Net, mesh: Any) -> dict[str, dict[str, torch.Tensor]]:
         for step in grads:
             set_whole_grads(model, step)
             optimizer.step()
-        out[kind] = _full(model)
+        out[kind] = full_state(model)
     out["reference"] = muon_on_one_device(copy.deepcopy(base), grads)
     return out
 
@@ -266,32 +267,43 @@ def _muon_on_other_layouts(base: Net, mesh: Any) -> None:
     muon.step()
 
 
+def _built_on_meta(mesh: Any) -> dict[str, Any]:
+    """Built, split and sharded on meta, then materialized (``rf.init_sharded_``'s first step):
+    what the sharded weight is placed as afterwards."""
+    with torch.device("meta"):
+        model = Net()
+    model = _parallelize("rf", model, mesh)
+    materialize_shards_(model)  # what rf.init_sharded_ starts with
+    weight = model.blocks[0].up.weight
+    return {
+        "placements": [str(p) for p in weight.placements],
+        "dims": weight.device_mesh.mesh_dim_names,
+        "shape": list(weight.shape),
+    }
+
+
 def _checkpoints(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
     """A DCP checkpoint of the model trained at (dp=2, tp=2), loaded into FSDP2+TP at (2, 2)
     and into raggedfsdp at (dp=1, tp=2) on ranks 0 and 1."""
     trained = _parallelize("rf", copy.deepcopy(base), mesh)
     _train(trained, dp_rank)
     dcp.save(trained.state_dict(), checkpoint_id=path)
-    out = {"saved": _full(trained)}
+    out = {"saved": full_state(trained)}
     torch.manual_seed(9)  # other values, which the load must replace
     other = Net()
     fsdp2 = _parallelize("fsdp2", copy.deepcopy(other), mesh)
     state = fsdp2.state_dict()
     dcp.load(state, checkpoint_id=path)
     fsdp2.load_state_dict(state)
-    out["fsdp2"] = _full(fsdp2)
+    out["fsdp2"] = full_state(fsdp2)
     smaller = DeviceMesh("cpu", [[0, 1]], mesh_dim_names=("dp", "tp"))
     if smaller.get_coordinate() is not None:
         narrow = _parallelize("rf", copy.deepcopy(other), smaller)
         state = narrow.state_dict()
         dcp.load(state, checkpoint_id=path, process_group=smaller.get_group("tp"))
         narrow.load_state_dict(state)
-        out["dp1"] = _full(narrow)
+        out["dp1"] = full_state(narrow)
     return out
-
-
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +334,12 @@ def test_parameters_carry_both_placements(grid):
         assert rank["rf"]["mesh_dims"] == ("dp", "tp")
         ragged, tp = rank["rf"]["placements"]
         assert ragged == "RS" and tp == str(Shard(0))
+        # also when built on meta and materialized
+        assert rank["meta"] == {
+            "placements": ["RS", str(Shard(0))],
+            "dims": ("dp", "tp"),
+            "shape": [32, 8],
+        }
 
 
 def test_clip_reduces_the_norm_over_dp_and_tp(grid):

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from raggedfsdp.spawn import run_on_ranks
 
@@ -131,11 +133,16 @@ def assert_close_dicts(
 
 
 def error_message(fn: Callable[[], object]) -> str:
-    """The message of the ``ValueError`` or ``RuntimeError`` that ``fn()`` raises on this rank
-    (or ``AssertionError``, where FSDP2's callers expect one: applying fully_shard twice,
-    deepcopy), or ``"no error"`` (ranks collect these for the tests of bad input)."""
+    """The message of the ``ValueError``, ``TypeError`` or ``RuntimeError`` that ``fn()`` raises
+    on this rank (or ``AssertionError``, where FSDP2's callers expect one: applying fully_shard
+    twice, deepcopy), or ``"no error"`` (ranks collect these for the tests of bad input)."""
     try:
         fn()
-    except (ValueError, RuntimeError, AssertionError) as e:
+    except (ValueError, TypeError, RuntimeError, AssertionError) as e:
         return str(e)
     return "no error"
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) state dict of a sharded ``model``, by torch's DSD: a collective."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

@@ -152,10 +152,15 @@ def _relocate(group: Unit, bucket: DBuffer, dtype: torch.dtype, device: torch.de
             sharded._local_tensor = view
             continue
         # A DTensor's dtype and device are its own, not its local tensor's: a new one is made
-        # and swapped into the parameter object, which everyone (optimizers) keeps.
-        info = group.mesh_info
+        # and swapped into the parameter object, which everyone (optimizers) keeps. Placed as
+        # before: its mesh (with tensor- or expert-parallel dims), placements and whole shape.
         fresh = RaggedTensor.from_piece(
-            view, sharded.shard_layout, info.mesh, mesh_dim=info.shard_dim
+            view,
+            sharded.shard_layout,
+            sharded.device_mesh,
+            mesh_dim=sharded.shard_mesh_dim,
+            placements=sharded.placements,
+            shape=sharded.shape,
         )
         torch.utils.swap_tensors(sharded, nn.Parameter(fresh, sharded.requires_grad))
 

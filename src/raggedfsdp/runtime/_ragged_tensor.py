@@ -152,14 +152,19 @@ class RaggedTensor(DTensor):
         return placement.layout
 
     @property
+    def shard_mesh_dim(self) -> int:
+        """The mesh dimension the ragged placement is along."""
+        return spec_dim(self._spec)
+
+    @property
     def shard_rank(self) -> int:
         """This process's rank along the ragged mesh dimension."""
-        return self._spec.mesh.get_local_rank(spec_dim(self._spec))
+        return self._spec.mesh.get_local_rank(self.shard_mesh_dim)
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
         """The process group of the ragged mesh dimension."""
-        return self._spec.mesh.get_group(spec_dim(self._spec))
+        return self._spec.mesh.get_group(self.shard_mesh_dim)
 
     def placed_as(self, layout: ShardLayout) -> bool:
         """Whether this is placed by ``layout`` (the same ranges, hence the same pieces)."""

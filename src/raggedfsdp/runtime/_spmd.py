@@ -70,13 +70,17 @@ def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class SpmdMesh:
-    """A unit's full SPMD mesh: ``mesh`` as the caller passed it, whose first ``dp_dims`` dims
-    are data-parallel, and ``dp_mesh``, those dims as the unit shards over (1-D, or HSDP's
-    (replicate, shard)), each flattened from several where ``dp_mesh_dims`` names several."""
+    """A unit's full SPMD mesh: ``mesh`` as the caller passed it, whose leading dims are the
+    data-parallel ones ``dp_mesh_dims`` names: ``replicate`` (HSDP's, possibly none), then
+    ``shard``."""
 
     mesh: DeviceMesh
-    dp_dims: int
-    dp_mesh: DeviceMesh
+    replicate: tuple[str, ...]
+    shard: tuple[str, ...]
+
+    @property
+    def dp_dims(self) -> int:
+        return len(self.replicate) + len(self.shard)
 
     @property
     def other_names(self) -> tuple[str, ...]:
@@ -84,15 +88,28 @@ class SpmdMesh:
         assert self.mesh.mesh_dim_names is not None
         return self.mesh.mesh_dim_names[self.dp_dims :]
 
+    def data_parallel_mesh(self) -> DeviceMesh:
+        """The data-parallel dims as the unit shards over them (1-D, or HSDP's (replicate,
+        shard)), each flattened from several where ``dp_mesh_dims`` names several, as FSDP2
+        flattens them: a process group per flattened dim, made once per mesh, so called only
+        once the unit's parameters are checked."""
+        shard_mesh = _flattened(self.mesh, self.shard)
+        if not self.replicate:
+            return shard_mesh
+        return combined_mesh(_flattened(self.mesh, self.replicate), shard_mesh)
+
 
 def spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object) -> SpmdMesh:
-    """Check ``dp_mesh_dims`` against ``mesh`` and make the data-parallel mesh the unit shards
-    over (flattening several dims as FSDP2 does; a process group per flattened dim, made once
-    per mesh). Every refusal comes before any collective."""
+    """Check ``dp_mesh_dims`` against ``mesh`` (no process group is made)."""
     if mesh is None:
         raise ValueError("fully_shard: dp_mesh_dims needs mesh=, the full SPMD mesh it names")
-    shard = _names(getattr(dp_mesh_dims, "shard", None))
-    replicate = _names(getattr(dp_mesh_dims, "replicate", None))
+    if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
+        raise TypeError(
+            f"fully_shard: dp_mesh_dims must be a DataParallelMeshDims(shard=..., replicate=...) "
+            f"naming mesh dims, got {type(dp_mesh_dims).__name__} {dp_mesh_dims!r}"
+        )
+    shard = _names(dp_mesh_dims.shard)  # type: ignore[attr-defined]
+    replicate = _names(dp_mesh_dims.replicate)  # type: ignore[attr-defined]
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError(
@@ -104,6 +121,8 @@ def spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object) -> SpmdMesh:
         raise ValueError(f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} names no dims")
     if unknown:
         raise ValueError(f"fully_shard: dp_mesh_dims names {unknown}, not dims of the mesh {names}")
+    if len({*replicate, *shard}) < len(replicate) + len(shard):
+        raise ValueError(f"fully_shard: dp_mesh_dims={dp_mesh_dims!r} names a dim twice")
     if not shard:
         raise NotImplementedError(
             f"fully_shard: dp_mesh_dims with replicate={replicate} and no shard dims (FSDP2's "
@@ -115,9 +134,7 @@ def spmd_mesh(mesh: DeviceMesh | None, dp_mesh_dims: object) -> SpmdMesh:
             f"dims (as torchtitan lays them out), e.g. {(*replicate, *shard)} first; the mesh's "
             f"dims are {names}"
         )
-    shard_mesh = _flattened(mesh, shard)
-    dp_mesh = combined_mesh(_flattened(mesh, replicate), shard_mesh) if replicate else shard_mesh
-    return SpmdMesh(mesh, len(replicate) + len(shard), dp_mesh)
+    return SpmdMesh(mesh, replicate, shard)
 
 
 def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -131,6 +148,7 @@ class SpmdParam:
     """One parameter of a unit sharded by the full-mesh form: its DTensor spec on the whole mesh
     (its unsharded form's, ``Replicate()`` over the first ``dp_dims`` dims)."""
 
+    fqn: str
     spec: DTensorSpec
     dp_dims: int
 
@@ -157,18 +175,26 @@ class SpmdParam:
 
     def relabel_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` as autograd should accumulate it (see the module's docstring): placed as the
-        parameter over the other dims, its local tensor ``Partial`` over the data-parallel ones
-        (a gradient ``Shard``-ed over one, which nothing in FSDP produces, is gathered first)."""
+        parameter over the other dims, its local tensor ``Partial`` over the data-parallel ones.
+        A gradient split over a data-parallel dim is refused: gathering it here, in one
+        parameter's hook, would be a collective data-parallel peers running other graphs might
+        never join (FSDP2 takes its local tensor as it is)."""
         if not isinstance(grad, DTensor):
             raise TypeError(
-                f"fully_shard(dp_mesh_dims=...): a parameter's gradient arrived as a "
+                f"fully_shard(dp_mesh_dims=...): the gradient of {self.fqn!r} arrived as a "
                 f"{type(grad).__name__}, not a DTensor on the mesh it computed on"
             )
+        split = [
+            p for p in grad.placements[: self.dp_dims] if not isinstance(p, (Partial, Replicate))
+        ]
+        if split:
+            raise RuntimeError(
+                f"fully_shard(dp_mesh_dims=...): the gradient of {self.fqn!r} arrived placed "
+                f"{grad.placements}, split over a data-parallel dim; its parameter is "
+                f"Replicate() there, so its gradient must be Partial() or Replicate()"
+            )
         placements = self.spec.placements
-        target = tuple(
-            (Replicate() if isinstance(p, Shard) else p) if i < self.dp_dims else placements[i]
-            for i, p in enumerate(grad.placements)
-        )
+        target = (*grad.placements[: self.dp_dims], *placements[self.dp_dims :])
         if target != grad.placements:
             grad = grad.redistribute(placements=target)
         return DTensor(grad._local_tensor, self.grad_spec(grad.dtype), requires_grad=False)
@@ -185,6 +211,9 @@ def spmd_param(
             "When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD "
             f"mesh (e.g. via distribute_module). Got plain tensor for parameter '{fqn}'."
         )
+    # Equal suffices (FSDP2 asks for the same object): the unsharded form is placed on the
+    # parameter's mesh, the split over the other dims sliced from the caller's; both describe
+    # the same ranks and groups.
     if param.device_mesh != spmd.mesh:
         raise ValueError(
             f"parameter {fqn!r} is a DTensor on mesh {param.device_mesh}, not the mesh passed to "
@@ -200,10 +229,11 @@ def spmd_param(
             )
         if type(placement) not in (Shard, Replicate):
             raise ValueError(
-                f"parameter {fqn!r} is a DTensor placed {param.placements}: raggedfsdp shards "
-                f"DTensor parameters placed by Shard(d) or Replicate() over their mesh"
+                f"parameter {fqn!r} is a DTensor placed {param.placements}, {placement} over "
+                f"mesh dim {names[dim]!r}: raggedfsdp shards DTensor parameters placed by "
+                f"Shard(d) or Replicate() over their mesh"
             )
-    whole = SpmdParam(param._spec, spmd.dp_dims)
+    whole = SpmdParam(fqn, param._spec, spmd.dp_dims)
     if not spmd.other_names:
         return whole, None
     other = spmd.mesh[spmd.other_names]

@@ -36,7 +36,7 @@ from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
-from ._spmd import DataParallelMeshDims, SpmdMesh, spmd_mesh, spmd_param
+from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -271,29 +271,34 @@ def _registrations(modules: list[nn.Module], ignored: set[nn.Parameter]) -> list
     return [Registration(fqn, param, tuple(owners)) for fqn, param, owners in found.values()]
 
 
-def _with_parallel_specs(
+def _unit_mesh(
     registrations: list[Registration],
-    info: MeshInfo,
+    mesh: DeviceMesh | None,
+    dp_mesh_dims: object | None,
+    device: torch.device,
     policy: RaggedShard,
-    spmd: SpmdMesh | None,
-) -> list[Registration]:
-    """``registrations`` with how each parameter is split over the mesh's other (tensor- or
-    expert-parallel) dims, each checked against the shard policy's units; under
-    ``dp_mesh_dims`` with its place on the whole mesh too."""
-    if spmd is None:
+) -> tuple[list[Registration], MeshInfo]:
+    """The mesh the unit shards over, and ``registrations`` with how each parameter is split
+    over its other (tensor- or expert-parallel) dims, each checked against the shard policy's
+    units; under ``dp_mesh_dims`` with its place on the whole mesh too, every parameter checked
+    before the data-parallel dims are flattened (which makes process groups)."""
+    if dp_mesh_dims is None:
+        info = mesh_info(mesh, device)
         registrations = [
             dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
             for r in registrations
         ]
-    else:
-        registrations = [
-            dataclasses.replace(r, spmd=whole, parallel=parallel)
-            for r in registrations
-            for whole, parallel in [spmd_param(r.fqn, r.param, spmd)]
-        ]
+        for registration in registrations:
+            _check_parallel_cuts(registration, policy)
+        return registrations, info
+    spmd = spmd_mesh(mesh, dp_mesh_dims)
+    placed = []
     for registration in registrations:
+        whole, parallel = spmd_param(registration.fqn, registration.param, spmd)
+        placed.append(dataclasses.replace(registration, spmd=whole, parallel=parallel))
+    for registration in placed:
         _check_parallel_cuts(registration, policy)
-    return registrations
+    return placed, mesh_info(spmd.data_parallel_mesh(), device)
 
 
 def _check_parallel_cuts(registration: Registration, policy: RaggedShard) -> None:
@@ -392,12 +397,12 @@ def fully_shard(
     leading dims the data-parallel ones named, and every parameter a DTensor on it."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
-    spmd = None if dp_mesh_dims is None else spmd_mesh(mesh, dp_mesh_dims)
     registrations = _registrations(modules, ignored_params or set())
     _check_placements(registrations, shard_placement_fn)
     device = device_for([r.param for r in registrations], mesh)
-    info = mesh_info(mesh if spmd is None else spmd.dp_mesh, device)
-    registrations = _with_parallel_specs(registrations, info, planner.shard_policy, spmd)
+    registrations, info = _unit_mesh(
+        registrations, mesh, dp_mesh_dims, device, planner.shard_policy
+    )
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
