@@ -80,6 +80,7 @@ class SpmdMesh:
 
     @property
     def dp_dims(self) -> int:
+        """How many leading dims of the mesh are data-parallel."""
         return len(self.replicate) + len(self.shard)
 
     @property
