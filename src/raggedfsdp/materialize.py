@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .layout import shard_info
-from .runtime import materialize_shards_
+from .runtime import distribute, materialize_shards_
 
 __all__ = ["init_sharded_"]
 
@@ -45,10 +45,18 @@ def init_sharded_(model: nn.Module, init_fn: InitFn) -> nn.Module:
             init_fn(name, param.data)
             continue
         device = param.device
+        if isinstance(param, DTensor):
+            # The whole parameter, also where tensor or expert parallelism splits it: its
+            # piece is cut from the slice this rank's placements leave, as one process drew it.
+            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            init_fn(name, full)
+            piece = distribute(full, param.device_mesh, param.placements, src_data_rank=None)
+            local = param.to_local()
+            local.copy_(piece.to_local().view_as(local))
+            continue
         full = torch.empty(info.layout.global_shape, dtype=param.dtype, device=param.device)
         init_fn(name, full)
-        local = param.to_local() if isinstance(param, DTensor) else param
-        local.copy_(info.layout.to_local(full, info.rank).view_as(local))
+        param.copy_(info.layout.to_local(full, info.rank).view_as(param))
     for module_name, module in model.named_modules():
         for buf_name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type == "meta":

@@ -33,9 +33,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import raggedfsdp as rf
-from harness import assert_close_dicts, error_message, full_state, run_distributed
+from harness import (
+    assert_close_dicts,
+    drawn,
+    drawn_whole,
+    error_message,
+    full_state,
+    run_distributed,
+)
 from optim_grid import muon_on_one_device, set_whole_grads
-from raggedfsdp.runtime import materialize_shards_
 from raggedfsdp.runtime._spmd import SpmdParam
 
 try:
@@ -358,20 +364,22 @@ def _errors(mesh: DeviceMesh) -> dict[str, str]:
 
 
 def _built_on_meta(mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any]:
-    """Built and sharded on meta, then materialized (``rf.init_sharded_``'s first step): the
-    sharded parameters keep their mesh, both placements and whole shape."""
+    """Built and sharded on meta, then ``rf.init_sharded_``: how the sharded weight is placed
+    afterwards, and the values (with one process's draw beside them)."""
     with torch.device("meta"):
         model = Net()
     model = _shard(
         _distribute(model, mesh, dp_dims), rf.fully_shard, mesh, rf.DataParallelMeshDims(**dims)
     )
-    materialize_shards_(model)  # what rf.init_sharded_ starts with
+    torch.manual_seed(7)
+    rf.init_sharded_(model, drawn)  # materializes the shards, then fills them
     weight = model.blocks[0].up.weight
     return {
         "placements": [type(p).__name__ for p in weight.placements],
         "shape": list(weight.shape),
         "same_mesh": weight.device_mesh is mesh,
         "device": weight.to_local().device.type,
+        "values": (full_state(model), drawn_whole(Net(), 7)),
     }
 
 
@@ -453,14 +461,20 @@ def test_sharded_parameters_live_on_the_callers_mesh(four):
     # two shard dims flattened into one, as FSDP2 flattens them
     assert ours["flattened"]["dims"] == ("dp_shard_cp",)
     assert ours["flattened"]["placements"] == ["RaggedShardPlacement"]
-    # built on meta, then materialized: placed as before, on the same mesh, whole shape
-    meta = four[0]["dp_tp"]["meta"]
-    assert meta == {
-        "placements": ["RaggedShardPlacement", "Shard"],
-        "shape": [HIDDEN, DIM],
-        "same_mesh": True,
-        "device": "cpu",
-    }
+    # built on meta, then rf.init_sharded_: placed as before, on the same mesh, whole shape
+    for rank in four:
+        meta = dict(rank["dp_tp"]["meta"])
+        got, want = meta.pop("values")
+        assert meta == {
+            "placements": ["RaggedShardPlacement", "Shard"],
+            "shape": [HIDDEN, DIM],
+            "same_mesh": True,
+            "device": "cpu",
+        }
+        # filled by rf.init_sharded_ with the values one process draws with that seed
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
 
 
 def test_gradients_replicated_over_dp_would_be_counted_dp_times(four):

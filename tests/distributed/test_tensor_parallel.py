@@ -27,9 +27,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp as rf
-from harness import assert_close_dicts, error_message, full_state, run_distributed
+from harness import (
+    assert_close_dicts,
+    drawn,
+    drawn_whole,
+    error_message,
+    full_state,
+    run_distributed,
+)
 from optim_grid import muon_on_one_device, set_whole_grads
-from raggedfsdp.runtime import materialize_shards_
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -268,17 +274,19 @@ def _muon_on_other_layouts(base: Net, mesh: Any) -> None:
 
 
 def _built_on_meta(mesh: Any) -> dict[str, Any]:
-    """Built, split and sharded on meta, then materialized (``rf.init_sharded_``'s first step):
-    what the sharded weight is placed as afterwards."""
+    """Built, split and sharded on meta, then ``rf.init_sharded_``: what the sharded weight is
+    placed as afterwards, and the values (with one process's draw beside them)."""
     with torch.device("meta"):
         model = Net()
     model = _parallelize("rf", model, mesh)
-    materialize_shards_(model)  # what rf.init_sharded_ starts with
+    torch.manual_seed(7)
+    rf.init_sharded_(model, drawn)  # materializes the shards, then fills them
     weight = model.blocks[0].up.weight
     return {
         "placements": [str(p) for p in weight.placements],
         "dims": weight.device_mesh.mesh_dim_names,
         "shape": list(weight.shape),
+        "values": (full_state(model), drawn_whole(Net(), 7)),
     }
 
 
@@ -334,12 +342,18 @@ def test_parameters_carry_both_placements(grid):
         assert rank["rf"]["mesh_dims"] == ("dp", "tp")
         ragged, tp = rank["rf"]["placements"]
         assert ragged == "RS" and tp == str(Shard(0))
-        # also when built on meta and materialized
-        assert rank["meta"] == {
-            "placements": ["RS", str(Shard(0))],
-            "dims": ("dp", "tp"),
-            "shape": [32, 8],
-        }
+
+
+def test_built_on_meta_init_sharded_places_and_draws_as_one_process(grid):
+    """rf.init_sharded_ of a model built, split and sharded on meta: the weights keep both
+    placements and their whole shape, and hold the values one process draws with that seed."""
+    for rank in grid:
+        meta = dict(rank["meta"])
+        got, want = meta.pop("values")
+        assert meta == {"placements": ["RS", str(Shard(0))], "dims": ("dp", "tp"), "shape": [32, 8]}
+        assert got.keys() == want.keys()
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
 
 
 def test_clip_reduces_the_norm_over_dp_and_tp(grid):

@@ -146,3 +146,17 @@ def error_message(fn: Callable[[], object]) -> str:
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full (unsharded) state dict of a sharded ``model``, by torch's DSD: a collective."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def drawn(name: str, full: torch.Tensor) -> None:
+    """An ``init_fn`` for ``rf.init_sharded_``: standard normal values."""
+    full.normal_()
+
+
+def drawn_whole(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """What ``rf.init_sharded_(sharded, drawn)`` after ``torch.manual_seed(seed)`` must give:
+    the state of ``model``, unsharded, each parameter drawn in ``named_parameters()`` order."""
+    torch.manual_seed(seed)
+    for name, param in model.named_parameters():
+        drawn(name, param.data)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
