@@ -50,6 +50,11 @@ try:
 except ImportError:  # an older torch: raggedfsdp alone against the reference
     TorchDims = None
 
+#: each fully_shard of the full-mesh form, with its class naming the data-parallel dims
+IMPLS: dict[str, tuple[Any, Any]] = {"rf": (rf.fully_shard, rf.DataParallelMeshDims)}
+if TorchDims is not None:
+    IMPLS["fsdp2"] = (fsdp2_fully_shard, TorchDims)
+
 VOCAB, DIM, HIDDEN, SEQ, STEPS = 16, 8, 16, 4, 3
 SEQUENCES = 2  # per data rank
 
@@ -187,6 +192,34 @@ def _dp_dims(dims: dict[str, Any]) -> int:
     return sum(len((v,) if isinstance(v, str) else v) for v in dims.values())
 
 
+def _full_mesh_model(
+    base: Net, mesh: DeviceMesh, dims: dict[str, Any], impl: str = "rf", **kwargs: Any
+) -> Net:
+    """A copy of ``base`` in the full-mesh form: every parameter a DTensor on ``mesh``, then
+    sharded by ``impl``'s fully_shard over the data-parallel dims ``dims`` names (``kwargs``
+    to fully_shard)."""
+    shard, kind = IMPLS[impl]
+    model = _distribute(copy.deepcopy(base), mesh, _dp_dims(dims))
+    return _shard(model, shard, mesh, kind(**dims), **kwargs)
+
+
+def _each_impl(
+    base: Net, mesh: DeviceMesh, data_ranks: int, step: Any, dims: Any, **kwargs: Any
+) -> dict[str, tuple[Net, list[float]]]:
+    """Each fully_shard of the full-mesh form trained by ``step`` (``kwargs`` to fully_shard):
+    the trained model and its gradient norms."""
+    out = {}
+    for impl in IMPLS:
+        model = _full_mesh_model(base, mesh, dims, impl, **kwargs)
+        out[impl] = (model, _train(model, data_ranks, step))
+    return out
+
+
+def _results(trained: dict[str, tuple[Net, list[float]]]) -> dict[str, Any]:
+    """The trained weights and gradient norms of :func:`_each_impl`'s models."""
+    return {impl: {"trained": full_state(m), "norms": n} for impl, (m, n) in trained.items()}
+
+
 def _case(rank: int, name: str, *, checks: bool = False) -> dict[str, Any]:
     """Train on ``name``'s mesh with each fully_shard; with ``checks`` the negative control and
     bad input too, and the trained model and its mesh for :func:`_checkpoints`."""
@@ -208,15 +241,9 @@ def _case(rank: int, name: str, *, checks: bool = False) -> dict[str, Any]:
         "initial": base.state_dict(),
         "norms": norms,
     }
-    impls = {"rf": (rf.fully_shard, rf.DataParallelMeshDims(**dims))}
-    if TorchDims is not None:
-        impls["fsdp2"] = (fsdp2_fully_shard, TorchDims(**dims))
     step = _spmd_step(mesh, dp_dims, data_rank)
-    trained = {}
-    for impl, (shard, dp_mesh_dims) in impls.items():
-        model = _shard(_distribute(copy.deepcopy(base), mesh, dp_dims), shard, mesh, dp_mesh_dims)
-        norms = _train(model, data_ranks, step)
-        trained[impl] = model
+    trained = _each_impl(base, mesh, data_ranks, step, dims)
+    for impl, (model, norms) in trained.items():
         weight = model.blocks[0].up.weight
         out[impl] = {
             "placements": [type(p).__name__ for p in weight.placements],
@@ -226,30 +253,29 @@ def _case(rank: int, name: str, *, checks: bool = False) -> dict[str, Any]:
             "norms": norms,
         }
     if checks:
-        out["replicated_grads"] = _replicated_grads(base, mesh, dp_dims, data_ranks, step, dims)
+        out["replicated_grads"] = _replicated_grads(base, mesh, data_ranks, step, dims)
         # what the negative control computes: every gradient counted dp times, which under SGD
         # (the norms stay under the clip bound) is one process at dp times the learning rate
         counted = copy.deepcopy(base)
         _train(counted, data_ranks, _whole_batch, lr=0.5 * data_ranks)
         out["counted_dp_times"] = dict(counted.state_dict())
-        out["meta"] = _built_on_meta(mesh, dp_dims, dims)
+        out["meta"] = _built_on_meta(mesh, dims)
         out["errors"] = _errors(mesh)
-        out["muon"] = _muon(base, mesh, dp_dims, dims)
+        out["muon"] = _muon(base, mesh, dims)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        out["bf16"] = _each_impl(base, mesh, data_ranks, step, dims, mp_policy=policy)
+        out["bf16"] = _results(_each_impl(base, mesh, data_ranks, step, dims, mp_policy=policy))
         sequences = _spmd_step(mesh, dp_dims, data_rank, sequence_parallel=True)
-        out["sequence_parallel"] = _each_impl(base, mesh, data_ranks, sequences, dims)
-        out["model"], out["mesh"] = trained["rf"], mesh
+        out["sequence_parallel"] = _results(_each_impl(base, mesh, data_ranks, sequences, dims))
+        out["model"], out["mesh"] = trained["rf"][0], mesh
     return out
 
 
-def _muon(base: Net, mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any]:
+def _muon(base: Net, mesh: DeviceMesh, dims: Any) -> dict[str, Any]:
     """Two steps of raggedfsdp's Muon (1-D parameters to its auxiliary AdamW) on the full-mesh
     form given the same whole gradients as torch's Muon and AdamW on one device."""
     generator = torch.Generator().manual_seed(6)
     grads = [{n: torch.randn(p.shape, generator=generator) for n, p in base.named_parameters()}]
-    model = _distribute(copy.deepcopy(base), mesh, dp_dims)
-    model = _shard(model, rf.fully_shard, mesh, rf.DataParallelMeshDims(**dims))
+    model = _full_mesh_model(base, mesh, dims)
     optimizer = rf.optim.Muon(model.named_parameters(), adamw_params=lambda p, s: len(s) != 2)
     for step in grads * 2:
         set_whole_grads(model, step)
@@ -260,23 +286,6 @@ def _muon(base: Net, mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any
     }
 
 
-def _each_impl(
-    base: Net, mesh: DeviceMesh, data_ranks: int, step: Any, dims: Any, **kwargs: Any
-) -> dict[str, Any]:
-    """Each fully_shard of the full-mesh form trained by ``step`` (``kwargs`` to fully_shard):
-    the trained weights and gradient norms."""
-    impls = {"rf": (rf.fully_shard, rf.DataParallelMeshDims)}
-    if TorchDims is not None:
-        impls["fsdp2"] = (fsdp2_fully_shard, TorchDims)
-    out = {}
-    for impl, (shard, kind) in impls.items():
-        model = _distribute(copy.deepcopy(base), mesh, _dp_dims(dims))
-        model = _shard(model, shard, mesh, kind(**dims), **kwargs)
-        norms = _train(model, data_ranks, step)
-        out[impl] = {"trained": full_state(model), "norms": norms}
-    return out
-
-
 def _checkpoints(trained: Net, mesh: DeviceMesh, path: str) -> dict[str, dict[str, torch.Tensor]]:
     """A DCP checkpoint of the model trained on the (dp, tp) mesh, loaded into FSDP2's form on
     the same mesh and into raggedfsdp's on the (dp_shard, cp) mesh (4-way ragged shards, no tp)."""
@@ -284,20 +293,14 @@ def _checkpoints(trained: Net, mesh: DeviceMesh, path: str) -> dict[str, dict[st
     torch.manual_seed(9)  # other values, which the load must replace
     other = Net()
     targets = [("rf", "flattened")]
-    if TorchDims is not None:
+    if "fsdp2" in IMPLS:
         targets.insert(0, ("fsdp2", "dp_tp"))
     out = {}
     for impl, name in targets:
         shape, names, dims = MESHES[name]
         if name != "dp_tp":
             mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        shard, kind = (
-            (fsdp2_fully_shard, TorchDims)
-            if impl == "fsdp2"
-            else (rf.fully_shard, rf.DataParallelMeshDims)
-        )
-        model = _distribute(copy.deepcopy(other), mesh, _dp_dims(dims))
-        model = _shard(model, shard, mesh, kind(**dims))
+        model = _full_mesh_model(other, mesh, dims, impl)
         state = model.state_dict()
         dcp.load(state, checkpoint_id=path)
         model.load_state_dict(state)
@@ -305,21 +308,14 @@ def _checkpoints(trained: Net, mesh: DeviceMesh, path: str) -> dict[str, dict[st
     return out
 
 
-def _replicated_grads(
-    base: Net, mesh: DeviceMesh, dp_dims: int, data_ranks: int, step: Any, dims: Any
-) -> Any:
+def _replicated_grads(base: Net, mesh: DeviceMesh, data_ranks: int, step: Any, dims: Any) -> Any:
     """The negative control: unsharded gradients placed Replicate over dp (as the sub-mesh form
     places them), so DTensor all-reduces each Partial gradient into them."""
     original = SpmdParam.grad_spec, SpmdParam.relabel_grad
     SpmdParam.grad_spec = SpmdParam.unsharded_spec  # type: ignore[method-assign]
     SpmdParam.relabel_grad = lambda self, grad: grad  # type: ignore[method-assign]
     try:
-        model = _shard(
-            _distribute(copy.deepcopy(base), mesh, dp_dims),
-            rf.fully_shard,
-            mesh,
-            rf.DataParallelMeshDims(**dims),
-        )
+        model = _full_mesh_model(base, mesh, dims)
         _train(model, data_ranks, step)
     finally:
         SpmdParam.grad_spec, SpmdParam.relabel_grad = original  # type: ignore[method-assign]
@@ -363,14 +359,12 @@ def _errors(mesh: DeviceMesh) -> dict[str, str]:
     }
 
 
-def _built_on_meta(mesh: DeviceMesh, dp_dims: int, dims: Any) -> dict[str, Any]:
+def _built_on_meta(mesh: DeviceMesh, dims: Any) -> dict[str, Any]:
     """Built and sharded on meta, then ``rf.init_sharded_``: how the sharded weight is placed
     afterwards, and the values (with one process's draw beside them)."""
     with torch.device("meta"):
-        model = Net()
-    model = _shard(
-        _distribute(model, mesh, dp_dims), rf.fully_shard, mesh, rf.DataParallelMeshDims(**dims)
-    )
+        on_meta = Net()
+    model = _full_mesh_model(on_meta, mesh, dims)
     torch.manual_seed(7)
     rf.init_sharded_(model, drawn)  # materializes the shards, then fills them
     weight = model.blocks[0].up.weight
@@ -407,8 +401,8 @@ def _four(rank: int, world: int, path: str) -> dict[str, Any]:
     out = {
         name: _case(rank, name, checks=name == "dp_tp") for name in ("dp_tp", "hsdp", "flattened")
     }
-    # after the cases: a mesh made again equal to an earlier one is not the object DTensor
-    # places parameters on, which FSDP2 refuses ("different mesh objects")
+    # after the cases: with the checkpoint's (dp_shard, cp) mesh made before the flattened
+    # case's equal one, FSDP2 refused that case's parameters ("different mesh objects")
     first = out["dp_tp"]
     first["loaded"] = _checkpoints(first.pop("model"), first.pop("mesh"), path)
     return out

@@ -190,14 +190,12 @@ class DBuffer:
         """The sharded parameter: ``view`` placed by ``layout`` over the data-parallel mesh (and
         by its own placements over the parallel dims of a DTensor parameter; on the caller's
         own mesh under ``dp_mesh_dims``, whose data-parallel dims lead)."""
-        info, parallel, spmd = self.mesh_info, registration.parallel, registration.spmd
+        info, parallel = self.mesh_info, registration.parallel
+        mesh = info.mesh if parallel is None else combined_mesh(info.mesh, parallel.mesh)
+        if registration.spmd is not None:
+            mesh = registration.spmd.callers_mesh(mesh)
         if parallel is None:
-            mesh = info.mesh if spmd is None else spmd.sharded_mesh(info.mesh, None)
             return RaggedTensor.from_piece(view, layout, mesh, mesh_dim=info.shard_dim)
-        if spmd is None:
-            mesh = combined_mesh(info.mesh, parallel.mesh)
-        else:
-            mesh = spmd.sharded_mesh(info.mesh, parallel)
         placements = (Replicate(),) * info.mesh.ndim + tuple(parallel.placements)
         return RaggedTensor.from_piece(
             view,

@@ -168,10 +168,10 @@ class SpmdParam:
         assert meta is not None
         return DTensorSpec(self.spec.mesh, placements, TensorMeta(meta.shape, meta.stride, dtype))
 
-    def sharded_mesh(self, dp_mesh: DeviceMesh, parallel: DTensorSpec | None) -> DeviceMesh:
-        """Where the sharded parameter lives: the caller's mesh itself unless dims were
-        flattened (then, as FSDP2 places it, the flattened data-parallel dims and the rest)."""
-        mesh = dp_mesh if parallel is None else combined_mesh(dp_mesh, parallel.mesh)
+    def callers_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """``mesh`` (the data-parallel dims, then the others: where the sub-mesh form places
+        the sharded parameter) as the caller's own mesh object when its dims are the same;
+        with flattened dims as it is, as FSDP2 places it."""
         return self.spec.mesh if mesh.mesh_dim_names == self.spec.mesh.mesh_dim_names else mesh
 
     def relabel_grad(self, grad: torch.Tensor) -> torch.Tensor:
