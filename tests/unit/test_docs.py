@@ -5,7 +5,10 @@ guides stay short enough to read, and its markdown links lead somewhere.
   founding notes that live outside the repository; the contract they held is docs/design.md,
   the published figures docs/references.md.
 - Every guide (``docs/*.md``, not the measurement logs in docs/results/) has at most 2,000 words.
-- Every relative link in README.md and docs/**/*.md resolves to an existing file.
+- Every relative link in README.md and docs/**/*.md resolves to an existing file, and its
+  ``#anchor``, if any, to a heading of that page.
+- Every citation of a section of docs/design.md in the code (``docs/design.md, "Section"`` or
+  ``docs/design.md ("Section")``) names one of its headings.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ SCANNED = ("src", "tests", "docs", "benchmarks", "experiments", "tools", "README
 #: Generated or binary content: not the repository's prose.
 SKIPPED_DIRS = {"__pycache__"}
 SKIPPED_SUFFIXES = {".png", ".pyc", ".so"}
-#: This file must spell out the names it forbids.
+#: This file spells out the names it forbids and a section it cites as an example: both scans
+#: skip it.
 THIS_FILE = Path(__file__).resolve()
 
 MAX_GUIDE_WORDS = 2000
@@ -32,6 +36,8 @@ MAX_GUIDE_WORDS = 2000
 _FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 _CODE_SPAN = re.compile(r"`[^`\n]*`")
 _LINK = re.compile(r"\[[^\]\n]*\]\(([^)\s]+)\)")
+_HEADING = re.compile(r"^#+ (.*)$", re.MULTILINE)
+_DESIGN_CITATION = re.compile(r'docs/design\.md(?:, | \()"([^"]+)"')
 
 
 def word_count(text: str) -> int:
@@ -58,15 +64,31 @@ def outside_citations(roots: list[Path]) -> list[str]:
     return found
 
 
+def headings(page: Path) -> list[str]:
+    """The headings of a markdown page, outside code blocks."""
+    return _HEADING.findall(_FENCE.sub("", page.read_text(encoding="utf-8")))
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def broken_links(page: Path) -> list[str]:
-    """The relative link targets of a markdown page (outside code) that name no existing file."""
+    """The relative link targets of a markdown page (outside code) that name no existing file,
+    or an anchor that no heading of the markdown page they name gives."""
     text = _CODE_SPAN.sub("", _FENCE.sub("", page.read_text(encoding="utf-8")))
     broken = []
     for target in _LINK.findall(text):
-        if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-            continue  # a URL, or an anchor on the same page
-        path = target.split("#", 1)[0]
-        if not (page.parent / path).exists():
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):
+            continue  # a URL
+        path, _, fragment = target.partition("#")
+        linked = page.parent / path if path else page
+        if not linked.exists() or (
+            fragment != ""
+            and linked.suffix == ".md"
+            and fragment not in {anchor(h) for h in headings(linked)}
+        ):
             broken.append(target)
     return broken
 
@@ -111,11 +133,44 @@ def test_relative_links_resolve(page: Path) -> None:
 
 
 def test_the_link_check_finds_a_broken_link(tmp_path: Path) -> None:
-    # Negative control: one good link, one broken, one URL, one anchor, one link inside code.
-    (tmp_path / "there.md").write_text("# There\n")
+    # Negative control: good links and anchors, a missing file, a missing anchor on each page,
+    # a URL, and links inside code, which are not links.
+    (tmp_path / "there.md").write_text("# There\n\n## The model, in full (W=2)\n")
     page = tmp_path / "page.md"
     page.write_text(
-        "[ok](there.md#there) [gone](missing.md) [web](https://example.com/x.md) [a](#here)\n"
+        "# Here\n[ok](there.md#there) [ok](there.md#the-model-in-full-w2) [ok](#here)\n"
+        "[gone](missing.md) [no](there.md#nowhere) [no](#nowhere) [web](https://e.com/x.md)\n"
         "`[code](nowhere.md)`\n```\n[fenced](nowhere-either.md)\n```\n"
     )
-    assert broken_links(page) == ["missing.md"]
+    assert broken_links(page) == ["missing.md", "there.md#nowhere", "#nowhere"]
+
+
+def design_citations(roots: list[Path]) -> list[tuple[str, str]]:
+    """``(where, section)`` for each citation of a section of docs/design.md under ``roots``."""
+    found = []
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            if path.resolve() == THIS_FILE:
+                continue
+            text = path.read_text(encoding="utf-8")
+            found += [(str(path), section) for section in _DESIGN_CITATION.findall(text)]
+    return found
+
+
+def test_cited_sections_of_the_design_exist() -> None:
+    sections = set(headings(REPO / "docs" / "design.md"))
+    cited = design_citations([REPO / name for name in ("src", "tests", "benchmarks")])
+    assert cited, "the scan found no citation: its pattern no longer matches the code's form"
+    assert [(where, s) for where, s in cited if s not in sections] == []
+
+
+def test_the_citation_scan_reads_both_forms(tmp_path: Path) -> None:
+    # Negative control: both citation forms are found, so a section renamed in docs/design.md
+    # cannot hide behind a pattern that reads nothing.
+    (tmp_path / "m.py").write_text(
+        '# see docs/design.md, "Benchmark protocol"\n"""As docs/design.md ("No such section")."""\n'
+    )
+    sections = set(headings(REPO / "docs" / "design.md"))
+    cited = design_citations([tmp_path])
+    assert [s for _, s in cited] == ["Benchmark protocol", "No such section"]
+    assert [s for _, s in cited if s not in sections] == ["No such section"]
