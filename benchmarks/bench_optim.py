@@ -1,6 +1,6 @@
 """Optimizer-step cost on ragged shards: forward+backward vs optimizer step, per optimizer.
 
-The reference GPT of DESIGN.md (``gpt-ref``: d=512, 8 layers, 8 heads, vocab 8192, sequence 256),
+The reference GPT of docs/design.md (``gpt-ref``: d=512, 8 layers, 8 heads, vocab 8192, seq 256),
 batch 4 per rank, fp32, sharded by ``rf.FSDPBackend`` with a ``StructAwarePlanner`` whose
 ``optimizer_type`` matches the optimizer, at W = 2 and 4 Gloo ranks on the CPU, one thread per
 rank. Tokens are uniform random ids in ``[0, 8192)`` (the embedded byte corpus has only 256

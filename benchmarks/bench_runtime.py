@@ -1,7 +1,7 @@
 """Runtime benchmark: raggedfsdp (zero copy and copy path) against FSDP2, DDP and the compute floor.
 
 A thin wrapper over :mod:`raggedfsdp.bench` (the library behind ``raggedfsdp bench``): same
-arguments, plus where to write the results. See DESIGN.md, "Benchmark protocol", and
+arguments, plus where to write the results. See docs/design.md, "Benchmark protocol", and
 docs/results/runtime.md for the figures measured on this machine class.
 
 Usage::

@@ -1,5 +1,5 @@
 """Step time on a slow link: ``raggedfsdp bench --link-gbit RATE`` at several rates, every system
-interleaved at each rate (DESIGN.md's protocol: gpt-ref, W=2, fp32 masters, AdamW, one thread
+interleaved per rate (protocol of docs/design.md: gpt-ref, W=2, fp32 masters, AdamW, one thread
 per rank, median of the measured steps).
 
 Systems: the compute floor, DDP, FSDP2 (fp32 and bf16 mixed precision), raggedfsdp uncompressed

@@ -60,7 +60,7 @@ def _as_shape(shape: Sequence[int] | torch.Size) -> Shape:
 
 
 def row_numel(shape: Sequence[int]) -> int:
-    """Elements in one *row* of a parameter, as DESIGN.md defines a row.
+    """Elements in one *row* of a parameter, as docs/design.md ("Vocabulary") defines a row.
 
     A Linear ``[out, in]`` and an expert stack ``[E, out, in]`` have rows of ``in`` elements (the
     stack is viewed as ``[E*out, in]``); a convolution ``[out, in, kh, kw]`` (ndim >= 4) has one

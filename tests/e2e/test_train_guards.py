@@ -116,7 +116,7 @@ def test_refused_before_launch_leaving_out_untouched(tmp_path: Path, capfd, args
 
 def test_resume_past_the_last_step_is_refused(plain_install: dict, tmp_path: Path, capfd) -> None:
     out = tmp_path / "run"
-    # Judged by what the run left, not its exit status: Gloo may abort at exit (DESIGN.md).
+    # Judged by what the run left, not its exit status: Gloo may abort at exit (docs/design.md).
     shutil.copytree(plain_install["out"], out)
     assert (out / "checkpoints" / "step_000003" / "COMPLETE.json").is_file()
     status, err = _in_this_process(capfd, f"--out={out}", "--steps=2", "--resume")

@@ -20,7 +20,7 @@ import raggedfsdp as rf
 
 
 def check_invariants(plan: rf.ShardPlan) -> None:
-    """DESIGN.md's invariants 1-3, checked independently of ShardPlan's own validation."""
+    """Invariants 1-3 (docs/design.md), checked independently of ShardPlan's own validation."""
     w, s, a = plan.world_size, plan.shard_numel, plan.alignment
     assert s % a == 0
     spans = sorted((e.offset, e.offset + e.numel, e) for e in plan.entries.values())

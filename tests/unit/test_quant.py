@@ -18,7 +18,7 @@ CODE_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def reference(x: torch.Tensor, block: QuantBlock, dtype: torch.dtype):
-    """DESIGN.md's formulas block by block: (codes, scales, dequantized) of a whole piece."""
+    """docs/design.md's formulas block by block: (codes, scales, dequantized) of a whole piece."""
     rows, cols = block.view_shape(x.numel())
     matrix = x.float().reshape(rows, cols)
     codes = torch.empty(rows, cols, dtype=dtype)

@@ -1,6 +1,6 @@
 """``raggedfsdp bench``: step time, copies, bytes and memory of raggedfsdp against FSDP2 and DDP.
 
-[Note: the protocol] (DESIGN.md, "Benchmark protocol") Every system trains the same GPT from the
+[Note: the protocol] (docs/design.md, "Benchmark protocol") Each system trains the same GPT from the
 same seed on the same batches, with ``torch.optim.AdamW`` in fp32, one thread per rank:
 
 - ``raggedfsdp``       ``FSDPBackend`` with zero copy (parameters and gradients are views of the

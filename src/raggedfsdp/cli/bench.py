@@ -57,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--model",
         default="gpt-ref",
         choices=BENCH_MODELS,
-        help="GPT shape (default: gpt-ref, the DESIGN.md reference model)",
+        help="GPT shape (default: gpt-ref, the reference model of docs/design.md)",
     )
     parser.add_argument(
         "--world", type=int, default=2, metavar="W", help="ranks to launch (default: 2)"

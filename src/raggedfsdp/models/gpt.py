@@ -92,7 +92,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(vocab_size=256, seq_len=64, n_layer=2, n_head=2, d_model=64),
     "gpt-small": GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=128),
     "gpt-medium": GPTConfig(vocab_size=256, seq_len=256, n_layer=6, n_head=6, d_model=384),
-    # The benchmark reference model of DESIGN.md ("Benchmark protocol").
+    # The benchmark reference model (docs/design.md, "Benchmark protocol").
     "gpt-ref": GPTConfig(vocab_size=8192, seq_len=256, n_layer=8, n_head=8, d_model=512),
 }
 """Named GPT shapes used by tests, examples and the benchmark."""

@@ -2,7 +2,7 @@
 whole on one owner rank.
 
 Newton–Schulz is not elementwise: applied to a row shard instead of the whole matrix it changes
-the update by 29–120% (REFERENCES.md). So each step, per process group:
+the update by 29–120% (docs/references.md). So each step, per process group:
 
 1. momentum and Nesterov mixing run on the local pieces, elementwise, exactly as torch does;
 2. every matrix (a 2-D parameter, or one matrix of a 3-D expert stack) has an *owner* rank, chosen

@@ -1,7 +1,7 @@
 """Block Shampoo with Adam grafting, on shards that hold whole row-blocks.
 
 Each parameter with two or more dimensions is viewed as a matrix ``[rows, row_len]`` (a row as
-DESIGN.md defines it: ``[E, out, in]`` is ``[E*out, in]``, a convolution filter is one row) and cut
+docs/design.md defines it: ``[E, out, in]`` is ``[E*out, in]``, a conv filter is one row) and cut
 into blocks of at most ``max_preconditioner_dim`` rows × ``max_preconditioner_dim`` columns. Per
 block ``G``:
 

@@ -62,7 +62,7 @@ class ShardPlan:
         self._validate()
 
     def _validate(self) -> None:
-        """Check DESIGN.md's invariants 1-3 once; the runtime then trusts the plan."""
+        """Check invariants 1-3 (docs/design.md, "Invariants of a plan") once; then trusted."""
         w, s, a = self.world_size, self.shard_numel, self.alignment
         if w < 1 or s < 0 or a < 1 or s % a:
             raise ValueError(f"invalid plan: world_size={w}, shard_numel={s}, alignment={a}")

@@ -1,6 +1,6 @@
 """The quantization block of each parameter under compressed communication.
 
-DESIGN.md ("Compressed communication") defines it on the parameter's 2-D view ``[rows,
+docs/design.md ("Compressed communication") defines it on the parameter's 2-D view ``[rows,
 row_length]`` (rows as :class:`~raggedfsdp.layout.RaggedShard` defines them): an explicit
 ``block_size=b`` is ``b x b`` tiles and ``(r, c)`` is ``r x c``; unset, it follows the policy
 (``b`` -> ``b x b``, ``(r, c)`` -> ``r x c``, ``"whole"`` -> ``128 x 128``, element -> runs of 256
@@ -41,7 +41,7 @@ WHOLE_TILE = 128
 
 #: Bytes to which a compressed message's codes and its whole length are padded: its fp32 scales
 #: then start 16-byte aligned and every message of a buffer of them starts 16-byte aligned, as
-#: vectorised device loads and NCCL's fast paths want (DESIGN.md's alignment of offsets).
+#: vectorised device loads and NCCL's fast paths want (invariant 3 of docs/design.md).
 MESSAGE_ALIGNMENT = 16
 
 

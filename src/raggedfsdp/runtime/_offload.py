@@ -52,7 +52,7 @@ def offload_for(
         return None
     if device.type == "cpu" and not host_copies_on_cpu:
         return None
-    # Pinning needs an accelerator runtime (it fails without one, DESIGN.md).
+    # Pinning needs an accelerator runtime (it fails without one, docs/design.md).
     pin = policy.pin_memory and device.type != "cpu" and torch.accelerator.is_available()
     return HostOffload(device, pin_memory=pin)
 

@@ -111,7 +111,7 @@ def _dtypes(*names: str) -> tuple[torch.dtype, ...]:
     return tuple(getattr(torch, n) for n in names if hasattr(torch, n))
 
 
-#: The code dtypes each direction supports, as DESIGN.md's quantization contract defines them.
+#: The code dtypes each direction supports (docs/design.md, "Compressed communication").
 ALL_GATHER_DTYPES = _dtypes("float8_e4m3fn", "int8")
 REDUCE_SCATTER_DTYPES = _dtypes("int8", "float8_e4m3fn", "float8_e5m2")
 
@@ -125,7 +125,7 @@ class CommCompression:
     planner never splits across ranks, so each rank quantizes its own whole blocks with local
     scales: the numbers do not depend on the world size and no extra collective (no amax
     all-reduce) is needed. Master weights, optimizer states and the optimizer's arithmetic are
-    unchanged. Formulas: DESIGN.md, "Compressed communication".
+    unchanged. Formulas: docs/design.md, "Compressed communication".
 
     Attributes:
         all_gather: code dtype of the parameters' all-gather (``torch.float8_e4m3fn`` or

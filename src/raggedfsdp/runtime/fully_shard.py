@@ -185,7 +185,7 @@ def _check_reduce_dtype(
     compression: CommCompression | None,
 ) -> None:
     """A compressed reduce-scatter sums the dequantized codes in fp32 and yields an fp32 shard
-    (DESIGN.md): an explicit ``reduce_dtype`` other than fp32 would be ignored, so it is refused
+    (docs/design.md): any explicit ``reduce_dtype`` but fp32 would be ignored, so it is refused
     (``None`` and fp32 say what happens anyway)."""
     if compression is None or compression.reduce_scatter is None:
         return

@@ -8,7 +8,7 @@ strategies a bucket may carry ([Note: one strategy per bucket] in ``runtime/_com
 - :class:`BucketCodec` (``_codec``): one bucket's shards as messages of codes and scales;
 - :class:`NonFiniteCheck` (``_finite``): what the collectives found non-finite, read by the root
   once at the end of forward and once at the end of backward;
-- ``_quant``: DESIGN.md's block quantization formulas, vectorised over tiles, their kernels cut
+- ``_quant``: docs/design.md's block quantization formulas, vectorised over tiles, kernels cut
   as the device wants (:class:`Kernels`).
 """
 

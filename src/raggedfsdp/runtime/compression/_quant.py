@@ -1,4 +1,4 @@
-"""Block quantization for compressed communication: DESIGN.md's formulas, vectorised over tiles.
+"""Block quantization for compressed communication (docs/design.md), vectorised over tiles.
 
 A piece of a parameter is viewed as a 2-D matrix (``QuantBlock.view_shape``) cut into tiles of
 ``rows x cols``; partial tiles at the right and bottom edges are blocks of their own. The tiles
