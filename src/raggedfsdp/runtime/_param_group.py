@@ -11,8 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
 from ._adopt import adopt
@@ -98,8 +96,7 @@ class FSDPParamGroup:
         self._bind_storages()
         for param in self.params:
             if param.unsharded.requires_grad:  # of a trainable bucket, then
-                if param.spmd is not None:
-                    param.unsharded.register_hook(param.spmd.relabel_grad)
+                param.placement.arm(param.unsharded)
                 param.unsharded.register_hook(self._gradient_arrives)
             param.hold(unsharded=False)
 
@@ -548,8 +545,7 @@ class FSDPParamGroup:
             all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
             for param in bucket.params:
                 piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
-                if param.parallel is not None:  # the local tensor of a parallel placement
-                    piece = _whole(piece, param.parallel)
+                piece = param.placement.whole(piece)
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
@@ -586,13 +582,3 @@ def _reducer(bucket: DBuffer) -> ReduceScatter:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
-
-
-def _whole(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """The whole tensor of ``local`` placed by ``spec`` over its (tensor- or expert-) parallel
-    mesh: DTensor's gather over those dims."""
-    meta = spec.tensor_meta
-    assert meta is not None
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    ).full_tensor()
