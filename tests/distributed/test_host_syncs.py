@@ -1,8 +1,10 @@
 """Host synchronisations as a budget: what a training step makes the host wait for on a GPU,
 counted on this CPU machine with :class:`raggedfsdp.runtime.HostSyncCounter` (the ops that read
-a tensor's value on the host, data-dependent sizes, device-to-host copies), 2 Gloo ranks.
+a tensor's value on the host, data-dependent sizes, device-to-host copies) and the host reads
+that dispatch no op on the CPU (``tolist``), 2 Gloo ranks.
 
 - uncompressed (fp32 and bf16 mixed precision): none in forward, backward or an SGD step;
+- a parameter no rank uses: one in backward, the read of which parameters any rank used;
 - compressed: one per compressed direction and forward+backward, at the end of the root's
   forward (all-gather) and of backward (reduce-scatter) ([Note: one finiteness check per step]);
 - negative control: with the per-message checks the runtime made before (one host read per
@@ -14,6 +16,8 @@ benchmarks/host_syncs.py counts the same on a 16-layer GPT (docs/results/compres
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,13 +43,44 @@ SETTINGS: dict[str, tuple[torch.dtype | None, torch.dtype | None, torch.dtype | 
 }
 
 
-def _count(setting: str) -> dict[str, Any]:
+@contextlib.contextmanager
+def _syncs() -> Iterator[list[int]]:
+    """Counts the host syncs of the block: HostSyncCounter's ops, and ``Tensor.tolist()`` and
+    ``numpy()``, which on the CPU read memory without an op but on an accelerator copy to the
+    host first. Those are counted by wrapping the methods: the autograd engine runs the
+    end-of-backward callback without the caller's torch-function modes."""
+    counted: list[int] = []
+    reads = [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
+
+    def counting(method: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            reads[0] += 1
+            return method(self, *args, **kwargs)
+
+        return read
+
+    for name, method in originals.items():
+        setattr(torch.Tensor, name, counting(method))
+    try:
+        with HostSyncCounter() as ops:
+            yield counted
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    counted.append(ops.total + reads[0])
+
+
+def _count(setting: str, *, spare: bool = False) -> dict[str, Any]:
     """Host syncs of the forward, the backward and an SGD step of the second step of a
-    4-block GPT (the first forward checks the plans across ranks once), and the collectives."""
+    4-block GPT (the first forward checks the plans across ranks once), and the collectives;
+    ``spare``: the first block has a parameter that no rank uses."""
     all_gather, reduce_scatter, param_dtype = SETTINGS[setting]
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
     torch.manual_seed(0)
     model = GPT(cfg)
+    if spare:
+        model.blocks[0].register_parameter("spare", torch.nn.Parameter(torch.ones(8)))
     compression = None
     if all_gather is not None or reduce_scatter is not None:
         compression = rf.CommCompression(all_gather=all_gather, reduce_scatter=reduce_scatter)
@@ -58,15 +93,14 @@ def _count(setting: str) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     for _ in range(2):
         model.reset_stats()
-        forward, backward, step = HostSyncCounter(), HostSyncCounter(), HostSyncCounter()
-        with forward:
+        with _syncs() as forward:
             loss = model(idx[:, :-1], idx[:, 1:])
-        with backward:
+        with _syncs() as backward:
             loss.backward()
-        with step:
+        with _syncs() as step:
             optimizer.step()
             optimizer.zero_grad()
-        counts = {"forward": forward.total, "backward": backward.total, "step": step.total}
+        counts = {"forward": forward[0], "backward": backward[0], "step": step[0]}
     stats = model.stats()
     counts["gathers"] = int(stats["all_gather_calls"])
     counts["reductions"] = int(stats["reduce_scatter_calls"])
@@ -105,6 +139,7 @@ def _per_message_checks(codec_cls: type[BucketCodec]) -> dict[str, Any]:
 
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {setting: _count(setting) for setting in SETTINGS}
+    out["spare"] = _count("fp32", spare=True)
     originals = {name: getattr(BucketCodec, name) for name in ("find_non_finite", "find_poison")}
     originals["seal"] = BucketCodec.seal
     for name, old in _per_message_checks(BucketCodec).items():
@@ -127,6 +162,14 @@ def test_uncompressed_steps_never_wait_for_the_device(counts, setting):
     for rank_counts in counts:
         got = rank_counts[setting]
         assert (got["forward"], got["backward"], got["step"]) == (0, 0, 0), got
+
+
+def test_a_parameter_no_rank_uses_costs_one_read(counts):
+    """The agreement on usage (``runtime/_usage.py``): read on the host only by a rank that did
+    not use some parameter, once (the fp32 steps above, which use every one, read nothing)."""
+    for rank_counts in counts:
+        got = rank_counts["spare"]
+        assert (got["forward"], got["backward"], got["step"]) == (0, 1, 0), got
 
 
 @pytest.mark.parametrize(

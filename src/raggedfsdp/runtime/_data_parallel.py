@@ -68,7 +68,7 @@ def _covered(
     with its own tokens, so a slice of every expert there would see only part of the data
     (torchtitan places experts ``Shard(0)`` over ep, and splits them otherwise over tp only)."""
     covered, split = unit_ranks, []
-    spec = param.parallel
+    spec = param.placement.split
     if spec is None:
         return covered, split
     names = spec.mesh.mesh_dim_names or ()
@@ -102,7 +102,8 @@ class _Where:
         """The error for ``param``, whose gradient reaches ``covered`` of the ranks."""
         mesh = self.group.mesh_info.mesh
         name = qualified_name(param.fqn, self.paths)
-        placed = "" if param.parallel is None else f" placed {param.parallel.placements}"
+        spec = param.placement.split
+        placed = "" if spec is None else f" placed {spec.placements}"
         over = f" and split over {tuple(split)}" if split else ""
         wide_paths, wide = self.widest
         return (
@@ -119,7 +120,7 @@ class _Where:
 
     def not_experts(self, param: FSDPParam, dim_name: str) -> str:
         """The error for ``param``, split on a dim other than 0 over data-parallel ranks."""
-        spec = param.parallel
+        spec = param.placement.split
         assert spec is not None
         name = qualified_name(param.fqn, self.paths)
         return (

@@ -34,17 +34,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ..layout import ShardLayout
 from ..planner import ShardPlan
 from ._comm import AllGather, ReduceScatter
-from ._mesh import MeshInfo, combined_mesh
+from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
-from ._ragged_tensor import RaggedTensor, placed_like
+from ._ragged_tensor import placed_like
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
 
@@ -169,11 +166,12 @@ class DBuffer:
         if original.device.type != "meta":
             view.copy_(layout.to_local(registration.local.detach().to(view.device), rank))
         sharded = nn.Parameter(
-            self._sharded(view, layout, registration),
+            registration.placement.sharded(view, layout, self.mesh_info),
             requires_grad=original.requires_grad,
         )
         unsharded = nn.Parameter(
-            self._unsharded(registration), requires_grad=original.requires_grad
+            registration.placement.unsharded(self.comm_dtype, self.device),
+            requires_grad=original.requires_grad,
         )
         return FSDPParam(
             registration,
@@ -183,46 +181,6 @@ class DBuffer:
             sharded=sharded,
             unsharded=unsharded,
         )
-
-    def _sharded(
-        self, view: torch.Tensor, layout: ShardLayout, registration: Registration
-    ) -> RaggedTensor:
-        """The sharded parameter: ``view`` placed by ``layout`` over the data-parallel mesh (and
-        by its own placements over the parallel dims of a DTensor parameter; on the caller's
-        own mesh under ``dp_mesh_dims``, whose data-parallel dims lead)."""
-        info, parallel = self.mesh_info, registration.parallel
-        mesh = info.mesh if parallel is None else combined_mesh(info.mesh, parallel.mesh)
-        if registration.spmd is not None:
-            mesh = registration.spmd.callers_mesh(mesh)
-        if parallel is None:
-            return RaggedTensor.from_piece(view, layout, mesh, mesh_dim=info.shard_dim)
-        placements = (Replicate(),) * info.mesh.ndim + tuple(parallel.placements)
-        return RaggedTensor.from_piece(
-            view,
-            layout,
-            mesh,
-            mesh_dim=info.shard_dim,
-            placements=placements,
-            shape=parallel.shape,
-        )
-
-    def _unsharded(self, registration: Registration) -> torch.Tensor:
-        """The unsharded form's first value (its data is bound later): a plain tensor, or a
-        DTensor placed as the parameter over its parallel dims (as the caller placed it on the
-        whole mesh under ``dp_mesh_dims``)."""
-        empty = torch.empty(0, dtype=self.comm_dtype, device=self.device)
-        parallel = registration.parallel
-        if registration.spmd is not None:
-            spec = registration.spmd.unsharded_spec(self.comm_dtype)
-            return DTensor(empty, spec, requires_grad=False)
-        if parallel is None:
-            return empty
-        meta = parallel.tensor_meta
-        assert meta is not None
-        spec = DTensorSpec(
-            parallel.mesh, parallel.placements, TensorMeta(meta.shape, meta.stride, self.comm_dtype)
-        )
-        return DTensor(empty, spec, requires_grad=False)
 
     def relocate(
         self, local: torch.Tensor, param_dtype: torch.dtype | None, device: torch.device | None

@@ -42,6 +42,7 @@ from ._param_group import FSDPParamGroup
 from ._shared import SharedResources
 from ._state_dict import state_dict_post_hook
 from ._state_machine import RootPhase, TrainingState, check_state
+from ._usage import agree_on_usage
 
 __all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
 
@@ -107,6 +108,8 @@ class RootContext:
             return
         check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
         self.phase = RootPhase.BACKWARD
+        for state in self.states:
+            state.group.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def reset(self) -> None:
@@ -121,6 +124,7 @@ class RootContext:
         for state in reversed(self.forward_order or self.states):
             state.group.post_backward()
         self.shared.reduce_queue.drain()
+        agree_on_usage([state.group for state in self.states], self.shared.stats)
         for state in self.states:
             state.group.finish_iteration()
         self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is

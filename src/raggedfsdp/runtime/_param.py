@@ -9,16 +9,12 @@ what the modules hold is its job too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-if TYPE_CHECKING:
-    from ._spmd import SpmdParam
+from ._param_placement import ParamPlacement, Plain
 
 __all__ = ["FSDPParam", "Registration", "bucket_name", "qualified_name"]
 
@@ -31,17 +27,14 @@ class Registration:
     fqn: str
     param: nn.Parameter
     owners: tuple[tuple[nn.Module, str], ...]
-    #: a parameter that is already a DTensor (tensor or expert parallelism): its spec (mesh,
-    #: placements, global shape); the unit shards its local tensor
-    parallel: DTensorSpec | None = None
-    #: ``fully_shard(..., dp_mesh_dims=...)``: the parameter on the whole mesh, as forward
-    #: computes with it and its gradient arrives (``_spmd.py``)
-    spmd: SpmdParam | None = None
+    #: its form beside the ragged shard (plain, tensor- or expert-parallel, full-mesh), chosen
+    #: once by ``fully_shard`` (``_param_placement.py``)
+    placement: ParamPlacement = field(default_factory=Plain)
 
     @property
     def local(self) -> torch.Tensor:
         """The tensor the unit shards: the parameter, or a DTensor parameter's local tensor."""
-        return self.param.to_local() if isinstance(self.param, DTensor) else self.param
+        return self.placement.local(self.param)
 
 
 class FSDPParam:
@@ -62,11 +55,9 @@ class FSDPParam:
         self.fqn = registration.fqn
         #: every (module, attribute) the parameter is registered under
         self.owners = registration.owners
-        #: tensor or expert parallelism: the parameter's DTensor spec; its unsharded form is a
-        #: DTensor of it whose local tensor is the view (what the parallel modules compute with)
-        self.parallel = registration.parallel
-        #: under ``dp_mesh_dims``: the unsharded form is a DTensor on the whole mesh instead
-        self.spmd = registration.spmd
+        #: its form beside the ragged shard: what forward computes with, how its gradient is
+        #: placed (``_param_placement.py``)
+        self.placement = registration.placement
         self.shape = registration.local.shape  # what the unit shards (a DTensor's local shape)
         self.offset = offset  # in the bucket's global buffer
         self.local_start = local_start  # this rank's piece, in the bucket's local buffer
@@ -91,40 +82,21 @@ class FSDPParam:
         """The shape of this rank's piece (N-D when whole rows, else 1-D)."""
         return self.sharded._local_tensor.shape
 
-    @property
-    def unsharded_is_dtensor(self) -> bool:
-        """Whether forward computes with a DTensor (tensor or expert parallelism, or the
-        full-mesh form) rather than a plain tensor."""
-        return self.parallel is not None or self.spmd is not None
-
     def bind_unsharded(self, view: torch.Tensor) -> None:
         """The unsharded parameter's values become ``view`` (of the gathered buffer, or of the
         shard): its data, or its local tensor when it is a DTensor."""
-        if not self.unsharded_is_dtensor:
-            self.unsharded.data = view
-        else:
-            # Through ``.data``, as a plain parameter: the local tensor keeps its own version
-            # counter, so the all-gather that refills the buffer in backward does not make
-            # stale the views forward took of it (``to_local()``, as expert-parallel experts
-            # read their weights); FSDP2 preserves the counter for the same reason.
-            self.unsharded._local_tensor.data = view
+        self.placement.bind(self.unsharded, view)
 
     def unsharded_local(self) -> torch.Tensor:
         """The unsharded parameter's values (a DTensor's local tensor), as ``.data``: a copy
         into them bumps no version counter (see :meth:`bind_unsharded`)."""
-        return (
-            self.unsharded._local_tensor.data if self.unsharded_is_dtensor else self.unsharded.data
-        )
+        return self.placement.values(self.unsharded)
 
     def set_unsharded_grad(self, view: torch.Tensor | None) -> None:
         """The unsharded parameter's gradient becomes ``view`` (autograd accumulates into it),
         placed as the parameter under tensor parallelism (``Partial`` over the data-parallel
         dims of the full-mesh form); ``None`` clears it."""
-        if view is None or not self.unsharded_is_dtensor:
-            self.unsharded.grad = view
-            return
-        spec = self.unsharded._spec if self.spmd is None else self.spmd.grad_spec(view.dtype)
-        self.unsharded.grad = DTensor(view, spec, requires_grad=False)
+        self.unsharded.grad = None if view is None else self.placement.grad(view, self.unsharded)
 
     def held(self) -> torch.Tensor:
         """What the modules hold in the parameter's place now (its sharded or unsharded form,

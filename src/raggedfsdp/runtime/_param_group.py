@@ -8,11 +8,11 @@ parameters and of their reductions in flight; the hooks only decide *when* to ca
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
 from ._adopt import adopt
@@ -96,11 +96,17 @@ class FSDPParamGroup:
         #: stream waits for it at the end of the iteration
         self._reduced: object = None
         self._bind_storages()
+        #: the parameters of its trainable buckets; per parameter, whether a gradient arrived
+        #: on this rank since the unit's last synchronised backward, and whether its sharded
+        #: gradient was held when this backward began (``_usage.py``: what no rank used keeps
+        #: the gradient one process would leave it)
+        self._trainable_params = [p for b in self._trainable for p in b.params]
+        self.used = [False] * len(self._trainable_params)
+        self._held_grad = list(self.used)
+        for index, param in enumerate(self._trainable_params):
+            param.placement.arm(param.unsharded)
+            param.unsharded.register_hook(functools.partial(self._gradient_arrives, index))
         for param in self.params:
-            if param.unsharded.requires_grad:  # of a trainable bucket, then
-                if param.spmd is not None:
-                    param.unsharded.register_hook(param.spmd.relabel_grad)
-                param.unsharded.register_hook(self._gradient_arrives)
             param.hold(unsharded=False)
 
     # -- construction --------------------------------------------------------------------------
@@ -380,12 +386,37 @@ class FSDPParamGroup:
         if self.knobs.unshard_in_backward or self.sharded_state is ShardedState.UNSHARDING:
             self.wait_for_unshard()
 
-    def _gradient_arrives(self, grad: torch.Tensor) -> None:
-        """Hook on every trainable unsharded parameter, run just before autograd accumulates
-        its gradient: the unit's gradient block is taken now rather than when its backward
-        starts, so it is not held while the unit's output gradients are still being computed
-        (for the root, the whole loss backward, which is where the memory peak lies)."""
+    def _gradient_arrives(self, index: int, grad: torch.Tensor) -> None:
+        """Hook on every trainable unsharded parameter (the ``index``-th), run just before
+        autograd accumulates its gradient: the parameter is used on this rank, and the unit's
+        gradient block is taken now rather than when its backward starts, so it is not held
+        while the unit's output gradients are still being computed (for the root, the whole
+        loss backward, which is where the memory peak lies)."""
+        self.used[index] = True
         self._take_grad_block()
+
+    def begin_backward(self) -> None:
+        """A backward under this unit's root begins: note which sharded gradients are held,
+        which those of parameters no rank uses keep (:meth:`settle_usage`)."""
+        self._held_grad = [param.sharded.grad is not None for param in self._trainable_params]
+
+    def reduces_now(self) -> bool:
+        """Whether this backward reduces the unit's gradients (it has trainable parameters and
+        is not accumulating without sync)."""
+        return bool(self._trainable) and self.knobs.requires_gradient_sync
+
+    def settle_usage(self, anywhere: list[bool] | None) -> None:
+        """After a synchronised backward, ``anywhere[i]``: whether any data-parallel rank used
+        the ``i``-th trainable parameter (``None``: this rank used them all). One that none
+        used had only zeros reduced into it: its gradient goes back to what it was before the
+        backward, ``None`` where it was none (as one process leaves it). The usage records
+        start again."""
+        if anywhere is not None:
+            params = self._trainable_params
+            for param, used, held in zip(params, anywhere, self._held_grad, strict=True):
+                if not (used or held):
+                    param.sharded.grad = None
+        self.used = [False] * len(self.used)
 
     def _take_grad_block(self) -> None:
         """Unsharded gradients become views of a zeroed block; under no_sync the block stays
@@ -498,6 +529,7 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDING:
             self.sharded_state = ShardedState.UNSHARDED  # its gathers are done: free them
         self.reshard()
+        self.used = [False] * len(self.used)
         self.training_state = TrainingState.IDLE
 
     def _drain(self) -> None:
@@ -548,8 +580,7 @@ class FSDPParamGroup:
             all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
             for param in bucket.params:
                 piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
-                if param.parallel is not None:  # the local tensor of a parallel placement
-                    piece = _whole(piece, param.parallel)
+                piece = param.placement.whole(piece)
                 full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
         return full
 
@@ -586,13 +617,3 @@ def _reducer(bucket: DBuffer) -> ReduceScatter:
 def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
     """The buffers of ``storages``, in bucket order."""
     return [view for storage in storages for view in storage.views]
-
-
-def _whole(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
-    """The whole tensor of ``local`` placed by ``spec`` over its (tensor- or expert-) parallel
-    mesh: DTensor's gather over those dims."""
-    meta = spec.tensor_meta
-    assert meta is not None
-    return DTensor.from_local(
-        local, spec.mesh, spec.placements, run_check=False, shape=meta.shape, stride=meta.stride
-    ).full_tensor()

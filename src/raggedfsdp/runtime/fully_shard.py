@@ -36,6 +36,7 @@ from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
+from ._param_placement import FullMesh, ParamPlacement, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
@@ -284,28 +285,32 @@ def _unit_mesh(
     before the data-parallel dims are flattened (which makes process groups)."""
     if dp_mesh_dims is None:
         info = mesh_info(mesh, device)
-        registrations = [
-            dataclasses.replace(r, parallel=parallel_spec(r.fqn, r.param, info.mesh))
+        placed = [
+            _placed(r, split_placement(parallel_spec(r.fqn, r.param, info.mesh)))
             for r in registrations
         ]
-        for registration in registrations:
+        for registration in placed:
             _check_parallel_cuts(registration, policy)
-        return registrations, info
+        return placed, info
     spmd = spmd_mesh(mesh, dp_mesh_dims)
     placed = []
     for registration in registrations:
-        whole, parallel = spmd_param(registration.fqn, registration.param, spmd)
-        placed.append(dataclasses.replace(registration, spmd=whole, parallel=parallel))
-    for registration in placed:
+        whole, split = spmd_param(registration.fqn, registration.param, spmd)
+        placed.append(_placed(registration, FullMesh(whole, split_placement(split))))
+    for registration in placed:  # before flattening the data-parallel dims makes groups
         _check_parallel_cuts(registration, policy)
     return placed, mesh_info(spmd.data_parallel_mesh(), device)
+
+
+def _placed(registration: Registration, placement: ParamPlacement) -> Registration:
+    return dataclasses.replace(registration, placement=placement)
 
 
 def _check_parallel_cuts(registration: Registration, policy: RaggedShard) -> None:
     """A DTensor parameter's tensor-parallel split must not cut a block the policy keeps whole
     (a 128x128 tile split across tp ranks would be quantized, or orthogonalised, as two): one
     error naming the parameter, its split and its block, before any collective."""
-    spec = registration.parallel
+    spec = registration.placement.split
     if spec is None:
         return
     shape = tuple(spec.shape)

@@ -1,0 +1,59 @@
+"""Which parameters any rank used: a parameter no data-parallel rank used keeps ``.grad`` as one
+process would leave it (``None``), so torch's optimizers skip it rather than decay it.
+
+Every rank joins every reduce-scatter, so a parameter that some rank did not use gets that rank's
+zeros, which is right, and a parameter that no rank used gets zeros everywhere, which is not: one
+process would leave its ``.grad`` ``None``. Each unit records, per parameter, whether a gradient
+arrived on this rank since its last synchronised backward; at the end of such a backward the
+records are OR-ed over the data-parallel ranks by one small all-reduce per distinct mesh (one for
+FSDP, one per mesh beside expert parallelism; over both dims for HSDP), read on the host once by a
+rank that did not use some parameter itself, and not at all by the others (a static graph costs
+the all-reduces, never a host sync).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ._metrics import RuntimeStats
+
+if TYPE_CHECKING:
+    from ._param_group import FSDPParamGroup
+
+__all__ = ["agree_on_usage"]
+
+
+def agree_on_usage(groups: list[FSDPParamGroup], stats: RuntimeStats) -> None:
+    """End of a backward: OR the units' usage records over their data-parallel ranks and let
+    each unit clear the gradients of the parameters no rank used (every rank calls it, with the
+    units in the same order)."""
+    syncing = [group for group in groups if group.reduces_now()]
+    by_mesh: dict[tuple[int, int], list[FSDPParamGroup]] = {}
+    for group in syncing:
+        info = group.mesh_info
+        by_mesh.setdefault((id(info.shard_group), id(info.replicate_group)), []).append(group)
+    masks = []
+    for members in by_mesh.values():
+        info = members[0].mesh_info
+        used = [flag for group in members for flag in group.used]
+        mask = torch.tensor(used, dtype=torch.uint8, device=members[0].device)
+        with record_function("raggedfsdp::agree_on_usage"):
+            for pg in (info.shard_group, info.replicate_group):
+                if pg is not None:
+                    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
+                    stats.usage_all_reduces += 1
+        masks.append(mask)
+    # Only a parameter this rank did not use can be one no rank used: a rank that used all of
+    # its parameters joins the all-reduces but never reads the result (no host sync).
+    anywhere: list[int] | None = None
+    if not all(all(group.used) for group in syncing):
+        anywhere = torch.cat(masks).tolist()  # the one host read, a sync on an accelerator
+    start = 0
+    for group in (group for members in by_mesh.values() for group in members):
+        end = start + len(group.used)
+        group.settle_usage(None if anywhere is None else [bool(f) for f in anywhere[start:end]])
+        start = end
