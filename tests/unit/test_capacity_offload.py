@@ -5,6 +5,7 @@ counters is tests/distributed/test_capacity_offload_measured.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,7 @@ from raggedfsdp.capacity.hardware import HARDWARE, hardware
 from raggedfsdp.capacity.shapes import model_shape
 from raggedfsdp.capacity.steptime import host_copy_bytes, step_time
 from raggedfsdp.cli import main
+from raggedfsdp.facts import RAGGEDFSDP, Stream
 from raggedfsdp.models import GPT, GPT_CONFIGS
 from raggedfsdp.planner import StructAwarePlanner
 
@@ -92,22 +94,42 @@ def _times(system: str, world: int = 4):
     return plain, off
 
 
-def test_raggedfsdp_copies_hold_up_the_compute_stream():
-    """Every gather's H2D (forward: 3 units; backward: blocks.0 again) and every reduce's D2H:
-    (1000 + 1000 + 3500 + 1000 + 1000 + 1000 + 3000) x 4 B at 1 MB/s, added to the step."""
+def test_raggedfsdp_copies_run_in_series_with_its_collectives():
+    """raggedfsdp copies on the copy-in and reduce-scatter streams (runtime/_param_group.py,
+    held to the runtime by tests/distributed/test_facts_conformance.py): every gather's H2D
+    (forward: 3 units; backward: blocks.0 again) and every reduce's D2H, (1000 + 1000 + 3500 +
+    1000 + 1000 + 1000 + 3000) x 4 B at 1 MB/s, lengthen its collectives, not the compute
+    stream."""
     plain, off = _times("raggedfsdp")
-    assert off.host_copy_s == pytest.approx(46_000 / 1e6)
+    assert off.host_copy_s == 0.0
+    assert off.comm_s == pytest.approx(plain.comm_s + 46_000 / 1e6)
     # the optimizer on the host: shards read and written, gradients read, state both ways,
     # at the node's host bandwidth shared by its 4 ranks (W = 4 < 8 per node)
     assert off.optimizer_s == pytest.approx((3 * 4 * 5500 + 2 * 1000) / (8e6 / 4))
+    assert off.total_s > plain.total_s + off.optimizer_s - plain.optimizer_s
+    # past a node, 8 ranks share its host memory
+    _, wide = _times("raggedfsdp", world=16)
+    assert wide.optimizer_s == pytest.approx((3 * 4 * 5500 + 2 * 1000) / (8e6 / 8))
+
+
+def test_copies_on_the_compute_stream_add_to_the_step():
+    """A system that copied on the compute stream (raggedfsdp's description before the
+    runtime's streams) would pay the same 46,000 B at 1 MB/s on the step itself, its
+    collectives unchanged."""
+    copies = dataclasses.replace(
+        RAGGEDFSDP.host_copies, to_device=Stream.COMPUTE, to_host=Stream.COMPUTE
+    )
+    on_compute = dataclasses.replace(RAGGEDFSDP, name="on-compute", host_copies=copies)
+    hw = hardware("h100", pcie_bytes_per_s=1e6, host_memory_bytes_per_s=8e6)
+    kw = {"optimizer_bytes": 1000, "system": on_compute}
+    plain = step_time(SHAPE, UNITS, _step(), hw, 4, **kw)
+    off = step_time(SHAPE, UNITS, _step(offload=True), hw, 4, **kw)
+    assert off.host_copy_s == pytest.approx(46_000 / 1e6)
     assert off.total_s == pytest.approx(
         plain.total_s + off.host_copy_s + off.optimizer_s - plain.optimizer_s
     )
     assert off.comm_s == pytest.approx(plain.comm_s)
     assert off.exposed_comm_s == pytest.approx(plain.exposed_comm_s)
-    # past a node, 8 ranks share its host memory
-    _, wide = _times("raggedfsdp", world=16)
-    assert wide.optimizer_s == pytest.approx((3 * 4 * 5500 + 2 * 1000) / (8e6 / 8))
 
 
 def test_fsdp2_copies_run_in_series_with_its_collectives():
@@ -208,10 +230,12 @@ def test_plan_command_offload_errors_name_the_flag(capsys, flags, message):
 
 def test_plan_command_offload_json(capsys):
     argv = ["plan", "--model", "gpt-tiny", "--world", "2,16", "--gpu", "h100", "--json"]
+    assert main([*argv, "--dtype", "float32"]) == 0
+    without = json.loads(capsys.readouterr().out)
     assert main([*argv, "--offload", "--pin-memory", "--dtype", "float32"]) == 0
     records = json.loads(capsys.readouterr().out)
     module = GPT(GPT_CONFIGS["gpt-tiny"], device="meta")
-    for record in records:
+    for record, plain in zip(records, without, strict=True):
         w = record["world_size"]
         assert record["offload"] and record["pin_memory"]
         assert record["smallest_world"] == 1 and record["smallest_world_without_offload"] == 1
@@ -226,7 +250,11 @@ def test_plan_command_offload_json(capsys):
         ours = record["raggedfsdp"]
         assert ours["memory"] == want.to_dict()
         assert ours["host_per_node"] == want.host * min(w, 8)
-        assert ours["time"]["host_copy_s"] > 0 and record["fsdp2"]["time"]["host_copy_s"] == 0
+        # both systems copy on their collectives' streams: the copies lengthen the
+        # collectives, none holds up the compute stream
+        for name in ("raggedfsdp", "fsdp2"):
+            assert record[name]["time"]["host_copy_s"] == 0
+            assert record[name]["time"]["comm_s"] > plain[name]["time"]["comm_s"]
 
 
 def test_plan_command_offload_table(capsys):

@@ -4,15 +4,18 @@ raggedfsdp and for FSDP2 on the same shapes, against a device preset. Pure Pytho
 
 The modules, bottom up: ``parallel`` (what each rank holds under tensor and expert
 parallelism), ``shapes`` (what a model computes and keeps per token), ``hardware`` (device
-presets), ``wire`` (what compressed communication moves), ``systems`` (what each system costed
-does differently: :class:`System`, :data:`RAGGEDFSDP`, :data:`FSDP2`), ``cost`` (bytes per
+presets), ``wire`` (what compressed communication moves), ``cost`` (bytes per
 rank), ``steptime`` (time per step), ``parallel_comm`` (what tensor and expert parallelism
 send), ``capacity`` (all of it at each world size: will it fit, and how fast; which ``(dp, tp,
 ep)`` fits). ``report`` (the ``plan`` command's padding figures beside FSDP2 and FSDP1) is
 imported on demand, so the training worker, which costs its own plan before it
-starts, never loads it.
+starts, never loads it. What each system costed does differently (:class:`System`,
+:data:`RAGGEDFSDP`, :data:`FSDP2`) and the degrees (:class:`ParallelDims`) are facts the
+runtime shares: :mod:`raggedfsdp.facts`, re-exported here.
 """
 
+from ..facts import ParallelDims
+from ..facts.systems import FSDP2, RAGGEDFSDP, SYSTEMS, System
 from .capacity import (
     DEFAULT_RESERVE,
     CapacityOptions,
@@ -28,11 +31,10 @@ from .capacity import (
 )
 from .cost import MemoryBreakdown, StepShape, UnitBytes, memory_breakdown, unit_bytes
 from .hardware import HARDWARE, Hardware, hardware
-from .parallel import ModelSplit, ParallelDims, UnsplittableModel, split_model
+from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes
 from .shapes import ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
-from .systems import FSDP2, RAGGEDFSDP, SYSTEMS, System
 from .wire import CODE_DTYPES, CompressionSpec
 
 __all__ = [

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..facts import ParallelDims
+from ..facts.systems import RAGGEDFSDP, SYSTEMS, System
 from ..layout import BlockSize, RaggedShard
 from ..models import build_model
 from ..planner import Bucket, ShardPlan, StructAwarePlanner, model_buckets
@@ -34,11 +36,10 @@ from .cost import (
     unit_bytes,
 )
 from .hardware import Hardware
-from .parallel import ModelSplit, ParallelDims, UnsplittableModel, split_model
+from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes, with_parallel_time
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
-from .systems import RAGGEDFSDP, SYSTEMS, System
 from .wire import message_bytes
 
 __all__ = [
@@ -110,7 +111,7 @@ class CapacityOptions:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        ParallelDims(self.tp, self.ep)  # positive integers
+        ParallelDims(tp=self.tp, ep=self.ep)  # positive integers
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}"
@@ -120,7 +121,7 @@ class CapacityOptions:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.tp, self.ep)
+        return ParallelDims(tp=self.tp, ep=self.ep)
 
     def step(self, hw: Hardware) -> StepShape:
         return StepShape(
@@ -156,7 +157,7 @@ class SystemCost:
 class WorldCapacity:
     world_size: int
     plan_seconds: float  # planning and costing, wall clock
-    systems: dict[str, SystemCost]  # by the name of each of :data:`~.systems.SYSTEMS`
+    systems: dict[str, SystemCost]  # by the name of each of :data:`~raggedfsdp.facts.SYSTEMS`
     dims: ParallelDims = dataclasses.field(default_factory=ParallelDims)
     #: tensor and expert parallelism's traffic per rank (the same for both systems; their
     #: seconds are in each system's step time); ``None`` without them
@@ -165,7 +166,7 @@ class WorldCapacity:
     @property
     def dp(self) -> int:
         """The experts' FSDP degree, ``W / (tp x ep)`` (every parameter's without experts)."""
-        return self.dims.dp(self.world_size)
+        return self.dims.at_world(self.world_size).dp_shard_mod_ep
 
 
 @dataclass(frozen=True)
@@ -382,7 +383,7 @@ def _smallest_world(
     """The smallest ``tp x ep x`` a power of two at which raggedfsdp fits (a power of two
     without them); ``None`` when even 16,384 ranks do not (activations do not shrink with W)
     or the model cannot be sharded further."""
-    w = options.dims.model_parallel
+    w = options.dims.world_multiple
     while w <= _SEARCH_LIMIT:
         try:
             cost = plan_capacity(module, shape, w, hw, options, split=split)

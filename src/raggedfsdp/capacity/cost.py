@@ -42,11 +42,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..facts.systems import RAGGEDFSDP, Staging, System, as_system
 from ..planner import ShardPlan
 from ..planner.quant_blocks import Compression
 from .optimizer_state import OPTIMIZERS, SHAMPOO_DIM, optimizer_state_bytes
 from .shapes import ModelShape
-from .systems import RAGGEDFSDP, HostCopies, System, as_system
 
 __all__ = [
     "OPTIMIZERS",
@@ -91,6 +91,11 @@ class UnitBytes:
     @property
     def buckets(self) -> int:
         return len(self.shards)
+
+    @property
+    def trainable_buckets(self) -> int:
+        """The buckets that require grad: the ones reduce-scattered."""
+        return sum(self.trainable)
 
     @property
     def shard_numel(self) -> int:
@@ -347,7 +352,7 @@ def memory_breakdown(
     world_size: int,
     system: System | str = RAGGEDFSDP,
 ) -> MemoryBreakdown:
-    """One rank's memory for ``system`` (a :class:`~.systems.System` or its name) from its
+    """One rank's memory for ``system`` (a :class:`~raggedfsdp.facts.System` or its name) from its
     units (:func:`unit_bytes`, the root last) and optimizer state
     (:func:`optimizer_state_bytes`).
 
@@ -362,14 +367,14 @@ def memory_breakdown(
     part of the unsharded buffer (the host shard is copied into it), so offload adds only the
     pooled staging of a cast (:func:`offload_staging_bytes`); FSDP2's host-to-device copies of
     the prefetched unit's padded shards live until its copy-in, at the last block's backward
-    (:class:`~.systems.HostCopies`)."""
+    (:class:`~raggedfsdp.facts.HostCopies`)."""
     system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
     local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
     moments = _peak_moments(shape, units, step, w, system, params, grads, gathered)
     phase = max(moments, key=lambda name: sum(moments[name]))
     unsharded, activations = moments[phase]
-    staged = system.host_copies is HostCopies.COMPUTE_STREAM
+    staged = system.host_copies.staging is Staging.POOLED_CAST
     staging = offload_staging_bytes(units, step) if staged else 0
     return MemoryBreakdown(
         params=local * master,
@@ -481,10 +486,10 @@ def offload_staging_bytes(units: Sequence[UnitBytes], step: StepShape) -> int:
 
 
 def _copies_until_copy_in(unit: UnitBytes, step: StepShape, system: System) -> int:
-    """Under offload, a system that copies on its collective streams (FSDP2) holds one unit's
-    shards copied to the device for its all-gather (master dtype, and their cast under mixed
-    precision) until its copy-in."""
-    if not step.offload or system.host_copies is not HostCopies.COLLECTIVE_STREAMS:
+    """Under offload, a system whose copies stage the prefetched unit's shards
+    (:attr:`Staging.PREFETCHED_SHARDS`: FSDP2) holds one unit's shards copied to the device for
+    its all-gather (master dtype, and their cast under mixed precision) until its copy-in."""
+    if not step.offload or system.host_copies.staging is not Staging.PREFETCHED_SHARDS:
         return 0
     cast = step.param_dtype.itemsize if step.param_dtype != step.master_dtype else 0
     return unit.shard(system) * (step.master_dtype.itemsize + cast)

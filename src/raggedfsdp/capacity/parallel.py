@@ -1,30 +1,20 @@
 """Tensor and expert parallelism as the capacity planner sees them: which piece of each
 parameter one rank holds, and the checks a ``(tp, ep)`` must pass before anything is planned.
 
-The split follows torchtitan's plans (``models/llama3/infra/parallelize.py``,
-``models/deepseek_v3/infra/parallelize.py``, ``distributed/expert_parallel.py``):
+The split is torchtitan's plan as :mod:`raggedfsdp.facts.tp_plan` writes it (column-, row-,
+vocabulary-parallel or whole, by module name), which the job's ``models/tensor_parallel.py``
+builds its plans from too; **routed experts** are ``Shard(0)`` over ``ep`` on the expert
+dimension (fused stacks ``[E, ...]``, or the first ``E / ep`` of the ``experts.<i>`` modules),
+and within an expert the same column/row split over ``tp`` (torchtitan's
+``ExpertTensorParallel``). The dense parts of a mixture-of-experts model (attention, shared
+experts, dense layers) split as Llama's. No split may cut a block of the shard policy
+(:mod:`raggedfsdp.facts.cuts`, the rule ``fully_shard`` applies).
 
-- **column-parallel** (``ColwiseParallel``: ``Shard(0)`` of a ``[out, in]`` weight, and of its
-  bias): the attention's query, key and value projections (``wq wk wv``, DeepSeek's ``wq_b
-  wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, as GPT's), the
-  feed-forward's ``w1 w3`` (``gate_proj up_proj``, GPT's ``fc``) and the output head
-  (vocabulary-parallel, with loss parallelism);
-- **row-parallel** (``RowwiseParallel``: ``Shard(1)``, the bias replicated): ``wo w2``
-  (``o_proj down_proj``, GPT's ``proj``); the token embedding is ``RowwiseParallel`` too, which
-  for an ``nn.Embedding`` is ``Shard(0)`` of ``[vocab, d]``: vocabulary-parallel;
-- **replicated** (``SequenceParallel``, ``NoParallel``): norms, DeepSeek's low-rank
-  ``wq_a wkv_a`` (``q_a_proj kv_a_proj_with_mqa``), the router (``gate``, ``router``), other
-  embeddings (GPT's positions, as Megatron keeps them);
-- **routed experts**: ``Shard(0)`` over ``ep`` on the expert dimension (fused stacks
-  ``[E, ...]``, or the first ``E / ep`` of the ``experts.<i>`` modules), and within an expert
-  the same column/row split over ``tp`` (torchtitan's ``ExpertTensorParallel``); gpt-oss's
-  attention sinks, one per head, ``Shard(0)``. The dense parts of a mixture-of-experts model
-  (attention, shared experts, dense layers) split as Llama's.
-
-**The mesh** (torchtitan's ``ParallelDims`` with ``etp = tp``, "partial dp -> ep"): ``world =
-dp_shard x tp`` with the ``tp`` ranks innermost (consecutive: inside a node up to 8), and
-expert parallelism borrows from ``dp_shard = dp x ep``. Dense parameters are FSDP-sharded over
-``dp x ep = world / tp`` ranks, routed experts over ``dp = world / (tp x ep)``, and with
+**The mesh** (:class:`~raggedfsdp.facts.ParallelDims`: torchtitan's with ``etp = tp``, "partial
+dp -> ep"): ``world = dp_shard x tp`` with the ``tp`` ranks innermost (consecutive: inside a
+node up to 8), and expert parallelism borrows from ``dp_shard = dp x ep``. Dense parameters are
+FSDP-sharded over ``dp_shard = world / tp`` ranks, routed experts over ``dp_shard_mod_ep =
+world / (tp x ep)``, and with
 ``ep > 1`` each layer's experts are an FSDP unit of their own (torchtitan's ``apply_fsdp``
 shards ``moe.experts`` on the ``dp_shard_mod_ep`` mesh). torchtitan's default ``etp = 1``, where
 ``ep`` borrows the ``tp`` ranks too and experts are not tensor-parallel, is not modelled.
@@ -35,13 +25,13 @@ divide). Pure Python over shapes; no process group.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from ..facts import FUSED_EXPERTS, PER_HEAD, TP_PLAN, ParallelDims, TPStyle, check_cut, tp_dim
 from ..layout import RaggedShard
 from ..planner import WrapPolicy
 
@@ -53,87 +43,10 @@ __all__ = [
     "split_model",
 ]
 
-#: ``[out, in]`` weights split on ``out`` over ``tp`` (and their biases): torchtitan's
-#: ``ColwiseParallel``, by the name of the module that holds them.
-COLWISE = frozenset(
-    {
-        *("wq", "wk", "wv", "wq_b", "wkv_b"),
-        *("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"),
-        *("w1", "w3", "fc", "gate_proj", "up_proj"),
-        *("output", "head", "lm_head"),
-    }
-)
-#: ``[out, in]`` weights split on ``in`` (biases replicated): ``RowwiseParallel``.
-ROWWISE = frozenset({"wo", "w2", "proj", "o_proj", "down_proj"})
-#: Matrices every tp rank holds whole: ``NoParallel`` (DeepSeek's low-rank projections, whose
-#: outputs are small) and the router.
-REPLICATED = frozenset({"wq_a", "wkv_a", "q_a_proj", "kv_a_proj_with_mqa", "gate", "router"})
-#: Fused expert stacks, by parameter name: the dim tp splits. ``[E, out, in]`` (DeepSeek,
-#: torchtitan's ``GroupedExperts``: ``w1 w3`` ``Shard(1)``, ``w2`` ``Shard(2)``), or gpt-oss's
-#: Hugging Face ``[E, in, out]`` (``gate_up_proj`` on ``out``, ``down_proj`` on ``in``, and the
-#: biases as the columns they add to). ``None``: replicated over tp.
-FUSED_EXPERTS: Mapping[str, int | None] = {
-    "w1": 1,
-    "w3": 1,
-    "w2": 2,
-    "gate_up_proj": 2,
-    "gate_up_proj_bias": 1,
-    "down_proj": 1,
-    "down_proj_bias": None,
-}
-#: One entry per attention head (gpt-oss's attention sinks): split with the heads.
-PER_HEAD = frozenset({"sinks"})
-
 
 class UnsplittableModel(ValueError):
     """A ``(tp, ep)`` the model's shapes cannot take: no experts to split, a degree that does not
     divide its heads or experts, a policy block a split would cut, a matrix with no rule."""
-
-
-def _degree(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The tensor- and expert-parallel degrees of a run (the module doc gives the mesh).
-
-    Attributes:
-        tp: tensor-parallel ranks (consecutive ranks, innermost).
-        ep: expert-parallel ranks, borrowed from the data-parallel ones.
-    """
-
-    tp: int = 1
-    ep: int = 1
-
-    def __post_init__(self) -> None:
-        _degree("tp", self.tp)
-        _degree("ep", self.ep)
-
-    @property
-    def model_parallel(self) -> int:
-        """Ranks one data-parallel rank of the experts spans: ``tp x ep``."""
-        return self.tp * self.ep
-
-    def check_world(self, world_size: int) -> None:
-        """``tp x ep`` must divide the world size: one line naming the three, else."""
-        if world_size % self.model_parallel:
-            raise ValueError(
-                f"tp={self.tp} x ep={self.ep} = {self.model_parallel} does not divide the world "
-                f"size {world_size:,}: the ranks form a dp x ep x tp mesh; use a world size that "
-                f"is a multiple of {self.model_parallel}"
-            )
-
-    def dp(self, world_size: int) -> int:
-        """The experts' FSDP degree, ``world / (tp x ep)``."""
-        self.check_world(world_size)
-        return world_size // self.model_parallel
-
-    def dense_dp(self, world_size: int) -> int:
-        """The dense parameters' FSDP degree, ``dp x ep = world / tp``."""
-        return self.dp(world_size) * self.ep
 
 
 @dataclass(frozen=True)
@@ -214,9 +127,10 @@ class ModelSplit:
     def fsdp_size(self, bucket_name: str, world_size: int) -> int:
         """The ranks bucket ``bucket_name`` is FSDP-sharded over at ``world_size``."""
         unit = bucket_name.rsplit("/", 3 if "/frozen/" in bucket_name else 2)[0]
-        if unit in self.expert_units and self.dims.ep > 1:
-            return self.dims.dp(world_size)
-        return self.dims.dense_dp(world_size)
+        dims = self.dims.at_world(world_size)
+        if unit in self.expert_units and dims.ep > 1:
+            return dims.dp_shard_mod_ep
+        return dims.dp_shard
 
 
 def _expert_containers(module: nn.Module) -> dict[str, int]:
@@ -282,7 +196,7 @@ def _check_degrees(
 
 
 def _tp_dim(name: str, shape: tuple[int, ...], owner: nn.Module, vocab: bool) -> int | None:
-    """The dim tp splits (module doc), or ``None``: replicated.
+    """The dim tp splits (:mod:`raggedfsdp.facts.tp_plan`), or ``None``: replicated.
 
     Raises:
         UnsplittableModel: a matrix no rule covers.
@@ -293,19 +207,24 @@ def _tp_dim(name: str, shape: tuple[int, ...], owner: nn.Module, vocab: bool) ->
     if isinstance(owner, nn.Embedding):
         return 0 if vocab else None  # the vocabulary's rows; positions stay whole
     role = parts[-2] if len(parts) >= 2 and parts[-1] in ("weight", "bias") else parts[-1]
-    bias = parts[-1] == "bias"
-    if role in COLWISE:
-        return 0
-    if role in ROWWISE:
-        return None if bias else 1
+    style = TP_PLAN.get(role)
+    if style is not None:
+        return tp_dim(style, bias=parts[-1] == "bias")
     if role in PER_HEAD:
         return 0
-    if role in REPLICATED or len(shape) < 2:
+    if len(shape) < 2:
         return None  # norms and vectors no rule names: replicated, as SequenceParallel keeps them
+    named = {
+        what: ", ".join(sorted(k for k, v in TP_PLAN.items() if v is style))
+        for what, style in (
+            ("column-parallel", TPStyle.COLWISE),
+            ("row-parallel", TPStyle.ROWWISE),
+            ("replicated", TPStyle.REPLICATE),
+        )
+    }
     raise UnsplittableModel(
         f"parameter {name!r} of shape {list(shape)}: no tensor-parallel rule for a module named "
-        f"{role!r} (column-parallel: {', '.join(sorted(COLWISE))}; row-parallel: "
-        f"{', '.join(sorted(ROWWISE))}; replicated: {', '.join(sorted(REPLICATED))})"
+        f"{role!r} ({'; '.join(f'{what}: {names}' for what, names in named.items())})"
     )
 
 
@@ -342,39 +261,6 @@ def _local_shape(
     return tuple(local)
 
 
-def _cuts(length: int, ways: int) -> list[int]:
-    """Where ``torch.chunk`` cuts ``length`` into ``ways`` (as ``Shard`` splits)."""
-    chunk = -(-length // ways)
-    return [k * chunk for k in range(1, ways) if k * chunk < length]
-
-
-def _check_cut(
-    name: str, shape: tuple[int, ...], dim: int, ways: int, policy: RaggedShard, what: str
-) -> None:
-    """A split of ``dim`` into ``ways`` must fall between the policy's blocks (the runtime's
-    ``_check_parallel_cuts`` rule): along the last dim of a matrix, on a multiple of the
-    tile's columns; along any other, between units of the flattened tensor, in every slab of
-    the dims before it. One line naming the parameter, its split and its block, else."""
-    block = policy.block_for(name)
-    cuts = _cuts(shape[dim], ways)
-    if block is None or not cuts:
-        return
-    if len(shape) >= 2 and dim == len(shape) - 1:
-        step = block if isinstance(block, int) else block[1] if isinstance(block, tuple) else 0
-        bad = [c for c in cuts if not step or c % step]
-    else:
-        unit = policy.unit_numel(name, shape)
-        inner = math.prod(shape[dim + 1 :])
-        slabs_cut = math.prod(shape[:dim]) > 1 and (shape[dim] * inner) % unit
-        bad = [c for c in cuts if (c * inner) % unit or slabs_cut]
-    if bad:
-        raise UnsplittableModel(
-            f"parameter {name!r} of shape {list(shape)} is split by {what} at index {bad[0]} "
-            f"of dim {dim}, inside a block that the shard policy ({block!r}) keeps whole; "
-            f"choose a block that divides the split, or another degree"
-        )
-
-
 def split_model(
     module: nn.Module,
     dims: ParallelDims,
@@ -395,6 +281,12 @@ def split_model(
             experts or heads, a matrix with no rule, a split that cuts a policy block.
     """
     model = model_name or type(module).__name__
+    for name in ("dp_replicate", "cp", "pp"):
+        if getattr(dims, name) != 1:
+            raise UnsplittableModel(
+                f"{name}={getattr(dims, name)}: the capacity planner models FSDP beside tensor "
+                f"and expert parallelism only; use {name}=1"
+            )
     experts = _expert_containers(module)
     _check_degrees(module, dims, experts, model)
     policy = policy or RaggedShard()
@@ -405,18 +297,18 @@ def split_model(
         shape = tuple(p.shape)
         owner = owners[name.rpartition(".")[0]]
         expert = _expert_index(name, experts)
-        tp_dim = None
+        split_dim = None
         if dims.tp > 1:
-            tp_dim = _tp_dim(name, shape, owner, owner is embedding)
-            if tp_dim is not None:
-                _check_cut(
-                    name, shape, tp_dim, dims.tp, policy, f"tensor parallelism (tp={dims.tp})"
-                )
+            split_dim = _tp_dim(name, shape, owner, owner is embedding)
+            if split_dim is not None:
+                by = f"tensor parallelism (tp={dims.tp})"
+                check_cut(name, shape, split_dim, dims.tp, policy, by=by, error=UnsplittableModel)
         count = experts[expert[0]] if expert else 0
         if expert and expert[1] is None and dims.ep > 1:
-            _check_cut(name, shape, 0, dims.ep, policy, f"expert parallelism (ep={dims.ep})")
-        local = _local_shape(shape, tp_dim, expert, dims, count)
-        params[name] = ParamSplit(shape, local, tp_dim, expert is not None)
+            by = f"expert parallelism (ep={dims.ep})"
+            check_cut(name, shape, 0, dims.ep, policy, by=by, error=UnsplittableModel)
+        local = _local_shape(shape, split_dim, expert, dims, count)
+        params[name] = ParamSplit(shape, local, split_dim, expert is not None)
     return ModelSplit(
         dims=dims,
         params=params,

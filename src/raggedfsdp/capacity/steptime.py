@@ -30,20 +30,19 @@
 - **CPU offload** (``step.offload``): every all-gather first copies the rank's shards from
   the host (master dtype, host to device), every reduce-scatter's shard goes back (master
   dtype, device to host), both over the device's PCIe link (:meth:`Hardware.offload_rates`).
-  raggedfsdp issues these copies on the compute stream (``runtime/_offload.py``; it has no
-  stream of its own), so they run one after another with the compute and each adds its whole
-  time to the step (``host_copy_s``): the all-gather waits for its copy, the compute after it
-  waits too. FSDP2 copies on its all-gather copy-in stream and its post-reduce stream
-  (``_fsdp_collectives.py``), so a copy runs in series with its collective but beside the
-  compute: it lengthens the collective's own time, which overlaps as above. The optimizer step
-  runs on the host, at the rank's share of the node's host memory bandwidth.
+  Both systems issue them on the all-gather copy-in stream and the stream that finishes the
+  reduction (raggedfsdp: ``runtime/_param_group.py``; FSDP2: ``_fsdp_collectives.py``;
+  :attr:`System.host_copies <raggedfsdp.facts.System>`), so a copy runs in series with its
+  collective but beside the compute: it lengthens the collective's own time, which overlaps as
+  above. A copy on the compute stream would add its whole time to the step (``host_copy_s``).
+  The optimizer step runs on the host, at the rank's share of the node's host memory bandwidth.
 - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
   its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
   critical path. Where the backend has no reduce-scatter of its own
   (:attr:`Hardware.native_reduce_scatter` off: Gloo), FSDP2's is an all-reduce of the whole
   gradient: twice the ring's steps and bytes, and the clone of its input.
 
-Each of these differences is a field of the :class:`~.systems.System` costed; the step is
+Each of these differences is a field of the :class:`~raggedfsdp.facts.System` costed; the step is
 assembled from each unit's collective costs (:func:`collective_costs`), the forward and backward
 pipelines over them, the optimizer step, the host copies and the quantizing.
 """
@@ -54,11 +53,11 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from ..facts.systems import RAGGEDFSDP, Stream, System, as_system
 from ..planner.quant_blocks import Compression
 from .cost import StepShape, UnitBytes
 from .hardware import Hardware
 from .shapes import ModelShape
-from .systems import RAGGEDFSDP, HostCopies, System, as_system
 from .wire import codec_traffic_bytes
 
 __all__ = [
@@ -109,7 +108,7 @@ def collective_bytes(
     return CollectiveBytes(
         all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
         all_gather_bytes=sum(b for _, b in ag),
-        reduce_scatter_calls=sum(system.collective_calls(u.buckets) for u in reduced),
+        reduce_scatter_calls=sum(system.collective_calls(u.trainable_buckets) for u in reduced),
         reduce_scatter_bytes=sum(g * b for g, b in rs),
         wire_bytes=sum((g - 1) * b for g, b in ag + rs),
     )
@@ -162,8 +161,9 @@ class StepTime:
 # ---------------------------------------------------------------------------------------------
 # Each unit's collectives.
 
-#: One collective's seconds from its unit and the bytes the rank feeds it.
-_Seconds = Callable[[UnitBytes, int], float]
+#: One collective's seconds from its unit, the bytes the rank feeds it and the buckets it
+#: carries.
+_Seconds = Callable[[UnitBytes, int, int], float]
 
 
 def _ring_s(
@@ -180,17 +180,27 @@ def _ring_s(
 
 
 def _collective_s(
-    unit: UnitBytes, nbytes: int, *, link: Hardware, hw: Hardware, world_size: int, system: System
+    unit: UnitBytes,
+    nbytes: int,
+    buckets: int,
+    *,
+    link: Hardware,
+    hw: Hardware,
+    world_size: int,
+    system: System,
 ) -> float:
-    """One collective of ``unit`` over ``link``: the ring over its FSDP group, which spans the
-    world's ``world_size`` ranks, and a copying system's copy-out of the all-gather / copy-in of
-    the reduce-scatter (read and write, at ``hw``'s memory bandwidth)."""
+    """One collective of ``unit``'s ``buckets`` over ``link``: the ring over its FSDP group,
+    which spans the world's ``world_size`` ranks, and a copying system's copy-out of the
+    all-gather / copy-in of the reduce-scatter (read and write, at ``hw``'s memory
+    bandwidth)."""
     w = unit.group(world_size)
-    ring = _ring_s(link, w, nbytes, system.collective_calls(unit.buckets), span=world_size)
+    ring = _ring_s(link, w, nbytes, system.collective_calls(buckets), span=world_size)
     return ring if system.zero_copy else ring + 2 * w * nbytes / hw.memory_bytes_per_s
 
 
-def _link_cpu_s(unit: UnitBytes, nbytes: int, *, hw: Hardware, world_size: int) -> float:
+def _link_cpu_s(
+    unit: UnitBytes, nbytes: int, buckets: int, *, hw: Hardware, world_size: int
+) -> float:
     """The CPU a collective's bytes cost on the slower link (host backends only); its group
     spans the world."""
     slow = world_size > hw.devices_per_node and not hw.overlaps
@@ -201,11 +211,14 @@ def _per_unit(
     units: Sequence[UnitBytes], step: StepShape, hw: Hardware, system: System, seconds: _Seconds
 ) -> tuple[list[float], list[float]]:
     """Each unit's all-gather and reduce-scatter by ``seconds`` (a reduce-scatter that is an
-    all-reduce counts twice: :meth:`System.reduce_scatter_passes`)."""
-    gathers = [seconds(u, u.gather_bytes(system, step)) for u in units]
-    passes = system.reduce_scatter_passes(hw)
+    all-reduce counts twice: :meth:`System.reduce_scatter_passes`); a reduce-scatter carries
+    the trainable buckets only."""
+    gathers = [seconds(u, u.gather_bytes(system, step), u.buckets) for u in units]
+    passes = system.reduce_scatter_passes(hw.native_reduce_scatter)
     scatters = [
-        passes * seconds(u, u.scatter_share(system, step)) if u.trainable_shard_numel else 0.0
+        passes * seconds(u, u.scatter_share(system, step), u.trainable_buckets)
+        if u.trainable_shard_numel
+        else 0.0
         for u in units
     ]
     return gathers, scatters
@@ -253,12 +266,13 @@ def collective_costs(
     w = world_size
     on = functools.partial(_collective_s, hw=hw, world_size=w, system=system)
     ag_total, rs_total = _per_unit(units, step, hw, system, functools.partial(on, link=hw))
-    if step.offload and system.host_copies is HostCopies.COLLECTIVE_STREAMS:
-        # the copies run on the collectives' streams, in series with them
+    if step.offload:  # a copy on a collective's stream runs in series with that collective
         pcie = hw.offload_rates(w)[0]
         h2d, d2h = host_copy_bytes(units, step, system)
-        ag_total = [t + b / pcie for t, b in zip(ag_total, h2d, strict=True)]
-        rs_total = [t + b / pcie for t, b in zip(rs_total, d2h, strict=True)]
+        if system.host_copies.to_device is not Stream.COMPUTE:
+            ag_total = [t + b / pcie for t, b in zip(ag_total, h2d, strict=True)]
+        if system.host_copies.to_host is not Stream.COMPUTE:
+            rs_total = [t + b / pcie for t, b in zip(rs_total, d2h, strict=True)]
     if hw.overlaps:
         ag_host, rs_host = [0.0] * len(units), [0.0] * len(units)
     else:  # the host's cores move the bytes at its own speed: the link unthrottled
@@ -333,7 +347,7 @@ def step_time(
     system: System | str = RAGGEDFSDP,
     host_overhead_s: float = 0.0,
 ) -> StepTime:
-    """The step time of ``system`` (a :class:`~.systems.System` or its name) at
+    """The step time of ``system`` (a :class:`~raggedfsdp.facts.System` or its name) at
     ``world_size`` (module docstring: the model); ``host_overhead_s``: the system's measured CPU
     work per step beyond the model, added."""
     if host_overhead_s < 0:
@@ -383,13 +397,20 @@ def host_copy_bytes(
 def _host_copy_s(
     units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, system: System
 ) -> float:
-    """Offload copies on the compute stream (:attr:`HostCopies.COMPUTE_STREAM`) hold it up:
-    every all-gather's copy (the regathered blocks' twice) and every reduce-scatter's."""
-    if not step.offload or system.host_copies is not HostCopies.COMPUTE_STREAM:
+    """Offload copies on the compute stream (:attr:`Stream.COMPUTE
+    <raggedfsdp.facts.Stream>`) hold it up: every all-gather's copy (the regathered blocks'
+    twice) and every reduce-scatter's, of the directions a system issues there (neither
+    raggedfsdp nor FSDP2 does: 0 for both)."""
+    if not step.offload:
         return 0.0
     h2d, d2h = host_copy_bytes(units, step, system)
     again = sum(h2d[i] for i in system.regathered(len(units) - 1))
-    return (sum(h2d) + again + sum(d2h)) / hw.offload_rates(world_size)[0]
+    on_compute = 0
+    if system.host_copies.to_device is Stream.COMPUTE:
+        on_compute += sum(h2d) + again
+    if system.host_copies.to_host is Stream.COMPUTE:
+        on_compute += sum(d2h)
+    return on_compute / hw.offload_rates(world_size)[0]
 
 
 def _optimizer_s(

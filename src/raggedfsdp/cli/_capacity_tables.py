@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from .._console import format_bytes, write_whole
 from ..capacity.capacity import CapacityReport, MeshFit, SystemCost, WorldCapacity
-from ..capacity.systems import SYSTEMS
+from ..facts.systems import SYSTEMS
 from ..planner.quant_blocks import Compression
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ import torch
 from .._console import arg_type, check_writable, format_bytes
 from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from ..capacity.hardware import HARDWARE, Hardware, hardware
-from ..capacity.parallel import ParallelDims
 from ..capacity.report import PlanReport, WorldReport, plan_report
 from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
+from ..facts import ParallelDims
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, MODEL_NAMES
 from ..planner import OPTIMIZER_TYPES, parse_buffer_size
@@ -281,7 +281,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
         overrides["link_gbit"] = args.link_gbit
     hw = hardware(args.gpu or "h100", **overrides)
     _check_offload(args, hw)
-    dims = ParallelDims(args.tp or 1, args.ep or 1)
+    dims = ParallelDims(tp=args.tp or 1, ep=args.ep or 1)
     for world in args.world:  # before any planning
         dims.check_world(world)
     if args.plot:  # before any planning
@@ -313,7 +313,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
     else:
         render_capacity(report, sys.stdout)
     if args.plot:
-        worlds = [w for w in PLOT_WORLDS if w % dims.model_parallel == 0]
+        worlds = [w for w in PLOT_WORLDS if w % dims.world_multiple == 0]
         curve = capacity_report(
             args.model, worlds, hw, options, find_smallest=False, up_to_shardable=True
         )

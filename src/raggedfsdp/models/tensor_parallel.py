@@ -6,9 +6,10 @@ are column-parallel (``ColwiseParallel``: each rank holds whole heads, or a slic
 units), the attention's and the feed-forward's output projections row-parallel
 (``RowwiseParallel``: their outputs are summed over tp); the token embedding is split by
 vocabulary rows and the output head by vocabulary columns, its logits gathered (no loss
-parallelism); norms and a GPT's learned positions stay whole on every rank. That is the split
-:mod:`raggedfsdp.capacity.parallel` costs, so ``raggedfsdp plan --tp`` and the job's preflight
-describe the run the job makes.
+parallelism); norms and a GPT's learned positions stay whole on every rank. Each projection's
+style is looked up in :mod:`raggedfsdp.facts.tp_plan`, the table
+:mod:`raggedfsdp.capacity.parallel` costs too, so ``raggedfsdp plan --tp`` and the job's
+preflight describe the run the job makes.
 
 :func:`check_tensor_parallel` refuses, on a meta-device model and before any collective, a
 degree that does not divide the heads, the hidden units or the vocabulary, and a decoder layer
@@ -29,42 +30,39 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..facts import TOKEN_EMBEDDING, TPStyle, tp_style
 from . import hf
 from .gpt import GPT
 
 __all__ = ["check_tensor_parallel", "parallelize_tensor"]
 
-#: A GPT block's plan (:class:`~raggedfsdp.models.gpt.Block`).
-_GPT_BLOCK = {
-    "attn.q_proj": "colwise",
-    "attn.k_proj": "colwise",
-    "attn.v_proj": "colwise",
-    "attn.proj": "rowwise",
-    "mlp.fc": "colwise",
-    "mlp.proj": "rowwise",
-}
-#: A Llama-style Hugging Face decoder layer's plan (Llama, Mistral, Qwen2, ...).
-_HF_LAYER = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
+#: The projections a GPT block splits (:class:`~raggedfsdp.models.gpt.Block`).
+_GPT_BLOCK = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.proj", "mlp.fc", "mlp.proj")
+#: The projections a Llama-style Hugging Face decoder layer splits (Llama, Mistral, Qwen2, ...).
+_HF_LAYER = (
+    *("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+    *("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+)
+#: torch's parallel style of each split style of the table.
+_STYLES: dict[TPStyle, type[ParallelStyle]] = {
+    TPStyle.COLWISE: ColwiseParallel,
+    TPStyle.ROWWISE: RowwiseParallel,
 }
 
 
-def _style(kind: str) -> ParallelStyle:
-    return ColwiseParallel() if kind == "colwise" else RowwiseParallel()
+def _style(module_name: str) -> TPStyle:
+    """The table's style of the module at ``module_name``'s last part: one that splits."""
+    style = tp_style(module_name.rsplit(".", 1)[-1])
+    assert style in _STYLES, f"{module_name}: {style}"  # the paths above are all split ones
+    return style
 
 
-def _blocks_and_plan(model: nn.Module) -> tuple[list[nn.Module], dict[str, str]]:
-    """The model's blocks and the plan each takes."""
+def _blocks_and_plan(model: nn.Module) -> tuple[list[nn.Module], dict[str, TPStyle]]:
+    """The model's blocks and the plan each takes: each projection's style from the table."""
     if isinstance(model, GPT):
-        return list(model.blocks), _GPT_BLOCK
+        return list(model.blocks), {path: _style(path) for path in _GPT_BLOCK}
     if hf.is_hf_model(model):
-        return hf.decoder_layers(model), _HF_LAYER
+        return hf.decoder_layers(model), {path: _style(path) for path in _HF_LAYER}
     raise ValueError(
         f"tp: tensor parallelism splits a GPT or a Llama-style Hugging Face model, not a "
         f"{type(model).__name__}"
@@ -98,6 +96,11 @@ def _vocabulary(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
     return model.get_input_embeddings(), model.get_output_embeddings()
 
 
+def _head_name(model: nn.Module) -> str:
+    """The output head's module name: GPT's ``head``, a Hugging Face model's ``lm_head``."""
+    return "head" if isinstance(model, GPT) else "lm_head"
+
+
 def check_tensor_parallel(model: nn.Module, tp: int, *, name: str | None = None) -> None:
     """``ValueError`` naming the fault unless :func:`parallelize_tensor` can split ``model``
     over ``tp`` ranks: a GPT or a Hugging Face decoder whose every layer holds the Llama-style
@@ -127,14 +130,16 @@ def parallelize_tensor(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     :func:`check_tensor_parallel` first, before any rank meets the others."""
     blocks, plan = _blocks_and_plan(model)
     for block in blocks:
-        parallelize_module(block, tp_mesh, {path: _style(kind) for path, kind in plan.items()})
+        parallelize_module(block, tp_mesh, {path: _STYLES[style]() for path, style in plan.items()})
     embedding, head = _vocabulary(model)
     tied = head is not None and head.weight is embedding.weight
     # The vocabulary over tp: each rank looks up its rows (the others' ids give zeros, summed
     # over tp); the head computes its columns of the logits, gathered whole for the loss.
-    parallelize_module(embedding, tp_mesh, RowwiseParallel(input_layouts=Replicate()))
+    embedding_style = _STYLES[TOKEN_EMBEDDING](input_layouts=Replicate())
+    parallelize_module(embedding, tp_mesh, embedding_style)
     if head is not None:
-        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        head_style = _STYLES[_style(_head_name(model))](output_layouts=Replicate())
+        parallelize_module(head, tp_mesh, head_style)
         if tied:  # both held the one weight; each style made a DTensor of its own
             head.weight = embedding.weight
     return model

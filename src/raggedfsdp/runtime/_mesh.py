@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .._host import default_device
+from ..facts import ParallelDims
 
 __all__ = [
     "MeshInfo",
@@ -42,6 +43,12 @@ class MeshInfo:
     def shard_dim(self) -> int:
         """The mesh dimension the parameters are ragged along."""
         return self.mesh.ndim - 1
+
+    @property
+    def degrees(self) -> ParallelDims:
+        """The unit's data-parallel degrees (HSDP's replicas, the shard group's ranks); tensor
+        and expert parallelism, where any, are dims of the parameters' own meshes."""
+        return ParallelDims(dp_replicate=self.replicate_size, dp_shard=self.shard_size)
 
 
 def mesh_info(mesh: DeviceMesh | None, device: torch.device) -> MeshInfo:

@@ -74,7 +74,7 @@ class FSDPParamGroup:
         self._reduces: list[BucketReduce] = []
         #: the data-parallel ranks under the unit's root, over which gradients are averaged
         #: (more than the unit's own beside expert parallelism); set at the root's lazy init
-        self.data_ranks = mesh_info.shard_size * mesh_info.replicate_size
+        self.data_ranks = mesh_info.degrees.dp
         #: what each bucket's strategies are chosen from, at construction and by rebind()
         self._comm = UnitComm(
             mesh_info,
@@ -507,7 +507,7 @@ class FSDPParamGroup:
     def _divided(self, mean: torch.Tensor) -> torch.Tensor:
         """The mean over the unit's ranks, rescaled to the sum / gradient_divide_factor (default:
         the root's data-parallel ranks, which beside expert parallelism outnumber the unit's)."""
-        ranks = self.mesh_info.shard_size * self.mesh_info.replicate_size
+        ranks = self.mesh_info.degrees.dp
         factor = self.knobs.gradient_divide_factor or self.data_ranks
         if factor == ranks:
             return mean

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..facts.systems import Stream
 from ._metrics import RuntimeStats
 
 __all__ = ["HostEvent", "HostStream", "Streams", "wait_all"]
@@ -94,11 +95,12 @@ class Streams:
         #: the stand-in's record (host only): ``None`` records nothing
         self.log: Log | None = None
         self._ids = itertools.count()
-        self._stack: list[HostStream] = [HostStream("compute")]  # the stand-in's current
-        self.copy_in = self._new("all_gather_copy_in", priority=-1)
-        self.all_gather = self._new("all_gather", priority=-1)
-        self.reduce_scatter = self._new("reduce_scatter", priority=-1)
-        self.all_reduce = self._new("all_reduce", priority=0)
+        # the stand-in's current stream; names as the systems' descriptions give them
+        self._stack: list[HostStream] = [HostStream(Stream.COMPUTE.value)]
+        self.copy_in = self._new(Stream.COPY_IN.value, priority=-1)
+        self.all_gather = self._new(Stream.ALL_GATHER.value, priority=-1)
+        self.reduce_scatter = self._new(Stream.REDUCE_SCATTER.value, priority=-1)
+        self.all_reduce = self._new(Stream.ALL_REDUCE.value, priority=0)
         #: FSDPModule.set_post_optim_event's, until the next all-gathers wait for it
         self._post_optim_event: Any = None
         #: whether the all-gather streams have waited for compute since it last moved on

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from ..facts import check_cut
 from ..layout import RaggedShard
 from ..planner import StructAwarePlanner, WrapPolicy, wrap_units
 from ._adopt import materialize
@@ -307,34 +307,18 @@ def _placed(registration: Registration, placement: ParamPlacement) -> Registrati
 
 
 def _check_parallel_cuts(registration: Registration, policy: RaggedShard) -> None:
-    """A DTensor parameter's tensor-parallel split must not cut a block the policy keeps whole
-    (a 128x128 tile split across tp ranks would be quantized, or orthogonalised, as two): one
+    """A DTensor parameter's tensor- or expert-parallel split must not cut a block the policy
+    keeps whole (:mod:`raggedfsdp.facts.cuts`, the rule the capacity planner applies too): one
     error naming the parameter, its split and its block, before any collective."""
     spec = registration.placement.split
     if spec is None:
         return
     shape = tuple(spec.shape)
-    block = policy.block_for(registration.fqn)
     for dim, placement in enumerate(spec.placements):
-        if not isinstance(placement, Shard):
-            continue
-        cut, ways = placement.dim % len(shape), spec.mesh.size(dim)
-        chunk = -(-shape[cut] // ways)  # torch.chunk's, as Shard splits
-        cuts = [k * chunk for k in range(1, ways) if k * chunk < shape[cut]]
-        if cut == 0:  # rows: a cut must fall between units of the flattened parameter
-            unit = policy.unit_numel(registration.fqn, shape)
-            inner = math.prod(shape[1:])
-            bad = [at for at in cuts if (at * inner) % unit]
-        else:  # columns: between tiles (a row-block policy keeps b x b tiles)
-            step = block if isinstance(block, int) else block[1] if isinstance(block, tuple) else 1
-            bad = cuts if block == "whole" else [at for at in cuts if at % step]
-        if bad:
-            raise ValueError(
-                f"parameter {registration.fqn!r} of shape {list(shape)} is split by "
-                f"{placement!r} over {ways} ranks at index {bad[0]} of dim {cut}, inside a block "
-                f"that the shard policy ({block!r}) keeps whole; choose a block that divides "
-                f"the split, or split the parameter elsewhere"
-            )
+        if isinstance(placement, Shard):
+            ways = spec.mesh.size(dim)
+            by = f"{placement!r} over {ways} ranks"
+            check_cut(registration.fqn, shape, placement.dim % len(shape), ways, policy, by=by)
 
 
 def _move_buffers(modules: list[nn.Module], device: torch.device) -> None:

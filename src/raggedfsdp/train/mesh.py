@@ -26,46 +26,61 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..capacity.parallel import ParallelDims
+from ..facts import ParallelDims
 from ..models import expert_parallel, tensor_parallel
 from ..runtime import FSDPBackend, fully_shard
 
 __all__ = ["JobMesh", "check_model", "degrees_text", "shard_model"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class JobMesh:
     """Where one rank sits among ``world`` ranks split ``tp`` and ``ep`` ways.
 
     Attributes:
-        world: ranks in the job.
+        dims: the degrees over the job's world (``dp_shard`` resolved).
         rank: this rank.
-        tp: tensor-parallel degree (innermost).
-        ep: expert-parallel degree (borrowed from data parallelism).
     """
 
-    world: int
-    rank: int = 0
-    tp: int = 1
-    ep: int = 1
+    dims: ParallelDims
+    rank: int
 
-    def __post_init__(self) -> None:
-        ParallelDims(tp=self.tp, ep=self.ep).check_world(self.world)
-        if self.tp > 1 and self.ep > 1:
+    def __init__(self, world: int, rank: int = 0, *, tp: int = 1, ep: int = 1) -> None:
+        """``world`` ranks, ``tp`` tensor-parallel (innermost) or ``ep`` expert-parallel
+        (borrowed from data parallelism); ``ValueError`` naming the fault else."""
+        dims = ParallelDims(tp=tp, ep=ep).at_world(world)
+        if dims.tp > 1 and dims.ep > 1:
             raise ValueError(
-                f"tp={self.tp} with ep={self.ep}: the job runs tensor or expert parallelism "
+                f"tp={dims.tp} with ep={dims.ep}: the job runs tensor or expert parallelism "
                 f"beside FSDP, not both at once; choose one"
             )
+        object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "rank", rank)
+
+    @property
+    def world(self) -> int:
+        """Ranks in the job."""
+        return self.dims.world_size
+
+    @property
+    def tp(self) -> int:
+        """Tensor-parallel degree (innermost)."""
+        return self.dims.tp
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree (borrowed from data parallelism)."""
+        return self.dims.ep
 
     @property
     def dp(self) -> int:
         """FSDP ranks of a tensor-parallel slice or of an expert: ``world / (tp x ep)``."""
-        return self.world // (self.tp * self.ep)
+        return self.dims.dp_shard_mod_ep
 
     @property
     def data_ranks(self) -> int:
         """Ranks that read sequences of their own: ``world / tp`` (ep borrows from dp)."""
-        return self.world // self.tp
+        return self.dims.dp
 
     @property
     def data_rank(self) -> int:
@@ -75,7 +90,7 @@ class JobMesh:
     @property
     def parallel(self) -> bool:
         """Whether anything besides FSDP splits the model."""
-        return self.tp * self.ep > 1
+        return self.dims.model_parallel > 1
 
     def describe(self) -> dict[str, int]:
         """The mesh's degrees, for checkpoints and banners: ``{"dp": world}`` for FSDP alone

@@ -19,9 +19,10 @@ from ..capacity.cost import (
     optimizer_state_bytes,
     unit_bytes,
 )
-from ..capacity.parallel import ParallelDims, UnsplittableModel, split_model
+from ..capacity.parallel import UnsplittableModel, split_model
 from ..capacity.shapes import ModelShape, model_shape
 from ..data import load_corpus
+from ..facts import ParallelDims
 from ..models import hf
 from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy

@@ -1,19 +1,17 @@
 """The systems the cost model compares, each a frozen description of how it lays out, moves and
-keeps a unit's bytes: raggedfsdp (:data:`RAGGEDFSDP`) and PyTorch's FSDP2 (:data:`FSDP2`) on
-the same shapes.
+keeps a unit's bytes: raggedfsdp (:data:`RAGGEDFSDP`) and PyTorch's FSDP2 (:data:`FSDP2`).
 
-The memory (:mod:`.cost`) and time (:mod:`.steptime`) formulas are written once and read these
-fields, so a difference between the systems is stated here, with the runtime code it comes
-from, and nowhere else.
+The capacity planner's memory and time formulas (``capacity/cost.py``, ``capacity/steptime.py``)
+read these fields, so a difference between the systems is stated here, with the runtime code it
+comes from, and nowhere else. raggedfsdp's description is held to what its runtime records (the
+stream log, the collective log, ``stats()``) by ``tests/distributed/test_facts_conformance.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-from ..planner.quant_blocks import Compression
-from .hardware import Hardware
+from typing import TypeVar
 
 __all__ = [
     "FSDP2",
@@ -21,14 +19,28 @@ __all__ = [
     "SYSTEMS",
     "GlooReduceScatter",
     "HostCopies",
+    "Staging",
+    "Stream",
     "System",
     "as_system",
 ]
 
+_T = TypeVar("_T")
+
+
+class Stream(Enum):
+    """The streams a unit tree runs on, by the names ``runtime/_streams.py`` gives them (FSDP2's
+    four communication streams beside the compute stream)."""
+
+    COMPUTE = "compute"
+    COPY_IN = "all_gather_copy_in"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+
 
 class GlooReduceScatter(Enum):
-    """How a system reduce-scatters where the backend has no reduce-scatter of its own (Gloo:
-    :attr:`Hardware.native_reduce_scatter` off, :attr:`StepShape.gloo <.cost.StepShape>` on)."""
+    """How a system reduce-scatters where the backend has no reduce-scatter of its own (Gloo)."""
 
     POINT_TO_POINT = "point-to-point"
     """Each rank sends chunk ``k`` to rank ``k`` and the owner sums in rank order
@@ -40,21 +52,37 @@ class GlooReduceScatter(Enum):
     the ring's steps and bytes."""
 
 
-class HostCopies(Enum):
-    """Where a system issues CPU offload's copies: shards host to device before their
-    all-gather, reduced shards device to host after their reduce-scatter."""
+class Staging(Enum):
+    """What CPU offload's host-to-device copy holds on the device besides the unsharded
+    buffer."""
 
-    COMPUTE_STREAM = "compute stream"
-    """On the compute stream (``runtime/_offload.py``: raggedfsdp has no stream of its own):
-    each copy adds its whole time to the step. Under a cast the shard is copied as it is into a
-    pooled master-dtype buffer, one per shard size until backward ends, and cast into its
-    slot."""
+    POOLED_CAST = "pooled cast buffer"
+    """The shard is copied into its own slot of the all-gather buffer; under a cast it is
+    copied as it is into a pooled master-dtype buffer and cast into its slot from there, the
+    pool keeping one such buffer per shard size until backward ends (raggedfsdp:
+    ``runtime/_offload.py``, ``HostOffload.to_device``)."""
 
-    COLLECTIVE_STREAMS = "collective streams"
-    """On the all-gather copy-in and post-reduce streams (FSDP2, ``_fsdp_collectives.py``): a
-    copy runs in series with its collective, beside the compute. The prefetched unit's copied
-    shards (and their cast) live until its copy-in (``_fsdp_param.py``:
-    ``all_gather_inputs``)."""
+    PREFETCHED_SHARDS = "prefetched shards"
+    """The prefetched unit's copied shards (and their cast) live until its copy-in (FSDP2:
+    ``_fsdp_param.py``, ``all_gather_inputs``)."""
+
+
+@dataclass(frozen=True)
+class HostCopies:
+    """Where a system issues CPU offload's copies and what they stage.
+
+    Attributes:
+        to_device: the stream the host shard's copy to the device runs on, before its
+            all-gather.
+        to_host: the stream the reduced shard's copy back runs on, after its reduce-scatter.
+        to_host_replicated: the same under HSDP, after the all-reduce over the replicas.
+        staging: what the copy to the device holds on the device.
+    """
+
+    to_device: Stream
+    to_host: Stream
+    to_host_replicated: Stream
+    staging: Staging
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,8 +92,8 @@ class System:
     Attributes:
         name: how reports and tables name it.
         ragged: shards as the structure-aware plan places them: each bucket's ``S`` elements
-            per rank, every unit whole (:class:`~raggedfsdp.planner.ShardPlan`). Off: FSDP2's
-            ``Shard(0)``, each parameter's dim 0 padded to ``ceil(dim0 / W)`` rows per rank.
+            per rank, every unit whole. Off: FSDP2's ``Shard(0)``, each parameter's dim 0
+            padded to ``ceil(dim0 / W)`` rows per rank.
         zero_copy: the all-gather writes the unsharded parameters and the reduce-scatter reads
             the unsharded gradients, both views of one storage per unit (DBuffer). Off: the
             all-gather output is copied out into per-parameter tensors and the gradients
@@ -77,11 +105,11 @@ class System:
         keeps_last_block_unsharded: the unit that runs forward last stays unsharded into its
             backward, which comes first; off, it is resharded after forward and gathered again
             under the head's backward.
-        compresses: honours :class:`raggedfsdp.CommCompression`: its collectives move codes and
+        compresses: honours ``raggedfsdp.CommCompression``: its collectives move codes and
             scales, quantizing costs memory traffic, the quantized shards and residuals are
             memory. Needs ``ragged`` (the plan keeps quantization blocks whole).
         gloo_reduce_scatter: its reduce-scatter where the backend has none.
-        host_copies: where its CPU offload copies run.
+        host_copies: where its CPU offload copies run and what they stage.
     """
 
     name: str
@@ -109,15 +137,16 @@ class System:
         """The blocks (units before the root) all-gathered again for their backward."""
         return range(num_blocks if not self.keeps_last_block_unsharded else num_blocks - 1)
 
-    def compression(self, compression: Compression | None) -> Compression | None:
+    def compression(self, compression: _T | None) -> _T | None:
         """The step's compression as this system applies it (``None``: it moves full shards)."""
         return compression if self.compresses else None
 
-    def reduce_scatter_passes(self, hw: Hardware) -> int:
-        """Ring passes of one reduce-scatter on ``hw``: 2 where it all-reduces for want of a
-        reduce-scatter (:attr:`GlooReduceScatter.ALL_REDUCE`), else 1."""
+    def reduce_scatter_passes(self, native_reduce_scatter: bool) -> int:
+        """Ring passes of one reduce-scatter on a backend with (``native_reduce_scatter``) or
+        without a reduce-scatter of its own: 2 where it all-reduces for want of one
+        (:attr:`GlooReduceScatter.ALL_REDUCE`), else 1."""
         all_reduce = self.gloo_reduce_scatter is GlooReduceScatter.ALL_REDUCE
-        return 2 if all_reduce and not hw.native_reduce_scatter else 1
+        return 2 if all_reduce and not native_reduce_scatter else 1
 
     def reduces_point_to_point(self, gloo: bool) -> bool:
         """Whether its reduce-scatter is point-to-point transfers here (on Gloo, ``gloo``):
@@ -134,7 +163,15 @@ RAGGEDFSDP = System(
     keeps_last_block_unsharded=True,
     compresses=True,
     gloo_reduce_scatter=GlooReduceScatter.POINT_TO_POINT,
-    host_copies=HostCopies.COMPUTE_STREAM,
+    # runtime/_param_group.py: the copy-in (HostOffload.to_device) inside the copy-in stream's
+    # block of unshard, the copy back (take_reduced) inside finish_reduce, on the stream that
+    # finished the reduction ([Note: streams and events] in runtime/_streams.py)
+    host_copies=HostCopies(
+        to_device=Stream.COPY_IN,
+        to_host=Stream.REDUCE_SCATTER,
+        to_host_replicated=Stream.ALL_REDUCE,
+        staging=Staging.POOLED_CAST,
+    ),
 )
 """raggedfsdp as its runtime runs by default (``DBufferConfig(zero_copy=True)``)."""
 
@@ -146,7 +183,15 @@ FSDP2 = System(
     keeps_last_block_unsharded=False,
     compresses=False,
     gloo_reduce_scatter=GlooReduceScatter.ALL_REDUCE,
-    host_copies=HostCopies.COLLECTIVE_STREAMS,
+    # _fsdp_collectives.py: foreach_all_gather's inputs made on the all-gather copy-in stream,
+    # foreach_reduce's copy to the host on its post-reduce stream (the all-reduce stream under
+    # HSDP)
+    host_copies=HostCopies(
+        to_device=Stream.COPY_IN,
+        to_host=Stream.REDUCE_SCATTER,
+        to_host_replicated=Stream.ALL_REDUCE,
+        staging=Staging.PREFETCHED_SHARDS,
+    ),
 )
 """PyTorch FSDP2 (``fully_shard`` on each block, then the root) with its defaults."""
 
