@@ -7,7 +7,8 @@ every member of a group issues the same sequence of collectives (NCCL matches by
 bucket's messages have the size its plan gives, the same on every rank; plans place buffers
 and size shards on 16 bytes; and a step issues one all-gather per bucket, one reduce-scatter
 (or all-to-all, compressed) per trainable bucket, and under HSDP one all-reduce per trainable
-bucket (``reshard_after_forward=False``: nothing is gathered twice).
+bucket (``reshard_after_forward=False``: nothing is gathered twice), and one all-reduce (two
+under HSDP) of which parameters any rank used (``runtime/_usage.py``).
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def test_collectives_per_step_and_message_sizes(world, variant):
         buckets = len(view.plans)  # every GPT parameter trains: every bucket reduces
         expected = {"all_gather": buckets}
         expected["all_to_all" if compression else "reduce_scatter"] = buckets
-        if hsdp:
-            expected["all_reduce"] = buckets
+        # and which parameters any rank used: one all-reduce, over both dims under HSDP
+        expected["all_reduce"] = buckets + 2 if hsdp else 1
         assert kinds == expected, (rank, kinds)
         gathers = [r for r in view.records if r.kind in GATHERS]
         reduces = [r for r in view.records if r.kind in REDUCES]

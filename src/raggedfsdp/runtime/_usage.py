@@ -40,6 +40,7 @@ def agree_on_usage(groups: list[FSDPParamGroup], stats: RuntimeStats) -> None:
     for members in by_mesh.values():
         info = members[0].mesh_info
         used = [flag for group in members for flag in group.used]
+        used += [True] * (-len(used) % 16)  # 16 bytes, as every message NCCL moves here
         mask = torch.tensor(used, dtype=torch.uint8, device=members[0].device)
         with record_function("raggedfsdp::agree_on_usage"):
             for pg in (info.shard_group, info.replicate_group):
@@ -53,7 +54,10 @@ def agree_on_usage(groups: list[FSDPParamGroup], stats: RuntimeStats) -> None:
     if not all(all(group.used) for group in syncing):
         anywhere = torch.cat(masks).tolist()  # the one host read, a sync on an accelerator
     start = 0
-    for group in (group for members in by_mesh.values() for group in members):
-        end = start + len(group.used)
-        group.settle_usage(None if anywhere is None else [bool(f) for f in anywhere[start:end]])
-        start = end
+    for members, mask in zip(by_mesh.values(), masks, strict=True):
+        at = start
+        for group in members:
+            flags = None if anywhere is None else anywhere[at : at + len(group.used)]
+            group.settle_usage(None if flags is None else [bool(f) for f in flags])
+            at += len(group.used)
+        start += mask.numel()
