@@ -38,10 +38,8 @@ nothing and ``dcp.load`` writes straight into the parameter. DCP's metadata hold
 shape and these chunks, so a checkpoint reshards across world sizes and plans and loads into
 FSDP2 or one process.
 
-The whole tensor (``full_tensor``) is one list-form ``all_gather`` of the pieces padded to the
-largest: every backend has that form (Gloo lacks the one-tensor form on older torch), and a whole
-tensor is no hot path (checkpoints, initialisation, checks), so this room needs none of the
-runtime's in-place bucket collectives and imports no runtime.
+``full_tensor`` is one list-form ``all_gather`` of the pieces padded to the largest: every backend
+has it, and a whole tensor is no hot path, so no runtime collective is needed (nor imported).
 """
 
 from __future__ import annotations
