@@ -125,8 +125,9 @@ result = {"placement": changed(first, after)}
     }
 
 
-def test_first_ragged_tensor_adapts_torch() -> None:
-    result = _run("""
+def test_first_ragged_tensor_adapts_torch_once() -> None:
+    result = _run(
+        """
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -136,9 +137,17 @@ mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
 before = snapshot()
 layout = rf.ShardLayout((2, 3), 1, ((0, 6),))
 rf.RaggedTensor.from_piece(torch.zeros(2, 3), layout, mesh)
-result = {"mesh": changed(first, before), "RaggedTensor": changed(before, snapshot())}
-""")
-    assert result == {"mesh": [], "RaggedTensor": TENSOR_ADAPTATIONS}
+after = snapshot()
+result = {"mesh": changed(first, before), "RaggedTensor": changed(before, after)}
+"""
+        + _changed_by_installing_twice()
+    )
+    assert result == {
+        "mesh": [],
+        "RaggedTensor": TENSOR_ADAPTATIONS,
+        "install after first use": ALL_ADAPTATIONS[:2],
+        "install again": [],
+    }
 
 
 def test_first_fully_shard_adapts_torch_once() -> None:
