@@ -30,7 +30,8 @@ that ``FSDPTest`` or ``FSDPTestContinuous`` spawns, which re-imports this file a
 
 Everything else is kept: the test bodies are not edited; torch's ``MixedPrecisionPolicy``,
 ``OffloadPolicy``, ``DTensor``, ``DeviceMesh``, ``replicate`` (the reference models),
-``register_fsdp_forward_method`` (raggedfsdp routes torch's to its own at import) and torch's
+``register_fsdp_forward_method`` (routed to raggedfsdp's own: the swap installs raggedfsdp's
+changes to torch first, ``raggedfsdp.integration.install()``) and torch's
 FSDP2 internals a test imports (``_fsdp_param_group``, ``FSDPParamGroup`` patches, ...) stay
 torch's, so a test that reads them fails, and says so. The JSON's ``swapped`` lists what was
 swapped in that run.
@@ -151,6 +152,10 @@ def _swap_in_raggedfsdp() -> list[str]:
 
     import raggedfsdp
 
+    # Before the test modules bind torch's functions by name: torch's
+    # register_fsdp_forward_method, say, then routes raggedfsdp's modules (made on first use
+    # otherwise, after those bindings).
+    raggedfsdp.integration.install()
     replacements: dict[str, tuple[object, object]] = {
         "fully_shard": (torch_fsdp.fully_shard, raggedfsdp.fully_shard)
     }

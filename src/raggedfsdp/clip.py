@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from .layout import comm_group, local_piece
+from .tensor import comm_group, local_piece
 
 __all__ = ["clip_grad_norm_"]
 
@@ -68,7 +68,13 @@ def clip_grad_norm_(
             f"so it cannot be clipped. To disable this error and scale the gradients by the "
             f"non-finite norm anyway, set `error_if_nonfinite=False`"
         )
-    clip_grads_with_norm_(with_grad, max_norm, total, foreach)
+    # torch's foreach ops refuse a list that mixes DTensors with plain tensors: one call each.
+    for same_kind in (
+        [p for p in with_grad if isinstance(p.grad, DTensor)],
+        [p for p in with_grad if not isinstance(p.grad, DTensor)],
+    ):
+        if same_kind:
+            clip_grads_with_norm_(same_kind, max_norm, total, foreach)
     return total
 
 

@@ -10,11 +10,9 @@ Two nouns live here:
   flattened index space per rank (possibly empty), plus the geometry to move between the full
   tensor and a rank's piece (``local_shape``, ``boxes``, ``to_local``, ``from_locals``).
 
-and the DTensor placement that names a layout on a sharded parameter,
-:class:`RaggedShardPlacement` ([Note: ragged shards as DTensors] in
-``runtime/_ragged_tensor.py``).
-
-Everything here is pure Python over shapes; no process group is needed.
+The sharded tensor that carries a layout, its DTensor placement and their readers are
+:mod:`raggedfsdp.tensor`'s. Everything here is pure Python over shapes; no process group is
+needed (the planner and the ``plan`` command use it alone).
 """
 
 from __future__ import annotations
@@ -26,28 +24,8 @@ from dataclasses import dataclass, field
 from typing import Literal, TypeAlias, Union
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
-__all__ = [
-    "BlockSize",
-    "RaggedShard",
-    "RaggedShardPlacement",
-    "ShardInfo",
-    "ShardLayout",
-    "comm_group",
-    "full_shape",
-    "global_shape",
-    "layout_of",
-    "local_piece",
-    "local_range",
-    "mark_sharded",
-    "parse_block_size",
-    "ragged_dim",
-    "row_numel",
-    "shard_info",
-]
+__all__ = ["BlockSize", "RaggedShard", "ShardLayout", "parse_block_size", "row_numel"]
 
 #: A block request: ``None`` (element), ``b`` rows, ``(rows, cols)`` tiles, or ``"whole"``.
 BlockSize: TypeAlias = Union[int, tuple[int, int], Literal["whole"], None]  # noqa: UP007
@@ -312,135 +290,6 @@ def _boxes(start: int, end: int, shape: Shape) -> list[tuple[tuple[int, ...], tu
     if last_rem:
         out += [((last, *o), (1, *s)) for o, s in _boxes(0, last_rem, rest)]
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Sharded parameters carry their layout, so optimizers and tools can find it from the parameter.
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """What a sharded parameter knows about itself: its layout, this process's rank in the shard
-    group, and that group (``None`` for a single process)."""
-
-    layout: ShardLayout
-    rank: int
-    group: dist.ProcessGroup | None = None
-
-
-class RaggedShardPlacement(Placement):
-    """A DTensor placement: along its mesh dimension, rank ``r`` holds the flat range
-    ``layout.ranges[r]`` of the tensor's row-major flattening -- runs of whole units, possibly
-    none. The placement of raggedfsdp's sharded parameters on the data-parallel mesh dimension
-    (``p.placements``); equal placements have equal layouts."""
-
-    def __init__(self, layout: ShardLayout) -> None:
-        super().__init__()
-        self.layout = layout
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (
-            isinstance(other, RaggedShardPlacement) and other.layout == self.layout
-        )
-
-    def __hash__(self) -> int:
-        return hash(self.layout)
-
-    def __repr__(self) -> str:
-        ranges = self.layout.ranges
-        shown = ", ".join(f"{s}:{e}" for s, e in ranges[:4]) + (", ..." if len(ranges) > 4 else "")
-        return f"RaggedShard(unit={self.layout.unit_numel}, ranges=[{shown}])"
-
-    def __str__(self) -> str:
-        return "RS"
-
-    def __reduce__(self) -> tuple[type, tuple[ShardLayout]]:
-        return (RaggedShardPlacement, (self.layout,))
-
-
-def ragged_dim(tensor: DTensor) -> int | None:
-    """The mesh dimension of ``tensor``'s :class:`RaggedShardPlacement`, or ``None``."""
-    for dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, RaggedShardPlacement):
-            return dim
-    return None
-
-
-def local_piece(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of ``tensor``: a DTensor's local tensor, a plain tensor itself (what a
-    rank's own bytes and values are counted from)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-_SHARD_ATTR = "_raggedfsdp_shard"
-
-
-def mark_sharded(param: torch.Tensor, info: ShardInfo) -> None:
-    """Attach ``info`` to a plain tensor holding this rank's piece (the optimizers take such
-    tensors as well as sharded parameters)."""
-    setattr(param, _SHARD_ATTR, info)
-
-
-def shard_info(param: torch.Tensor) -> ShardInfo | None:
-    """The :class:`ShardInfo` of a sharded tensor -- a DTensor with a ragged placement, or a
-    plain piece marked by :func:`mark_sharded` -- or ``None`` for a plain tensor."""
-    if isinstance(param, DTensor):
-        dim = ragged_dim(param)
-        if dim is None:
-            return None
-        placement = param.placements[dim]
-        assert isinstance(placement, RaggedShardPlacement)
-        mesh = param.device_mesh
-        return ShardInfo(placement.layout, mesh.get_local_rank(dim), mesh.get_group(dim))
-    return getattr(param, _SHARD_ATTR, None)
-
-
-def layout_of(param: torch.Tensor) -> ShardLayout | None:
-    """The :class:`ShardLayout` of a sharded parameter, or ``None`` for a plain tensor."""
-    info = shard_info(param)
-    return None if info is None else info.layout
-
-
-def global_shape(param: torch.Tensor) -> torch.Size:
-    """Shape of the whole parameter: the layout's global shape, or the tensor's own shape."""
-    info = shard_info(param)
-    return param.shape if info is None else info.layout.global_shape
-
-
-def full_shape(param: torch.Tensor) -> torch.Size:
-    """The whole parameter's shape: a DTensor's own (beyond what tensor or expert parallelism
-    splits, which the layout's global shape is the rank's piece of), else
-    :func:`global_shape`."""
-    return param.shape if isinstance(param, DTensor) else global_shape(param)
-
-
-def local_range(param: torch.Tensor) -> tuple[int, int]:
-    """This rank's ``[start, end)`` in the parameter's flattened index space."""
-    info = shard_info(param)
-    return (0, param.numel()) if info is None else info.layout.ranges[info.rank]
-
-
-def comm_group(param: torch.Tensor) -> dist.ProcessGroup | None:
-    """The process group a sharded parameter's pieces are spread over, or ``None`` when this
-    process holds the whole parameter (a plain tensor, or a layout of one rank)."""
-    info = shard_info(param)
-    if info is None or info.layout.world_size == 1:
-        return None
-    if info.group is None and not dist.is_initialized():
-        raise ValueError(
-            f"a parameter of shape {list(info.layout.global_shape)} is sharded over "
-            f"{info.layout.world_size} ranks but has no process group and torch.distributed is "
-            f"not initialized"
-        )
-    # ShardInfo.group=None on a multi-rank layout means the default group.
-    group = info.group if info.group is not None else dist.group.WORLD
-    if (dist.get_world_size(group), dist.get_rank(group)) != (info.layout.world_size, info.rank):
-        raise ValueError(
-            f"a parameter of shape {list(info.layout.global_shape)} is rank {info.rank} of a "
-            f"layout over {info.layout.world_size} ranks, but this process is rank "
-            f"{dist.get_rank(group)} of {dist.get_world_size(group)} in its process group"
-        )
-    return group
 
 
 def parse_block_size(text: str) -> BlockSize:

@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from .layout import shard_info
-from .runtime import distribute, materialize_shards_
+from .runtime import materialize_shards_
+from .tensor import distribute, shard_info
 
 __all__ = ["init_sharded_"]
 
@@ -35,8 +34,7 @@ def init_sharded_(model: nn.Module, init_fn: InitFn) -> nn.Module:
     materialize_shards_(model)
     device = None
     for name, param in model.named_parameters():
-        info = shard_info(param)
-        if info is None:
+        if shard_info(param) is None:
             if param.device.type == "meta":
                 raise ValueError(
                     f"parameter {name!r} is on the meta device and not sharded; call "
@@ -45,18 +43,13 @@ def init_sharded_(model: nn.Module, init_fn: InitFn) -> nn.Module:
             init_fn(name, param.data)
             continue
         device = param.device
-        if isinstance(param, DTensor):
-            # The whole parameter, also where tensor or expert parallelism splits it: its
-            # piece is cut from the slice this rank's placements leave, as one process drew it.
-            full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            init_fn(name, full)
-            piece = distribute(full, param.device_mesh, param.placements, src_data_rank=None)
-            local = param.to_local()
-            local.copy_(piece.to_local().view_as(local))
-            continue
-        full = torch.empty(info.layout.global_shape, dtype=param.dtype, device=param.device)
+        # The whole parameter, also where tensor or expert parallelism splits it: its piece is
+        # cut from the slice this rank's placements leave, as one process drew it.
+        full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
         init_fn(name, full)
-        param.copy_(info.layout.to_local(full, info.rank).view_as(param))
+        piece = distribute(full, param.device_mesh, param.placements, src_data_rank=None)
+        local = param.to_local()
+        local.copy_(piece.to_local().view_as(local))
     for module_name, module in model.named_modules():
         for buf_name, buf in list(module._buffers.items()):
             if buf is not None and buf.device.type == "meta":

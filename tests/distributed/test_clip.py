@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness import run_distributed
+from harness import run_distributed, sharded_param
 from raggedfsdp.clip import clip_grad_norm_
-from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
+from raggedfsdp.layout import ShardLayout
+from raggedfsdp.tensor import local_piece, placed_like
 
 WORLDS = (1, 2, 3, 4)
 SHAPES = [(5, 7), (3, 4, 6), (11,), (2, 3)]
@@ -43,9 +44,8 @@ def _case(rank: int, world: int, groups: list, seed: int, norm_type: float, max_
     layouts = [_ragged_layout(rng, s, world) for s in SHAPES[:-1]]
     ours = []
     for i, (g, lay) in enumerate(zip(grads, layouts, strict=False)):
-        p = nn.Parameter(torch.zeros(lay.local_shape(rank)))
-        p.grad = lay.to_local(g, rank).clone()
-        mark_sharded(p, ShardInfo(lay, rank, groups[i % 2]))
+        p = sharded_param(torch.zeros(lay.local_shape(rank)), lay, groups[i % 2])
+        p.grad = placed_like(lay.to_local(g, rank).clone(), p)
         ours.append(p)
     replicated = nn.Parameter(torch.zeros(SHAPES[-1]))
     replicated.grad = grads[-1].clone()
@@ -57,7 +57,7 @@ def _case(rank: int, world: int, groups: list, seed: int, norm_type: float, max_
     with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
         total = clip_grad_norm_(ours, max_norm, norm_type)
     clipped_ok = all(
-        torch.allclose(p.grad, lay.to_local(f.grad, rank), rtol=1e-5, atol=0)
+        torch.allclose(local_piece(p.grad), lay.to_local(f.grad, rank), rtol=1e-5, atol=0)
         for p, f, lay in zip(ours, full, layouts, strict=False)
     ) and torch.allclose(replicated.grad, full[-1].grad, rtol=1e-5, atol=0)
     return {
@@ -70,9 +70,8 @@ def _case(rank: int, world: int, groups: list, seed: int, norm_type: float, max_
 
 def _nonfinite(rank: int, world: int, group) -> str:
     layout = ShardLayout((world, 2), 2, tuple((2 * r, 2 * r + 2) for r in range(world)))
-    p = nn.Parameter(torch.zeros(1, 2))
-    p.grad = torch.tensor([[math.nan if rank == world - 1 else 1.0, 1.0]])
-    mark_sharded(p, ShardInfo(layout, rank, group))
+    p = sharded_param(torch.zeros(1, 2), layout, group)
+    p.grad = placed_like(torch.tensor([[math.nan if rank == world - 1 else 1.0, 1.0]]), p)
     try:
         clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
     except RuntimeError as error:

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from harness import Group, assert_no_failures, error_message, world_grid_fixture
-from optim_grid import WORLDS, random_layout, shard, step_twins, twin_params
-from raggedfsdp.layout import ShardLayout, mark_sharded, shard_info
+from optim_grid import WORLDS, give_grad, random_layout, shard, step_twins, twin_params
+from raggedfsdp.layout import ShardLayout
 from raggedfsdp.optim import Muon
+from raggedfsdp.tensor import local_piece
 
 SHAPES = [(3, 16), (40, 24), (24, 40), (32, 32), (1, 8), (3, 8, 12)]  # incl. a 3-D stack
 ADAMW = {"adamw_lr": 0.003, "adamw_betas": (0.9, 0.95), "adamw_eps": 1e-8}
@@ -85,8 +86,8 @@ def _parity_case(rank: int, world: int, group: Group, seed: int, failures: list[
             grads[1].zero_()  # a zero gradient: Newton–Schulz of a zero matrix
         bias_grad = torch.randn(7, generator=gen)
         for p, g, lay in zip(ours, grads, layouts, strict=True):
-            p.grad = lay.to_local(g, rank).clone()
-        ours_bias.grad = bias_layout.to_local(bias_grad, rank).clone()
+            give_grad(p, lay.to_local(g, rank).clone())
+        give_grad(ours_bias, bias_layout.to_local(bias_grad, rank).clone())
         for p, g in zip([*ref, *ref_stack], [*grads[:-1], *grads[-1]], strict=True):
             p.grad = g.clone()
         ref_bias.grad = bias_grad
@@ -99,14 +100,13 @@ def _parity_case(rank: int, world: int, group: Group, seed: int, failures: list[
         expected = [p.detach() for p in ref] + [torch.stack([p.detach() for p in ref_stack])]
         for i, (p, e, lay) in enumerate(zip(ours, expected, layouts, strict=True)):
             what = f"seed {seed} step {step} param {i} {SHAPES[i]} ({lay.ranges})"
-            _check_equal(failures, what, p.detach(), lay.to_local(e, rank))
+            _check_equal(failures, what, local_piece(p).detach(), lay.to_local(e, rank))
         what = f"seed {seed} step {step} bias"
-        _check_equal(failures, what, ours_bias.detach(), bias_layout.to_local(ref_bias, rank))
+        mine = local_piece(ours_bias).detach()
+        _check_equal(failures, what, mine, bias_layout.to_local(ref_bias, rank))
 
     # A checkpoint round trip continues exactly where the original goes.
     copies = [nn.Parameter(p.detach().clone()) for p in [*ours, ours_bias]]
-    for c, p in zip(copies, [*ours, ours_bias], strict=True):
-        mark_sharded(c, shard_info(p))
     resumed = Muon(copies, adamw_params=lambda p, shape: len(shape) == 1, **ADAMW)
     resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
     set_grads(3)
@@ -115,7 +115,8 @@ def _parity_case(rank: int, world: int, group: Group, seed: int, failures: list[
     opt.step()
     resumed.step()
     for i, (c, p) in enumerate(zip(copies, [*ours, ours_bias], strict=True)):
-        _check_equal(failures, f"seed {seed} resumed param {i}", c.detach(), p.detach())
+        mine, expected = local_piece(c).detach(), local_piece(p).detach()
+        _check_equal(failures, f"seed {seed} resumed param {i}", mine, expected)
 
 
 def _fp32_case(rank: int, world: int, group: Group, failures: list[str]) -> None:
@@ -129,7 +130,8 @@ def _fp32_case(rank: int, world: int, group: Group, failures: list[str]) -> None
     for step in range(2):
         step_twins(ours, single, layouts, rank, gen, opts)
         for i, (p, s, lay) in enumerate(zip(ours, single, layouts, strict=True)):
-            _check_equal(failures, f"fp32 step {step} param {i}", p.detach(), lay.to_local(s, rank))
+            mine = local_piece(p).detach()
+            _check_equal(failures, f"fp32 step {step} param {i}", mine, lay.to_local(s, rank))
 
 
 def _traffic_case(rank: int, world: int, group: Group) -> dict[str, int]:
@@ -149,7 +151,7 @@ def _traffic_case(rank: int, world: int, group: Group) -> dict[str, int]:
         params = [shard(torch.randn(shape), lay, rank, group) for lay in layouts]
         opt = Muon(params, lr=0.02)
         for p in params:
-            p.grad = torch.randn(p.shape)
+            give_grad(p, torch.randn(local_piece(p).shape))
         opt.step()
         out[name] = opt.comm_bytes_last_step
         out[f"{name}_received"] = opt.comm_stats["bytes_received"]
@@ -166,11 +168,12 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
     out: dict[str, object] = {}
     for skip in (True, False):
         param = shard(full, layout, rank, group)
-        before = param.detach().clone()
+        before = local_piece(param).detach().clone()
         opt = Muon([param], lr=0.1, skip_nonfinite=skip)
-        param.grad = torch.ones(param.shape)
+        grad = torch.ones(before.shape)
         if rank == world - 1:
-            param.grad[0] = float("nan")
+            grad[0] = float("nan")
+        give_grad(param, grad)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -180,7 +183,7 @@ def _nonfinite_case(rank: int, world: int, group: Group) -> dict[str, object]:
             continue
         out["warnings"] = [str(w.message) for w in caught]
         out["skipped"] = opt.skipped_steps
-        out["unchanged"] = torch.equal(param.detach(), before)
+        out["unchanged"] = torch.equal(local_piece(param), before)
         out["state_empty"] = len(opt.state) == 0
     return out
 
@@ -193,7 +196,8 @@ def _missing_grad_case(rank: int, world: int, group: Group) -> str:
         shape, 1, tuple((r * 48 // world, (r + 1) * 48 // world) for r in range(world))
     )
     param = shard(torch.zeros(shape), layout, rank, group)
-    param.grad = None if rank == 0 else torch.ones(param.shape)
+    if rank != 0:
+        give_grad(param, torch.ones(local_piece(param).shape))
     return error_message(Muon([param]).step)
 
 

@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 import raggedfsdp as rf
 from harness import error_message, run_distributed
 from parity_models import OddModel
-from raggedfsdp.runtime import RaggedTensor, local_flat
+from raggedfsdp.tensor import RaggedTensor, local_flat
 
 PACKAGE = Path(__file__).resolve().parents[2] / "src" / "raggedfsdp"
 WORLD = 3

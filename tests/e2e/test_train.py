@@ -36,9 +36,9 @@ from launches import (
     one_error_line,
     run_cli,
 )
-from raggedfsdp.layout import ShardLayout, row_numel, shard_info
+from raggedfsdp.layout import ShardLayout, row_numel
 from raggedfsdp.models import GPT, GPT_CONFIGS
-from raggedfsdp.runtime import to_ragged_tensor
+from raggedfsdp.tensor import shard_info, to_ragged_tensor
 from raggedfsdp.train import build_model, build_optimizer, health
 from raggedfsdp.train.checkpoints import (
     check_entries,

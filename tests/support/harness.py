@@ -13,8 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 
+from raggedfsdp.layout import ShardLayout
 from raggedfsdp.spawn import run_on_ranks
+from raggedfsdp.tensor import RaggedTensor
 
 # The process group a grid case runs on: None for the default group.
 Group = dist.ProcessGroup | None
@@ -112,6 +115,14 @@ def world_grid_fixture(
         return run_world_grid(cases, worlds, as_launches=as_launches, timeout=timeout)
 
     return grid
+
+
+def sharded_param(piece: torch.Tensor, layout: ShardLayout, group: Group) -> nn.Parameter:
+    """``piece``, this rank's piece of a tensor placed by ``layout`` over ``group``, as a sharded
+    parameter (a RaggedTensor). ``group`` None is the default group (for W = 1 inside a larger
+    launch too: a one-rank layout never communicates, so the other ranks are never asked)."""
+    mesh = DeviceMesh.from_group(dist.group.WORLD if group is None else group, "cpu")
+    return nn.Parameter(RaggedTensor.from_piece(piece, layout, mesh))
 
 
 def assert_no_failures(grid: Grid, world: int) -> None:

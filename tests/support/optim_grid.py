@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import Group
-from raggedfsdp.layout import ShardInfo, ShardLayout, local_piece, local_range, mark_sharded
+from harness import Group, sharded_param
+from raggedfsdp.layout import ShardLayout
+from raggedfsdp.tensor import local_piece, local_range, placed_like
 
 # One launch of max(WORLDS) ranks runs each optimizer's grid for all of them.
 WORLDS = (1, 2, 3, 4)
@@ -34,9 +35,12 @@ def random_layout(rng: random.Random, shape: tuple[int, ...], unit: int, world: 
 
 def shard(full: torch.Tensor, layout: ShardLayout, rank: int, group: Group) -> nn.Parameter:
     """Returns rank's piece of ``full`` under ``layout`` as a parameter sharded on ``group``."""
-    param = nn.Parameter(layout.to_local(full, rank).clone())
-    mark_sharded(param, ShardInfo(layout, rank, group))
-    return param
+    return sharded_param(layout.to_local(full, rank).clone(), layout, group)
+
+
+def give_grad(param: nn.Parameter, piece: torch.Tensor) -> None:
+    """Give the sharded ``param`` this rank's ``piece`` of its gradient."""
+    param.grad = placed_like(piece, param)
 
 
 def twin_params(
@@ -59,7 +63,8 @@ def step_twins(
     from ``gen`` in parameter order): the whole to each twin, rank's piece to its shard."""
     for p, s, lay in zip(ours, single, layouts, strict=True):
         g = torch.randn(s.shape, generator=gen)
-        p.grad, s.grad = lay.to_local(g, rank).clone(), g
+        give_grad(p, lay.to_local(g, rank).clone())
+        s.grad = g
     for o in opts:
         o.step()
 

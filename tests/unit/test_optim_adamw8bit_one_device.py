@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from fake_ranks import fake_world
+from harness import sharded_param
 from optim_grid import state_dict_round_trip
-from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
+from raggedfsdp.layout import ShardLayout
 from raggedfsdp.optim import AdamW8bit
 from raggedfsdp.optim.adamw8bit import dequantize_blocks, dynamic_map, quantize_blocks
 
@@ -102,10 +104,10 @@ def test_state_dict_round_trip_keeps_codes_and_scales() -> None:
 )
 def test_layout_cutting_a_block_is_named(ranges, options, message) -> None:
     layout = ShardLayout((64, 96), 1, ranges)
-    param = nn.Parameter(layout.to_local(torch.zeros(64, 96), 0).clone())
-    mark_sharded(param, ShardInfo(layout, 0, None))
-    with pytest.raises(ValueError, match=message):
-        AdamW8bit([("w", param)], **options)
+    with fake_world(0, 2):  # rank 0 of the layout's two
+        param = sharded_param(layout.to_local(torch.zeros(64, 96), 0).clone(), layout, None)
+        with pytest.raises(ValueError, match=message):
+            AdamW8bit([("w", param)], **options)
 
 
 def test_bad_hyper_parameters_are_named() -> None:

@@ -11,18 +11,20 @@ import pytest
 import torch
 from torch import nn
 
+from fake_ranks import fake_world
+from harness import sharded_param
 from optim_grid import state_dict_round_trip
-from raggedfsdp.layout import ShardInfo, ShardLayout, mark_sharded
+from raggedfsdp.layout import ShardLayout
 from raggedfsdp.optim import Shampoo
 
 
 def test_layout_cutting_a_block_is_named() -> None:
     # Blocks of 2 rows × 4 columns; rank 0 ends after 3 rows, inside block 1 (rows 2-3).
     layout = ShardLayout((8, 4), 4, ((0, 12), (12, 32)))
-    param = nn.Parameter(layout.to_local(torch.zeros(8, 4), 0).clone())
-    mark_sharded(param, ShardInfo(layout, 0, None))
-    with pytest.raises(ValueError, match=r"'w'.*block 1 \(elements \[8, 16\)\).*unit is 4"):
-        Shampoo([("w", param)], max_preconditioner_dim=2)
+    with fake_world(0, 2):  # rank 0 of the layout's two
+        param = sharded_param(layout.to_local(torch.zeros(8, 4), 0).clone(), layout, None)
+        with pytest.raises(ValueError, match=r"'w'.*block 1 \(elements \[8, 16\)\).*unit is 4"):
+            Shampoo([("w", param)], max_preconditioner_dim=2)
 
 
 def test_grafting_gives_each_block_adams_step_length() -> None:

@@ -4,9 +4,8 @@ Offers :func:`full_state_dict` (the unwrapped model's state, full, on every rank
 optimizer's state keyed by parameter FQN (:func:`optim_state_dict`,
 :func:`load_optim_state_dict`, :func:`init_optimizer_state`). A sharded model's own
 ``state_dict()`` is reshardable already (its hooks live in the runtime), and so is an
-optimizer's: the state of sharded parameters is DTensors. :func:`install_torch_dsd` makes
-torch's ``torch.distributed.checkpoint.state_dict`` right over ragged shards (``_torch_dsd``);
-:func:`raggedfsdp.integration.install` calls it.
+optimizer's: the state of sharded parameters is DTensors. (torch's own
+``torch.distributed.checkpoint.state_dict`` over ragged shards: ``tensor/_torch_dsd.py``.)
 """
 
 from ._model_state import full_state_dict
@@ -16,13 +15,11 @@ from ._optim_state import (
     load_optim_state_dict,
     optim_state_dict,
 )
-from ._torch_dsd import install as install_torch_dsd
 
 __all__ = [
     "expected_entries",
     "full_state_dict",
     "init_optimizer_state",
-    "install_torch_dsd",
     "load_optim_state_dict",
     "optim_state_dict",
 ]

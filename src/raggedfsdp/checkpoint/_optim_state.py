@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..layout import shard_info
+from ..tensor import shard_info
 
 __all__ = [
     "expected_entries",
@@ -69,7 +69,7 @@ def _check_placed(
                 f"{fqn!r}: it holds plain tensors of a parameter sharded over "
                 f"{info.layout.world_size} ranks, which DCP would take for the whole entry; "
                 f"keep such state as DTensors placed over the parameter's ranks (zeros_like of "
-                f"the parameter, or raggedfsdp.runtime.to_ragged_tensor for a layout of its own)"
+                f"the parameter, or raggedfsdp.tensor.to_ragged_tensor for a layout of its own)"
             )
 
 

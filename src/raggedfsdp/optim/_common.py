@@ -2,11 +2,11 @@
 its state, the global non-finite skip rule, the check that a layout keeps an optimizer's blocks
 whole, torch's AdamW update, and loading a state dict.
 
-Every optimizer here computes on *local pieces*: a sharded parameter (a RaggedTensor, or a plain
-piece marked by :func:`raggedfsdp.layout.mark_sharded`) holds this rank's contiguous range of
-the global tensor's row-major flattening, and its ``.grad`` the matching piece of the
-global-mean gradient; :meth:`ShardedOptimizer._pieces` hands a step the plain local tensors. A
-plain tensor is an ordinary parameter held whole by this process (single device, or replicated).
+Every optimizer here computes on *local pieces*: a sharded parameter (a RaggedTensor) holds this
+rank's contiguous range of the global tensor's row-major flattening, and its ``.grad`` the
+matching piece of the global-mean gradient; :meth:`ShardedOptimizer._pieces` hands a step the
+plain local tensors. A plain tensor is an ordinary parameter held whole by this process (single
+device, or replicated).
 The state of a RaggedTensor is kept as RaggedTensors ([Note: optimizer state across world sizes]
 in ``_state.py``).
 """
@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import Optimizer, _get_scalar_dtype
 
-from ..layout import ShardLayout, comm_group, full_shape, global_shape, local_range, shard_info
+from ..layout import ShardLayout
+from ..tensor import comm_group, shard_info
 from ._state import loaded_value, local, placed
 
 __all__ = [
@@ -32,11 +33,7 @@ __all__ = [
     "ShardedOptimizer",
     "advance_steps",
     "check_block_cuts",
-    "comm_group",
-    "full_shape",
-    "global_shape",
     "local",
-    "local_range",
 ]
 
 #: A parameter's new state: ``fn(param) -> {key: value}`` (values placed by ``placed``).
@@ -139,7 +136,7 @@ class ShardedOptimizer(Optimizer):
             if names
             else f"parameter {index} of param group {group_index}"
         )
-        return f"{where} (global shape {list(full_shape(param))})"
+        return f"{where} (global shape {list(param.shape)})"
 
     def _label_of(self, param: torch.Tensor) -> str:
         for group_index, group in enumerate(self.param_groups):

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ._common import check_betas, full_shape
+from ._common import check_betas
 
 __all__ = ["AdamWRule", "check_muon_args", "route"]
 
@@ -61,7 +61,7 @@ def route(params: Any, adamw_params: Iterable[Any] | AdamWRule | None) -> list[d
 
             def to_adamw(item: Any) -> bool:
                 p = item[1] if isinstance(item, tuple) else item
-                return bool(adamw_params(p, full_shape(p)))  # type: ignore[operator]
+                return bool(adamw_params(p, p.shape))  # type: ignore[operator]
 
             muon_items = [x for x in items if not to_adamw(x)]
             adamw_items = [x for x in items if to_adamw(x)]

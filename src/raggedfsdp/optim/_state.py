@@ -20,9 +20,8 @@ Where each entry lies is decided by its key (``ShardedOptimizer.sharded_state_la
    ``[tile_rows, tile_cols]``) and Shampoo's factors (globally the concatenation of every
    block's flattened factor in row-major block order).
 
-The step computes on the local pieces (``to_local()``). The state of plain parameters, and of
-plain pieces marked by :func:`~raggedfsdp.layout.mark_sharded`, is plain (whole, or this rank's
-pieces), as before.
+The step computes on the local pieces (``to_local()``). The state of plain parameters is plain
+(whole), as torch's.
 
 ``load_state_dict`` takes, per entry of a sharded parameter (:func:`loaded_value`):
 
@@ -48,8 +47,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..layout import RaggedShardPlacement, ShardLayout, ragged_dim, shard_info
-from ..runtime import to_ragged_tensor
+from ..layout import ShardLayout
+from ..tensor import RaggedShardPlacement, RaggedTensor, shard_info, to_ragged_tensor
 
 __all__ = ["LayoutOf", "loaded_value", "local", "placed"]
 
@@ -66,7 +65,7 @@ def local(value: Any) -> Any:
 def placed(param: torch.Tensor, layout: ShardLayout | None, piece: torch.Tensor) -> torch.Tensor:
     """A new state entry of ``param`` from this rank's ``piece``: a RaggedTensor placed by
     ``layout`` over the parameter's ranks when the parameter is one, else ``piece`` itself."""
-    if layout is None or not isinstance(param, DTensor):
+    if layout is None or not isinstance(param, RaggedTensor):
         return piece
     return to_ragged_tensor(piece, layout, param)
 
@@ -74,7 +73,7 @@ def placed(param: torch.Tensor, layout: ShardLayout | None, piece: torch.Tensor)
 def loaded_value(param: torch.Tensor, key: str, value: Any, layout_of: LayoutOf, label: str) -> Any:
     """What the state entry ``key`` of ``param`` becomes when ``value`` is loaded into it (the
     Note's list); ``label`` names the parameter in errors."""
-    layout = layout_of(param, key) if isinstance(param, DTensor) else None
+    layout = layout_of(param, key) if isinstance(param, RaggedTensor) else None
     if layout is None or not isinstance(value, torch.Tensor):
         return value  # not sharded: torch's rules apply
     info = shard_info(param)
@@ -85,7 +84,7 @@ def loaded_value(param: torch.Tensor, key: str, value: Any, layout_of: LayoutOf,
     if not isinstance(value, DTensor):
         piece = _piece(value.to(device), layout, info.rank, key, label)
         return to_ragged_tensor(piece, layout, param)
-    if ragged_dim(value) is None or shard_info(value).layout != layout:  # type: ignore[union-attr]
+    if not isinstance(value, RaggedTensor) or value.shard_layout != layout:
         raise ValueError(
             f"optimizer state {key!r} of {label} is placed {value.placements}, not as this "
             f"optimizer's ({RaggedShardPlacement(layout)!r}): its rectangles do not match this "

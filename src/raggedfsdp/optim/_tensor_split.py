@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..layout import RaggedShardPlacement
+from ..tensor import RaggedShardPlacement
 
 __all__ = ["TensorSplit", "check_peers_agree", "tensor_split"]
 

@@ -28,16 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..layout import ShardLayout, row_numel, shard_info
-from ._common import (
-    Pieces,
-    ShardedOptimizer,
-    advance_steps,
-    check_betas,
-    check_block_cuts,
-    global_shape,
-    local,
-)
+from ..layout import ShardLayout, row_numel
+from ..tensor import global_shape, shard_info
+from ._common import Pieces, ShardedOptimizer, advance_steps, check_betas, check_block_cuts, local
 
 __all__ = ["AdamW8bit", "dequantize_blocks", "dynamic_map", "quantize_blocks"]
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
-from ..layout import shard_info
-from ._common import ShardedOptimizer, comm_group, full_shape, global_shape, local, local_range
+from ..tensor import comm_group, global_shape, local_range, shard_info
+from ._common import ShardedOptimizer, local
 from ._muon_args import AdamWRule, check_muon_args, route
 from ._tensor_split import TensorSplit, check_peers_agree, tensor_split
 
@@ -550,7 +550,7 @@ def _slice_shape(param: torch.Tensor) -> torch.Size:
 def _apply(item: _Pending, update: torch.Tensor) -> None:
     """torch.optim.Muon's last two lines on the local piece (shape scale from the global shape)."""
     group, piece = item.group, item.piece
-    shape = full_shape(item.param)
+    shape = item.param.shape
     adjusted_lr = _adjust_lr(group["lr"], group["adjust_lr_fn"], torch.Size(shape[-2:]))
     piece.mul_(1 - group["lr"] * group["weight_decay"])
     piece.add_(update.view(piece.shape), alpha=-adjusted_lr)

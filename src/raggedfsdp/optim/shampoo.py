@@ -35,17 +35,9 @@ from typing import Any
 
 import torch
 
-from ..layout import ShardLayout, row_numel, shard_info
-from ._common import (
-    Pieces,
-    ShardedOptimizer,
-    advance_steps,
-    check_betas,
-    check_block_cuts,
-    global_shape,
-    local,
-    local_range,
-)
+from ..layout import ShardLayout, row_numel
+from ..tensor import global_shape, local_range, shard_info
+from ._common import Pieces, ShardedOptimizer, advance_steps, check_betas, check_block_cuts, local
 
 __all__ = ["Shampoo"]
 

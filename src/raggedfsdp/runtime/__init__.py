@@ -5,8 +5,8 @@ Offers ``fully_shard`` / ``FSDPBackend`` and the :class:`FSDPModule` methods sha
 get; their configuration (:class:`DBufferConfig`, :class:`MixedPrecisionPolicy`,
 :class:`CommCompression`, :class:`DataParallelMeshDims` for the full-SPMD-mesh form); the
 counters (:class:`RuntimeStats`) and the host synchronisations (:class:`HostSyncCounter`);
-:class:`RaggedTensor`, the DTensor class of sharded parameters, their gradients and optimizer
-state (with :func:`to_ragged_tensor`, :func:`local_flat` and :func:`gather_full`); for the
+:func:`adapt_torch`, torch's ``register_fsdp_forward_method`` routed to raggedfsdp's (run by the
+first ``fully_shard``, with the sharded tensor's adaptations, ``_torch_fsdp``); for the
 checkpoint layer, :func:`full_parameters` and :func:`error_feedback_state` /
 :func:`load_error_feedback_state` (the residuals of compressed reduce-scatters, per rank).
 Everything else is private: buffers (``_dbuffer``), scratch pool (``_pool``), each bucket's
@@ -18,8 +18,8 @@ state dicts (``_state_dict``).
 """
 
 from ._metrics import HostSyncCounter, RuntimeStats
-from ._ragged_tensor import RaggedTensor, distribute, gather_full, local_flat, to_ragged_tensor
 from ._spmd import DataParallelMeshDims
+from ._torch_fsdp import adapt_torch, register_fsdp_forward_method
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .fully_shard import (
     FSDPBackend,
@@ -28,7 +28,6 @@ from .fully_shard import (
     full_parameters,
     fully_shard,
     materialize_shards_,
-    register_fsdp_forward_method,
 )
 from .residuals import error_feedback_state, load_error_feedback_state
 
@@ -40,17 +39,13 @@ __all__ = [
     "FSDPModule",
     "HostSyncCounter",
     "MixedPrecisionPolicy",
-    "RaggedTensor",
     "RuntimeStats",
     "UnshardHandle",
-    "distribute",
+    "adapt_torch",
     "error_feedback_state",
     "full_parameters",
     "fully_shard",
-    "gather_full",
     "load_error_feedback_state",
-    "local_flat",
     "materialize_shards_",
     "register_fsdp_forward_method",
-    "to_ragged_tensor",
 ]

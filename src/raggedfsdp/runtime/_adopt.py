@@ -30,11 +30,11 @@ import torch
 from torch import nn
 
 from ..planner import ShardPlan
+from ..tensor import RaggedTensor
 from ._dbuffer import DBuffer
 from ._mesh import MeshInfo
 from ._offload import HostOffload
 from ._param import FSDPParam
-from ._ragged_tensor import RaggedTensor
 from .api import MixedPrecisionPolicy
 
 

@@ -15,7 +15,7 @@ A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a gl
 - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
   it; the sharded gradients are views of it, so it lives as long as they do.
 
-Sharded parameters and their gradients are :class:`~._ragged_tensor.RaggedTensor` DTensors
+Sharded parameters and their gradients are :class:`~raggedfsdp.tensor.RaggedTensor` DTensors
 whose local tensors are these views ([Note: ragged shards as DTensors]). A bucket of parameters
 on the meta device keeps ``local`` on meta too, until ``to_empty`` gives it memory
 (``FSDPParamGroup.adopt``); nothing runs on it before then.
@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from ..planner import ShardPlan
+from ..tensor import placed_like
 from ._comm import AllGather, ReduceScatter
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
-from ._ragged_tensor import placed_like
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
 

@@ -2,7 +2,7 @@
 
 An :class:`FSDPParam` knows every place the parameter is registered (tied parameters have
 several), where it lies in its bucket's buffers, and its two forms: the sharded parameter (a view
-of the bucket's local shard, carrying its :class:`~raggedfsdp.layout.ShardInfo` for optimizers
+of the bucket's local shard, carrying its :class:`~raggedfsdp.tensor.ShardInfo` for optimizers
 and tools) and the unsharded one (a view of the gathered buffer, bound by the DBuffer). Swapping
 what the modules hold is its job too.
 """

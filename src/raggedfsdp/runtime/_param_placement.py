@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..layout import ShardLayout
+from ..tensor import RaggedTensor
 from ._mesh import MeshInfo, combined_mesh
-from ._ragged_tensor import RaggedTensor
 from ._spmd import SpmdParam
 
 __all__ = ["FullMesh", "ParamPlacement", "Plain", "SubMesh", "split_placement"]

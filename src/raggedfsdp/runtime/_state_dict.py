@@ -1,6 +1,6 @@
 """The state dict of a sharded module.
 
-[Note: ragged shards in DCP] A sharded parameter is a :class:`~._ragged_tensor.RaggedTensor`, a
+[Note: ragged shards in DCP] A sharded parameter is a :class:`~raggedfsdp.tensor.RaggedTensor`, a
 DTensor that DCP reads as its own ``_Checkpointable`` (rectangles of this rank's piece, views of
 the parameter), so ``model.state_dict()`` holds the parameters themselves, as with FSDP2: saving
 copies nothing and ``torch.distributed.checkpoint.load`` writes straight into the parameters.
@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from ._ragged_tensor import RaggedTensor
+from ..tensor import RaggedTensor
 
 __all__ = ["state_dict_post_hook"]
 

@@ -8,7 +8,6 @@ class with :class:`FSDPModule`, as FSDP2 does, so ``state_dict()`` keys are unch
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._param_placement import FullMesh, ParamPlacement, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
+from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -47,32 +47,7 @@ __all__ = [
     "full_parameters",
     "fully_shard",
     "materialize_shards_",
-    "register_fsdp_forward_method",
 ]
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` unshard the module's parameters before it runs and reshard
-    them after, as forward does (FSDP2's function; a no-op on a module not sharded by
-    ``rf.fully_shard``, as FSDP2's is). torch's own ``register_fsdp_forward_method`` routes
-    raggedfsdp modules here when it is looked up after ``import raggedfsdp``
-    (:func:`raggedfsdp.integration.install`); a reference bound before that does nothing to
-    them."""
-    state = state_of(module)
-    if state is None:
-        return
-    if not callable(getattr(module, method_name, None)):
-        raise ValueError(f"{type(module).__name__} has no method {method_name!r}")
-    method = getattr(module, method_name)
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        hooked = state._pre_forward(module, args, kwargs)
-        if hooked is not None:
-            args, kwargs = hooked
-        return state._post_forward(module, args, method(*args, **kwargs))
-
-    setattr(module, method_name, wrapped)
 
 
 def materialize_shards_(model: nn.Module) -> None:
@@ -237,7 +212,8 @@ _SHARDED_BY = "_raggedfsdp_sharded_by"
 
 def _become_unit(registrations: list[Registration], modules: list[nn.Module]) -> None:
     """Mark the unit's original parameters sharded and extend its modules' classes with
-    :class:`FSDPModule`."""
+    :class:`FSDPModule`, which torch's utilities then take (adapted once, :func:`adapt_torch`)."""
+    adapt_torch()
     unit = " + ".join(type(m).__name__ for m in modules)
     for registration in registrations:
         setattr(registration.param, _SHARDED_BY, f"{unit} (as {registration.fqn!r})")

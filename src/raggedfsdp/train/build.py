@@ -13,10 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import optim
-from ..layout import RaggedShard, full_shape, local_piece
+from ..layout import RaggedShard
 from ..models import GPT, GPT_CONFIGS, hf
 from ..planner import StructAwarePlanner, WrapPolicy
 from ..runtime import MixedPrecisionPolicy
+from ..tensor import local_piece
 from .config import TrainConfig
 from .mesh import JobMesh, check_model, shard_model
 
@@ -159,8 +160,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     blocks' matrices; embeddings and vectors go to its auxiliary AdamW. Every group records its
     peak learning rate as ``initial_lr`` (the schedule scales it)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    matrices = [p for n, p in named if len(full_shape(p)) >= 2]
-    vectors = [p for n, p in named if len(full_shape(p)) < 2]
+    matrices = [p for n, p in named if p.dim() >= 2]
+    vectors = [p for n, p in named if p.dim() < 2]
     decay = {"params": matrices, "weight_decay": cfg.weight_decay}
     no_decay = {"params": vectors, "weight_decay": 0.0}
     optimizer: torch.optim.Optimizer

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _lifeline
-from ..layout import local_piece
+from ..tensor import local_piece
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",

@@ -47,7 +47,6 @@ from torch import nn
 
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
-from ..layout import full_shape
 from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
@@ -365,7 +364,7 @@ def _banner(
     """The run's first console line: what is trained, where, on what."""
     where = backend if not mesh.parallel else f"{backend}, {mesh}"
     return (
-        f"{cfg.model_name}: {sum(full_shape(p).numel() for p in params):,} parameters, "
+        f"{cfg.model_name}: {sum(p.numel() for p in params):,} parameters, "
         f"{mesh.world} rank(s) ({where}), optimizer {cfg.optimizer}, block {cfg.block_size}, "
         f"padding {100 * padding_ratio:.3f}%, corpus {corpus.source} "
         f"({corpus.train.numel():,} train tokens)"

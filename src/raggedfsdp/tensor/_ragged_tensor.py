@@ -6,7 +6,7 @@ accelerate, DCP and DSD ask ``isinstance(p, DTensor)`` and then read ``p.placeme
 ``p.device_mesh``, ``p.to_local()`` or ``p.full_tensor()``. A rank's piece of a ragged shard is a
 contiguous run of whole units of the row-major flattening, which no torch placement describes, so
 a sharded tensor here is a DTensor of its own class, :class:`RaggedTensor`, whose placement on
-the data-parallel mesh dimension is a :class:`~raggedfsdp.layout.RaggedShardPlacement` (the
+the data-parallel mesh dimension is a :class:`~raggedfsdp.tensor.RaggedShardPlacement` (the
 tensor's :class:`~raggedfsdp.layout.ShardLayout`; ``Replicate()`` on HSDP's replica dimension).
 Its local tensor is this rank's piece (N-D when it is whole rows, else 1-D); a sharded
 parameter's is a view of its bucket's shard buffer, so what the optimizer updates in place is
@@ -37,6 +37,9 @@ into at most ``2*ndim-1`` rectangles, one write item each, views of the piece, s
 nothing and ``dcp.load`` writes straight into the parameter. DCP's metadata holds the global
 shape and these chunks, so a checkpoint reshards across world sizes and plans and loads into
 FSDP2 or one process.
+
+``full_tensor`` is one list-form ``all_gather`` of the pieces padded to the largest: every backend
+has it, and a whole tensor is no hot path, so no runtime collective is needed (nor imported).
 """
 
 from __future__ import annotations
@@ -58,10 +61,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
-from ..layout import RaggedShardPlacement, ShardLayout, ragged_dim, shard_info
-from ._collectives import all_gather
-from ._metrics import RuntimeStats
-from ._ragged_ops import (
+from ..layout import ShardLayout
+from ._ops import (
     handler,
     mesh_device,
     outer_box,
@@ -71,6 +72,7 @@ from ._ragged_ops import (
     strides,
     wrap,
 )
+from ._placement import RaggedShardPlacement
 
 __all__ = [
     "RaggedTensor",
@@ -86,7 +88,7 @@ _aten = torch.ops.aten
 
 class RaggedTensor(DTensor):
     """A DTensor whose placement on one mesh dimension is a
-    :class:`~raggedfsdp.layout.RaggedShardPlacement` (and ``Replicate()`` on the others).
+    :class:`~raggedfsdp.tensor.RaggedShardPlacement` (and ``Replicate()`` on the others).
 
     Its shape, dtype and ``placements`` are the whole tensor's; ``to_local()`` is this rank's
     piece. See [Note: ragged shards as DTensors] for the operations it takes."""
@@ -303,58 +305,35 @@ def _gather(piece: torch.Tensor, layout: ShardLayout, group: dist.ProcessGroup) 
     width = max(layout.local_numel(r) for r in range(world))
     padded = flat.new_zeros(width)
     padded[: flat.numel()] = flat
-    gathered = flat.new_empty(width * world)
-    all_gather(gathered, padded, group, RuntimeStats(), async_op=False)
-    pieces = [gathered[r * width : r * width + layout.local_numel(r)] for r in range(world)]
-    return layout.from_locals(pieces)
+    slots = [flat.new_empty(width) for _ in range(world)]
+    dist.all_gather(slots, padded, group=group)
+    return layout.from_locals([slots[r][: layout.local_numel(r)] for r in range(world)])
 
 
-def to_ragged_tensor(piece: torch.Tensor, layout: ShardLayout, like: torch.Tensor) -> RaggedTensor:
+def to_ragged_tensor(piece: torch.Tensor, layout: ShardLayout, like: RaggedTensor) -> RaggedTensor:
     """``piece`` (this rank's piece of a ``layout``-placed tensor, any shape with its number of
     elements) as a RaggedTensor placed over the ranks ``like`` is sharded over: optimizer state
-    of a sharded parameter ``like`` (a RaggedTensor, or a plain piece marked by
-    :func:`~raggedfsdp.layout.mark_sharded`), whose layout may differ from the parameter's. No
-    copy."""
-    if isinstance(like, DTensor):
-        dim = ragged_dim(like)
-        assert dim is not None
-        others = [p for d, p in enumerate(like.placements) if d != dim and not p.is_replicate()]
-        if not others:
-            return RaggedTensor.from_piece(piece, layout, like.device_mesh, mesh_dim=dim)
-        # Split by tensor or expert parallelism as well: an entry of the parameter's shape is
-        # placed as the parameter is, so that DCP writes each tp rank's slice at its offsets.
-        if layout.global_shape != like.placements[dim].layout.global_shape:  # type: ignore[attr-defined]
-            raise ValueError(
-                f"optimizer state of shape {list(layout.global_shape)} for a parameter of shape "
-                f"{list(like.shape)} split by {tuple(like.placements)}: state shaped unlike "
-                f"the parameter cannot be placed beside tensor or expert parallelism"
-            )
-        return RaggedTensor.from_piece(
-            piece,
-            layout,
-            like.device_mesh,
-            mesh_dim=dim,
-            placements=like.placements,
-            shape=like.shape,
+    of a sharded parameter ``like``, whose layout may differ from the parameter's. No copy."""
+    dim = like.shard_mesh_dim
+    others = [p for d, p in enumerate(like.placements) if d != dim and not p.is_replicate()]
+    if not others:
+        return RaggedTensor.from_piece(piece, layout, like.device_mesh, mesh_dim=dim)
+    # Split by tensor or expert parallelism as well: an entry of the parameter's shape is
+    # placed as the parameter is, so that DCP writes each tp rank's slice at its offsets.
+    if layout.global_shape != like.shard_layout.global_shape:
+        raise ValueError(
+            f"optimizer state of shape {list(layout.global_shape)} for a parameter of shape "
+            f"{list(like.shape)} split by {tuple(like.placements)}: state shaped unlike "
+            f"the parameter cannot be placed beside tensor or expert parallelism"
         )
-    info = shard_info(like)
-    assert info is not None
-    mesh = _group_mesh(info.group or dist.group.WORLD, piece.device.type)
-    return RaggedTensor.from_piece(piece.reshape(-1), layout, mesh)
-
-
-#: 1-D meshes of process groups that came without one (plain pieces marked by mark_sharded),
-#: by the group's identity, with the group (a mesh is made once per group and device type).
-_GROUP_MESHES: dict[tuple[int, str], tuple[dist.ProcessGroup, DeviceMesh]] = {}
-
-
-def _group_mesh(group: dist.ProcessGroup, device_type: str) -> DeviceMesh:
-    key = (id(group), device_type)
-    cached = _GROUP_MESHES.get(key)
-    if cached is None or cached[0] is not group:
-        cached = (group, DeviceMesh.from_group(group, device_type))
-        _GROUP_MESHES[key] = cached
-    return cached[1]
+    return RaggedTensor.from_piece(
+        piece,
+        layout,
+        like.device_mesh,
+        mesh_dim=dim,
+        placements=like.placements,
+        shape=like.shape,
+    )
 
 
 def distribute(
@@ -367,8 +346,7 @@ def distribute(
     """``torch.distributed.tensor.distribute_tensor`` for a ragged placement: the whole
     ``tensor`` of the rank ``src_data_rank`` of each mesh dimension (``None``: each rank's own,
     no communication), and this rank's piece of it kept. What DSD's full-state loads and
-    accelerate's ``cpu_ram_efficient_loading`` call (:func:`raggedfsdp.integration.install`
-    routes them here)."""
+    accelerate's ``cpu_ram_efficient_loading`` call (torch's is routed here, ``_adapt.py``)."""
     dims = [d for d, p in enumerate(placements) if isinstance(p, RaggedShardPlacement)]
     if len(dims) != 1:
         raise NotImplementedError(

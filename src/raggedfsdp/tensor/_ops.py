@@ -17,7 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
-from ..layout import RaggedShardPlacement, ragged_dim
+from ._placement import RaggedShardPlacement, ragged_dim
 
 __all__ = [
     "Handler",

@@ -7,15 +7,15 @@ as RaggedTensors ([Note: optimizer state across world sizes]). So DSD's
 ``get_model_state_dict`` / ``get_optimizer_state_dict`` take them as FSDP2's: for
 ``full_state_dict=True`` they gather through ``redistribute(Replicate())``, DCP reshards them,
 and ``set_optimizer_state_dict`` places whole tensors through ``distribute_tensor`` (routed to
-:func:`raggedfsdp.runtime.distribute` by :func:`raggedfsdp.integration.install`) and hands
+:func:`raggedfsdp.tensor.distribute`, ``_adapt.py``) and hands
 ``optimizer.load_state_dict`` the rest, which raggedfsdp's optimizers take as they are.
 
 One step of DSD needs help: with ``broadcast_from_rank0=True``, ``_distribute_tensors`` cuts
 each rank's chunk out of the broadcast whole tensor by torch's placements, which a ragged piece
-is not; :func:`install` wraps it so that RaggedTensors take their piece through ``copy_``. It is
-contained: other tensors go to torch's function unchanged. If a torch release moves the wrapped
-function, the check in :func:`install` (at ``import raggedfsdp``) raises rather than letting a
-state dict be wrong.
+is not; :func:`route_distribute_tensors` wraps it so that RaggedTensors take their piece through
+``copy_``. It is contained: other tensors go to torch's function unchanged. If a torch release
+moves the wrapped function, the check there (at the first ragged placement or tensor, [Note:
+torch adapted on first use]) raises rather than letting a state dict be wrong.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Any
 import torch
 import torch.distributed._state_dict_utils as state_dict_utils
 
-from ..runtime import RaggedTensor
-from ..runtime import distribute as distribute_ragged
+from ._ragged_tensor import RaggedTensor
+from ._ragged_tensor import distribute as distribute_ragged
 
-__all__ = ["install"]
+__all__ = ["route_distribute_tensors"]
 
 
-def install() -> None:
+def route_distribute_tensors() -> None:
     """Make DSD's ``broadcast_from_rank0`` loads place RaggedTensors. Idempotent."""
     torch_tensors = _torch_function(state_dict_utils, "_distribute_tensors")
     if getattr(torch_tensors, "_raggedfsdp", False):
