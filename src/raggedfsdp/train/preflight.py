@@ -25,7 +25,7 @@ from ..data import load_corpus
 from ..models import hf
 from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
-from .checkpoints import check_entries, read_meta
+from .checkpoints import check_entries, check_rank_files, read_meta
 from .config import TrainConfig
 from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
@@ -205,6 +205,7 @@ def preflight(
                 f"{cfg.optimizer}, whose state it does not have"
             )
         check_entries(ckpt, _model_entries(cfg), meta)
+        check_rank_files(ckpt)
         if meta["step"] >= cfg.steps:
             raise ValueError(
                 f"checkpoint {str(ckpt)!r} is at step {meta['step']}, not before --steps "

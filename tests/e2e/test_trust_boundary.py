@@ -1,0 +1,154 @@
+"""The trust boundary (SECURITY.md): what a run folder, a model config, a data folder and the
+rendezvous network can do to a job. Each case plants a payload that would only write a marker
+file, and asserts the marker never appears and the command says one line naming the file at fault.
+Negative controls: genuine checkpoints (raggedfsdp's, torch's DCP, FSDP2's) still load.
+
+The launches are real ``raggedfsdp train`` runs (2 CPU workers) of gpt-tiny: one of 2 steps
+that saves a checkpoint, whose copies the cases alter.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from launches import ok, run_cli
+from raggedfsdp.train.checkpoints import load_full
+from raggedfsdp.train.run_dir import COMPLETE, checkpoint_files, verify_checkpoint
+
+COMMON = [
+    "--model=gpt-tiny",
+    "--batch-size=4",
+    "--warmup-steps=1",
+    "--log-every=1",
+    "--eval-every=0",
+    "--eval-batches=1",
+    "--checkpoint-every=2",
+]
+STEP2 = "checkpoints/step_000002"
+_run = functools.partial(run_cli, timeout=120)
+
+
+class _Payload:
+    """Unpickled, it runs ``touch MARKER``: what a crafted checkpoint file would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _reseal(checkpoint: Path) -> None:
+    """Record the checkpoint's files as they are now in its ``COMPLETE.json``: what anyone who
+    can write the folder can do, so the checksums alone prove nothing about who wrote it."""
+    record = json.loads((checkpoint / COMPLETE).read_text())
+    record["files"] = checkpoint_files(checkpoint)
+    (checkpoint / COMPLETE).write_text(json.dumps(record))
+    assert verify_checkpoint(checkpoint) is None
+
+
+def _refused(proc, *fragments: str) -> str:
+    """The one error line of a command refused before anything ran; it names ``fragments``."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("raggedfsdp: error:")]
+    assert len(lines) == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, corpus) -> Path:
+    """A run folder of 2 steps with its checkpoint of step 2."""
+    out = tmp_path_factory.mktemp("source") / "run"
+    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}"))
+    return out
+
+
+@pytest.fixture
+def run(source, tmp_path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(source, out)
+    return out
+
+
+@pytest.mark.parametrize("file", [".metadata", "rng/rank_00000.pt"])
+def test_a_crafted_checkpoint_file_runs_nothing(run, tmp_path, corpus, file):
+    marker = tmp_path / "MARKER"
+    ckpt = run / STEP2
+    if file == ".metadata":
+        (ckpt / file).write_bytes(pickle.dumps(_Payload(marker)))
+    else:
+        torch.save({"torch": _Payload(marker)}, ckpt / file)
+    _reseal(ckpt)
+    trained = (run / "metrics.jsonl").read_bytes()
+    resume = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+    line = _refused(resume, f"{ckpt / file}'", "posix.system")
+    assert (run / "metrics.jsonl").read_bytes() == trained  # refused before any worker
+    if file == ".metadata":  # export reads only the model: DCP's metadata and files
+        export = _run("export", f"--checkpoint={run}", f"--out={tmp_path / 'model.pt'}")
+        _refused(export, f"{ckpt / file}'", "posix.system")
+        assert not (tmp_path / "model.pt").exists()
+    assert not marker.exists(), line
+    # the negative control: the same payload through plain pickle does write the marker
+    pickle.loads(pickle.dumps(_Payload(marker)))
+    assert marker.exists()
+
+
+def test_genuine_checkpoints_of_torch_dcp_load(tmp_path):
+    """A checkpoint written by torch's own ``dcp.save`` (no raggedfsdp) loads through the
+    allow-list reader, every dtype and a non-tensor entry alike."""
+    state = {
+        "model.w": torch.randn(3, 5),
+        "model.h": torch.randn(4).to(torch.bfloat16),
+        "model.i": torch.arange(6),
+        "model.step": 7,
+    }
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+    loaded = load_full(tmp_path, "model.")
+    assert loaded.keys() == {"w", "h", "i"}
+    for key in loaded:
+        assert torch.equal(loaded[key], state[f"model.{key}"])
+
+
+def _fsdp2_save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    state = {f"model.{key}": value for key, value in model.state_dict().items()}
+    dcp.save(state, checkpoint_id=path)
+    return {key: value.full_tensor() for key, value in model.state_dict().items()}
+
+
+def test_genuine_checkpoints_of_fsdp2_load(tmp_path):
+    """A checkpoint of FSDP2's sharded DTensors on 2 ranks loads whole through the reader."""
+    from raggedfsdp.spawn import run_on_ranks
+
+    full, _ = run_on_ranks(_fsdp2_save, 2, str(tmp_path), timeout=120)
+    loaded = load_full(tmp_path, "model.")
+    assert loaded.keys() == full.keys()
+    for key, value in full.items():
+        assert torch.equal(loaded[key], value), key
+
+
+def test_genuine_raggedfsdp_checkpoint_resumes(run, corpus):
+    """The negative control of the crafted files: the same folder, untouched, resumes (DCP's
+    metadata, the files and the RNG states all read through the checks above)."""
+    proc = ok(_run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume"))
+    assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
+    assert verify_checkpoint(run / "checkpoints/step_000004") is None
