@@ -152,3 +152,44 @@ def test_genuine_raggedfsdp_checkpoint_resumes(run, corpus):
     proc = ok(_run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume"))
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
     assert verify_checkpoint(run / "checkpoints/step_000004") is None
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json", f"{STEP2[:-1]}4.tmp"])
+def test_outputs_are_never_written_through_a_planted_link(run, tmp_path, corpus, name):
+    """A link planted among a run's outputs (pointing at a file of the victim's) refuses the
+    resume in one line naming it; the file it points at is untouched."""
+    victim = tmp_path / "victim"
+    victim.mkdir() if name.endswith(".tmp") else victim.write_text("precious\n")
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(victim)
+    proc = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+    _refused(proc, f"{run / name}'", "symbolic link")
+    if name.endswith(".tmp"):
+        assert not any(victim.iterdir())
+    else:
+        assert victim.read_text() == "precious\n"
+
+
+def test_early_tracebacks_go_to_a_private_new_folder(tmp_path, monkeypatch, capsys):
+    """Before the run folder holds outputs, a worker's traceback goes to a folder tempfile
+    makes (mode 0700, a name nobody could plant), never to ``TMP/raggedfsdp-PID``, where a
+    link may wait."""
+    import tempfile
+
+    from raggedfsdp.train.failures import report_failure
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    planted = tmp_path / f"raggedfsdp-{os.getpid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted.symlink_to(elsewhere)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as err:
+        assert report_failure(err, None) == 1
+    line = capsys.readouterr().err
+    log = Path(line.split("(traceback in ")[1].split(")")[0])
+    assert "boom" in log.read_text()
+    assert log.parent.parent == tmp_path and log.parent != planted
+    assert log.parent.stat().st_mode & 0o777 == 0o700
+    assert not any(elsewhere.iterdir())

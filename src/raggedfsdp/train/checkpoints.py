@@ -55,6 +55,7 @@ from .run_dir import (
     COMPLETE_KEYS,
     checkpoint_files,
     checkpoint_path,
+    remove_entry,
     resolve_checkpoint,
     verify_checkpoint,
 )
@@ -235,8 +236,10 @@ def save_checkpoint(
     final = checkpoint_path(out, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        remove_entry(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # fails on anything planted since (a link): never written through
+        (tmp / "rng").mkdir()
     _barrier()
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))

@@ -50,6 +50,8 @@ def check_data_path(path: str | None) -> None:
     data = Path(path)
     if not data.exists():
         raise ValueError(f"data: corpus path {str(data)!r} does not exist")
+    if not data.is_dir() and not data.is_file():
+        raise ValueError(f"data: corpus path {str(data)!r} is neither a regular file nor a folder")
     if data.is_file() and data.stat().st_size == 0:
         raise ValueError(f"data: corpus file {str(data)!r} is empty")
     if data.is_dir() and not any(p.is_file() for p in data.rglob("*")):

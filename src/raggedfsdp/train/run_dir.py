@@ -36,6 +36,7 @@ __all__ = [
     "JOB_ENV",
     "LOCK",
     "OUTPUTS",
+    "check_no_links",
     "check_out_dir",
     "checkpoint_files",
     "checkpoint_path",
@@ -45,6 +46,7 @@ __all__ = [
     "has_outputs",
     "latest_checkpoint",
     "prepare_out_dir",
+    "remove_entry",
     "remove_partial",
     "resolve_checkpoint",
     "resume_checkpoint",
@@ -133,8 +135,33 @@ def remove_partial(out: str | Path) -> list[Path]:
     root = Path(out) / CHECKPOINTS
     removed = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_entry(path)
     return removed
+
+
+def remove_entry(path: Path) -> None:
+    """Delete ``path`` (a file, a folder and what it holds, or a symbolic link) without ever
+    following a link: what a run deletes in its folder is the folder's own."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def check_no_links(out: str | Path) -> None:
+    """``ValueError`` naming the first symbolic link among the outputs of the run folder
+    ``out`` (:data:`OUTPUTS` and all they hold): a run resumed there would write through it,
+    wherever it points (SECURITY.md). ``out`` itself may be a link: the user chose it."""
+    out = Path(out)
+    for name in OUTPUTS:
+        top = out / name
+        tree = os.walk(top) if top.is_dir() and not top.is_symlink() else ()
+        for entry in (top, *(Path(d) / n for d, dirs, files in tree for n in dirs + files)):
+            if entry.is_symlink():
+                raise ValueError(
+                    f"out: {str(entry)!r} is a symbolic link (to {os.readlink(entry)!r}); a run "
+                    f"writes its outputs only into its own folder: remove the link to resume"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,7 +379,10 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Pat
         raise ValueError(f"out: {str(out)!r} exists and is not a folder")
     # The lock is this job's (the launcher took it before this check), never a run's output.
     entries = sorted(p for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
-    if not entries or resume:
+    if not entries:
+        return []
+    if resume:
+        check_no_links(out)
         return []
     if not overwrite:
         raise ValueError(
@@ -371,8 +401,5 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Pat
 def prepare_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     """:func:`check_out_dir`, then delete what it allows and create the folder."""
     for target in check_out_dir(out, resume=resume, overwrite=overwrite):
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
+        remove_entry(target)
     Path(out).mkdir(parents=True, exist_ok=True)
