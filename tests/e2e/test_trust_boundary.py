@@ -9,11 +9,15 @@ that saves a checkpoint, whose copies the cases alter.
 
 from __future__ import annotations
 
+import base64
 import functools
 import json
 import os
 import pickle
 import shutil
+import signal
+import socket
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launches import ok, run_cli
+from launches import ENV, cli_command, free_port, ok, run_cli
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import COMPLETE, checkpoint_files, verify_checkpoint
 
@@ -193,3 +197,52 @@ def test_early_tracebacks_go_to_a_private_new_folder(tmp_path, monkeypatch, caps
     assert log.parent.parent == tmp_path and log.parent != planted
     assert log.parent.stat().st_mode & 0o777 == 0o700
     assert not any(elsewhere.iterdir())
+
+
+def _connects(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(5)
+        return s.connect_ex((host, port)) == 0
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", None])
+def test_the_rendezvous_store_listens_where_it_is_told(host):
+    """``raggedfsdp rendezvous --host 127.0.0.1`` takes no connection at 127.0.0.2 (another
+    loopback address of this machine); without ``--host``, the negative control, it does."""
+    port = free_port()
+    args = [f"--port={port}"] + ([f"--host={host}"] if host else [])
+    proc = subprocess.Popen(
+        cli_command("rendezvous", *args), stdout=subprocess.PIPE, text=True, env=ENV
+    )
+    try:
+        said = proc.stdout.readline()
+        assert "rendezvous store listening" in said, said
+        assert ("no authentication" in said) == (host is None), said
+        assert _connects("127.0.0.1", port)
+        assert _connects("127.0.0.2", port) == (host is None)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_crafted_rendezvous_state_runs_nothing(tmp_path, corpus):
+    """A process that reaches the store writes a pickle under a job's key (base64, as torch's
+    c10d backend stores its state): the launcher refuses it in one line and runs nothing. The
+    valid states of a real rendezvous: the multi-node tests (test_elastic, test_train)."""
+    from torch.distributed import TCPStore
+
+    marker = tmp_path / "MARKER"
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
+    payload = base64.b64encode(pickle.dumps(_Payload(marker)))
+    store.set("torch.rendezvous.victim", payload)
+    out = tmp_path / "run"
+    proc = _run(
+        "train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--nnodes=2",
+        "--nproc=1", f"--rdzv-endpoint=127.0.0.1:{store.port}", "--rdzv-id=victim",
+        "--startup-timeout-s=10",
+    )  # fmt: skip
+    assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "RendezvousStateError" in lines[0], proc.stderr
+    assert "'torch.rendezvous.victim'" in lines[0] and "posix.system" in lines[0], lines[0]
+    assert not marker.exists()

@@ -102,7 +102,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "any node may be lost",
     )
     launcher.add_argument(
-        "--rdzv-id", default="raggedfsdp", metavar="ID", help="job id shared by all nodes"
+        "--rdzv-id",
+        metavar="ID",
+        help="the job's id, its key in the store (needed with --nnodes above 1, the same on "
+        "every node; one node: a random one). The store has no authentication (SECURITY.md)",
     )
     launcher.add_argument(
         "--max-restarts",
