@@ -246,3 +246,23 @@ def test_a_crafted_rendezvous_state_runs_nothing(tmp_path, corpus):
     assert len(lines) == 1 and "RendezvousStateError" in lines[0], proc.stderr
     assert "'torch.rendezvous.victim'" in lines[0] and "posix.system" in lines[0], lines[0]
     assert not marker.exists()
+
+
+def test_a_launcher_hosts_the_store_of_an_ip_endpoint_there_alone():
+    """The store a launcher hosts for ``--rdzv-endpoint 127.0.0.1:PORT`` (through the backend
+    raggedfsdp's launchers name to torchrun) takes no connection at 127.0.0.2."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousParameters,
+        rendezvous_handler_registry,
+    )
+
+    from raggedfsdp.train.rendezvous import BACKEND, register_backend
+
+    register_backend()
+    port = free_port()
+    params = RendezvousParameters(BACKEND, f"127.0.0.1:{port}", "job", 1, 1)
+    handler = rendezvous_handler_registry.create_handler(params)
+    try:
+        assert _connects("127.0.0.1", port) and not _connects("127.0.0.2", port)
+    finally:
+        handler.shutdown()
