@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from launches import ENV, cli_command, free_port, ok, run_cli
 from raggedfsdp.train.checkpoints import load_full
-from raggedfsdp.train.run_dir import COMPLETE, checkpoint_files, verify_checkpoint
+from raggedfsdp.train.run_dir import COMPLETE, KEY_ENV, checkpoint_files, verify_checkpoint
 
 COMMON = [
     "--model=gpt-tiny",
@@ -266,3 +266,19 @@ def test_a_launcher_hosts_the_store_of_an_ip_endpoint_there_alone():
         assert _connects("127.0.0.1", port) and not _connects("127.0.0.2", port)
     finally:
         handler.shutdown()
+
+
+def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
+    """With RAGGEDFSDP_CHECKPOINT_KEY the run signs its checkpoints: the crafted ``.metadata``
+    with its checksum re-recorded (which passes the checksums alone, above) is refused at
+    resume, in one line; the untouched checkpoint exports under the same secret."""
+    env = {**ENV, KEY_ENV: "job-secret"}
+    out = tmp_path / "run"
+    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", env=env))
+    ok(_run("export", f"--checkpoint={out}", f"--out={tmp_path / 'model.pt'}", env=env))
+    marker = tmp_path / "MARKER"
+    (out / STEP2 / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _reseal(out / STEP2)
+    args = ["train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={out}", "--resume"]
+    line = _refused(_run(*args, env=env), "cannot resume", "its signature is not")
+    assert KEY_ENV in line and not marker.exists()

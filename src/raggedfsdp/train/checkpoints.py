@@ -57,6 +57,7 @@ from .run_dir import (
     checkpoint_path,
     remove_entry,
     resolve_checkpoint,
+    sign_record,
     verify_checkpoint,
 )
 
@@ -249,14 +250,16 @@ def save_checkpoint(
         before_commit()
     _barrier()  # every rank's files are on disk
     if rank == 0:
-        record = {
-            "version": _FORMAT_VERSION,
-            **meta,
-            "step": step,
-            "world_size": world,
-            "time": time.time(),
-            "files": checkpoint_files(tmp),
-        }
+        record = sign_record(
+            {
+                "version": _FORMAT_VERSION,
+                **meta,
+                "step": step,
+                "world_size": world,
+                "time": time.time(),
+                "files": checkpoint_files(tmp),
+            }
+        )
         marker = tmp / COMPLETE
         with open(marker, "w") as f:
             json.dump(record, f, indent=2)
