@@ -282,3 +282,26 @@ def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
     args = ["train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={out}", "--resume"]
     line = _refused(_run(*args, env=env), "cannot resume", "its signature is not")
     assert KEY_ENV in line and not marker.exists()
+
+
+def test_user_only_runs_write_nothing_others_may_read(source, tmp_path, corpus):
+    """``--user-only``: every file and folder of the run (checkpoints, metrics, logs, the
+    lock) is this user's alone; without it (the control, the source run) modes follow the
+    umask, as SECURITY.md says."""
+    out = tmp_path / "private"
+    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--user-only"))
+    written = [out, *out.rglob("*")]
+    assert len(written) > 10
+    assert [p for p in written if p.stat().st_mode & 0o077] == []
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (source / "metrics.jsonl").stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_help_says_the_store_has_no_authentication(capsys):
+    from raggedfsdp import cli
+
+    assert cli.main(["rendezvous", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "The store has no authentication" in text and "private network" in text
+    assert "--host ADDR" in text

@@ -10,6 +10,7 @@ worker, a rendezvous that never met and a preemption each end in one line and an
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -123,6 +124,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "job waits for more nodes once MIN are there; default 30 s). join_timeout defaults to "
         "--startup-timeout-s",
     )
+    launcher.add_argument(
+        "--user-only",
+        action="store_true",
+        help="everything the run writes readable and writable by this user alone (umask 077; "
+        "default: the umask's modes, usually readable by all)",
+    )
     add_config_arguments(parser.add_argument_group("training"))  # type: ignore[arg-type]
 
 
@@ -154,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.dry_run:
         print(dry_run_report(cfg, options.max_world_size))
         return 0
+    if args.user_only:  # before the first file; the workers inherit it
+        os.umask(0o077)
     with run_lock(cfg.out, job=options.job) as lock:
         if lock.taken_over is not None:
             sys.stderr.write(
