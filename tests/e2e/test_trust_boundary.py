@@ -1,7 +1,11 @@
-"""The trust boundary (SECURITY.md): what a run folder, a model config, a data folder and the
-rendezvous network can do to a job. Each case plants a payload that would only write a marker
-file, and asserts the marker never appears and the command says one line naming the file at fault.
-Negative controls: genuine checkpoints (raggedfsdp's, torch's DCP, FSDP2's) still load.
+"""The trust boundary (SECURITY.md): what a run folder and the rendezvous network can do to a
+job. Each case plants a payload that would only write a marker file (crafted ``.metadata`` and
+RNG files, a pickle under the job's key in the store) or a link among the outputs, and asserts
+the marker never appears, nothing is written through the link, and the command says one line
+naming the thing at fault. Negative controls: genuine checkpoints (raggedfsdp's, torch's DCP,
+FSDP2's) still load; a signed one exports; the store without ``--host`` takes every address.
+(Model configs: tests/unit/test_train_hf_build_and_errors.py; data: tests/unit/test_data.py;
+signing hand-made records: tests/unit/test_verify_checkpoint.py.)
 
 The launches are real ``raggedfsdp train`` runs (2 CPU workers) of gpt-tiny: one of 2 steps
 that saves a checkpoint, whose copies the cases alter.

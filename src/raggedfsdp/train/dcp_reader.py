@@ -47,12 +47,11 @@ ALLOWED = frozenset(
         ("pathlib", "PurePosixPath"),
         ("pathlib", "WindowsPath"),
         ("pathlib", "PureWindowsPath"),
-        ("collections", "OrderedDict"),
     }
 )
 
 
-class RefusedType(pickle.UnpicklingError):
+class _Refused(pickle.UnpicklingError):
     """A pickle named a global outside :data:`ALLOWED`."""
 
 
@@ -62,7 +61,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise RefusedType(f"{module}.{name}")
+        raise _Refused(f"{module}.{name}")
 
 
 def read_metadata(path: str | Path) -> Metadata:
@@ -76,7 +75,7 @@ def _unpickle_metadata(file: Path) -> Metadata:
     with open(file, "rb") as f:
         try:
             metadata = _MetadataUnpickler(f).load()
-        except RefusedType as err:
+        except _Refused as err:
             raise ValueError(
                 f"checkpoint file {str(file)!r} names the type {err}, which DCP metadata never "
                 f"holds: refused, nothing of it was run (a crafted or foreign file)"
