@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -63,8 +64,16 @@ def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 
 def _partial(target: Path) -> Path:
-    """A hidden file beside ``target`` (the same file system, so a rename moves it there)."""
-    return target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    """A new, empty hidden file beside ``target`` (the same file system, so a rename moves it
+    there), made under a random name that must not exist yet: a file or link planted at a name
+    guessed beforehand is never written through. Its mode is the umask's, as ``open``'s."""
+    while True:
+        partial = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        return partial
 
 
 def check_writable(target: Path, what: str) -> None:
@@ -79,10 +88,8 @@ def check_writable(target: Path, what: str) -> None:
         folder = folder.parent
     if not folder.is_dir():
         raise ValueError(f"{what} {str(target)!r}: {str(folder)!r} is a file, not a folder")
-    probe = _partial(folder / target.name)
     try:
-        probe.open("xb").close()
-        probe.unlink()
+        _partial(folder / target.name).unlink()
     except OSError as err:
         raise ValueError(
             f"{what} {str(target)!r}: cannot write in {str(folder)!r} ({err.strerror or err})"

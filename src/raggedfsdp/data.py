@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 import random
+import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import BinaryIO, NoReturn
 
 import torch
 
@@ -70,13 +72,18 @@ def default_corpus_files() -> list[Path]:
     return sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
 
 
-def _read_text(path: Path) -> bytes | None:
-    """The file's bytes, or None when it is unreadable or binary (contains a NUL byte)."""
+def _open_regular(path: Path) -> BinaryIO | None:
+    """``path`` opened for reading when it is a regular file (judged on the open file, so it
+    cannot change in between), else None: a FIFO or a device would block or never end.
+    Opened without blocking, which a FIFO would do before its check."""
     try:
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None
-    return None if SEPARATOR in data else data
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return os.fdopen(fd, "rb")
 
 
 def _to_tensor(data: bytes) -> torch.Tensor:
@@ -99,7 +106,8 @@ def load_corpus(
 
     Args:
         path: a text file, a folder (every regular file below it, recursively; files with NUL
-            bytes are skipped as binary, as are empty and unreadable ones), or None for
+            bytes are skipped as binary, as are empty and unreadable ones, FIFOs and devices),
+            or None for
             :func:`default_corpus_files`.
         seed: shuffles the sorted file list with ``random.Random(seed)``.
         val_fraction: share of files for validation, in (0, 1): the last
@@ -107,8 +115,9 @@ def load_corpus(
             corpus of a single file is instead split by bytes: its first ``1 - val_fraction``
             go to train, the rest to validation.
         max_bytes: cap on the bytes read, or None for no cap. Files are taken in shuffled order
-            while the total stays within the cap (the first file always), so the cap is
-            deterministic for a given seed. Applies to every source.
+            while the total stays within the cap (the first file always, cut at the cap), so
+            the cap is deterministic for a given seed; a file is never read past it. Applies
+            to every source.
 
     Raises:
         ValueError: ``path`` does not exist, is an empty file, or is a folder with no readable
@@ -142,24 +151,32 @@ def _corpus_files(path: str | Path | None) -> tuple[list[Path], str]:
     root = Path(path)
     if not root.exists():
         raise ValueError(f"corpus path {str(root)!r} does not exist")
+    if not root.is_dir() and not root.is_file():
+        raise ValueError(f"corpus path {str(root)!r} is neither a regular file nor a folder")
     files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
     return files, str(root)
 
 
 def _read_capped(order: list[Path], max_bytes: int | None) -> list[bytes]:
-    """The non-empty text files of ``order``, read in that order while the total stays within
-    ``max_bytes`` (the first one always). Reading lazily lets a cap stop early: the stdlib is
-    30+ MB, and start-up should not pay for bytes the cap then drops."""
+    """The non-empty text files of ``order`` (regular files only: :func:`_open_regular`),
+    read in that order while the total stays within ``max_bytes``; the first one always, cut
+    at the cap. A file's size decides before it is read, so no more than the cap is ever read:
+    the stdlib is 30+ MB, a corpus file may be far larger, and start-up should not pay for
+    bytes the cap then drops."""
     chunks: list[bytes] = []
     total = 0
     for file in order:
-        data = _read_text(file)
-        if not data:
+        opened = _open_regular(file)
+        if opened is None:
             continue
-        if max_bytes is not None and chunks and total + len(data) > max_bytes:
-            break
-        chunks.append(data)
-        total += len(data)
+        with opened as f:
+            size = os.fstat(f.fileno()).st_size
+            if size and max_bytes is not None and chunks and total + size > max_bytes:
+                break
+            data = f.read(size if max_bytes is None else min(size, max_bytes - total))
+        if data and SEPARATOR not in data:  # NUL bytes: a binary file, skipped
+            chunks.append(data)
+            total += len(data)
     return chunks
 
 

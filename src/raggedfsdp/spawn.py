@@ -76,6 +76,8 @@ def run_on_ranks(
                 why = " (timed out)" if rank in hung else f" (exit code {procs[rank].exitcode})"
                 errors.append(f"rank {rank}: no result{why}")
                 continue
+            # Not weights_only: a result is any picklable value, and this file crosses no trust
+            # boundary (written by this process's own children into its private mkdtemp folder).
             record = torch.load(path, weights_only=False)
             if record["ok"]:
                 results.append(record["value"])

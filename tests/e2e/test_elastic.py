@@ -93,7 +93,8 @@ def _cluster(
     hosts it instead (its output in ``tmp/store.log``)."""
     started: list[subprocess.Popen] = []
     port = free_port()
-    common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-conf={RDZV}"]
+    common = [*args, f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=job{port}"]
+    common.append(f"--rdzv-conf={RDZV}")
     ahead: dict[str, subprocess.Popen] = {}
     if store:
         with open(tmp / "store.log", "w") as log:
@@ -373,7 +374,8 @@ def test_a_node_alone_ends_in_one_line_within_the_startup_timeout(tmp_path, corp
     args = [*_args(corpus, out, steps=4, batch=4), "--nnodes=2", "--nproc=1"]
     started = time.monotonic()
     proc = run_cli(
-        "train", *args, f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--startup-timeout-s=2",
+        "train", *args, f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--rdzv-id=alone",
+        "--startup-timeout-s=2",
         timeout=60,
     )  # fmt: skip
     assert proc.returncode == 1 and time.monotonic() - started < 30

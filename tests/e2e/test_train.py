@@ -205,7 +205,7 @@ def test_crash_during_save_keeps_previous_checkpoint(reference, tmp_path, corpus
 def test_two_nodes_train_together(reference, tmp_path, corpus):
     out = tmp_path / "nodes"
     rdzv = f"--rdzv-endpoint=127.0.0.1:{_free_port()}"
-    args = [*COMMON, f"--data={corpus}", f"--out={out}", "--nnodes=2", "--nproc=1"]
+    args = [*COMMON, f"--data={corpus}", f"--out={out}", "--nnodes=2", "--nproc=1", "--rdzv-id=two"]
     agents = [
         subprocess.Popen(
             cli_command("train", *args, f"--node-rank={node}", rdzv),

@@ -150,3 +150,37 @@ def test_sampler_errors() -> None:
         BatchSampler(TOKENS[:16], seq_len=16, global_batch=2, seed=0, rank=0, world_size=1)
     with pytest.raises(ValueError, match="rank 2"):
         BatchSampler(TOKENS, seq_len=16, global_batch=4, seed=0, rank=2, world_size=2)
+
+
+def test_corpus_reads_regular_files_only(tmp_path: Path) -> None:
+    """A FIFO given as ``--data`` is one clear error, at once (reading it would never end); one
+    inside a folder is skipped, never opened for a blocking read."""
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="neither a regular file nor a folder"):
+        load_corpus(fifo, seed=0)
+    folder = _make_folder(tmp_path / "docs", 3)
+    os.mkfifo(folder / "sub" / "pipe")
+    assert load_corpus(folder, seed=0).num_files == 3
+
+
+def test_corpus_cap_reads_no_more(tmp_path: Path) -> None:
+    """A file past the cap is cut there and never read whole: the peak of the memory that
+    loading allocates stays below the file's size (reading it whole would take the file's
+    size at once, then copies)."""
+    import tracemalloc
+
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"abcdefgh\n" * (2 << 20))  # 18 MiB
+    cap = 1 << 20
+    tracemalloc.start()
+    try:
+        corpus = load_corpus(big, seed=0, max_bytes=cap)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert corpus.train.numel() + corpus.val.numel() == cap
+    assert bytes(corpus.train[:9].tolist()) == b"abcdefgh\n"  # its beginning
+    assert peak < 8 * cap, peak  # 18 MiB read whole: the old way

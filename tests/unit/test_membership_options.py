@@ -26,6 +26,7 @@ from raggedfsdp.train.launch import torchrun_argv
         (["--nnodes=1:2", "--rdzv-endpoint=127.0.0.1:1"], "needs --max-restarts"),
         (["--nnodes=1:2", "--max-restarts=1"], "needs --rdzv-endpoint"),
         (["--rdzv-conf=join_timeout=soon", "--rdzv-endpoint=h:1"], "whole seconds"),
+        (["--nnodes=2", "--rdzv-endpoint=127.0.0.1:1"], "needs --rdzv-id"),
     ],
 )
 def test_bad_membership_options_are_one_line(args, fragment, tmp_path, capsys):
@@ -38,7 +39,9 @@ def test_bad_membership_options_are_one_line(args, fragment, tmp_path, capsys):
 def test_torchrun_gets_the_range_and_the_join_timeout():
     parser = argparse.ArgumentParser()
     configure_train_parser(parser)
-    args = parser.parse_args(["--nnodes=1:3", "--rdzv-endpoint=h:1", "--rdzv-conf=a=b"])
+    args = parser.parse_args(
+        ["--nnodes=1:3", "--rdzv-endpoint=h:1", "--rdzv-id=j", "--rdzv-conf=a=b"]
+    )
     argv = torchrun_argv(launch_options(args), [], cfg=TrainConfig(startup_timeout_s=42.5))
     assert "--nnodes=1:3" in argv and "--rdzv-conf=a=b,join_timeout=43" in argv
 

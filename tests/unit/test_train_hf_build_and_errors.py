@@ -88,3 +88,31 @@ def test_config_file_key_folder_and_dry_run(command, tmp_path):
     assert "model.layers.1/" in out and "estimated memory per rank" in out
     status, out, _ = command("train", "--help")
     assert "--hf-config" in out and "--compile" in out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "evil"])
+def test_a_config_pointing_at_code_runs_none(command, tmp_path, model_type):
+    """A config whose ``auto_map`` names code of its folder (which would write a marker when
+    imported) is one line before launch, whether or not transformers has a class of its
+    model_type; transformers never asks on the terminal whether to run it."""
+    pytest.importorskip("transformers")
+    hf.hf_config.cache_clear()
+    marker = tmp_path / "MARKER"
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    for module in ("configuration_evil", "modeling_evil"):
+        (folder / f"{module}.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    auto_map = {
+        "AutoConfig": "configuration_evil.EvilConfig",
+        "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM",
+    }
+    config = {**hf.TINY_CONFIGS["tiny-llama"], "model_type": model_type, "auto_map": auto_map}
+    (folder / "config.json").write_text(json.dumps(config))
+    status, _, err = command("train", f"--hf-config={folder}", f"--out={tmp_path / 'o'}")
+    assert status == 2
+    one_error_line(err, "auto_map", "configuration_evil.EvilConfig")
+    assert ("delete 'auto_map'" in err) == (model_type == "llama"), err
+    assert not marker.exists() and not (tmp_path / "o").exists()
+    with pytest.raises(ValueError, match="auto_map"):  # the config a checkpoint records, too
+        hf.build_hf_model(config, "meta")
+    assert not marker.exists()

@@ -13,9 +13,12 @@ import pytest
 
 from raggedfsdp.train.run_dir import (
     COMPLETE,
+    KEY_ENV,
+    UNRECORDED_ENV,
     checkpoint_files,
     describe_fallback,
     resolve_checkpoint,
+    sign_record,
     verified_checkpoint,
     verify_checkpoint,
 )
@@ -40,7 +43,7 @@ def _hand_made(root: Path, step: int, **extra: Any) -> Path:
     return path
 
 
-def test_verify_checkpoint_on_a_hand_made_folder(tmp_path):
+def test_verify_checkpoint_on_a_hand_made_folder(tmp_path, monkeypatch):
     path = _hand_made(tmp_path, 30)
     records = json.loads((path / COMPLETE).read_text())["files"]
     assert sorted(records) == [".metadata", "__0_0.distcp", "rng/rank_00000.pt"]
@@ -59,13 +62,20 @@ def test_verify_checkpoint_on_a_hand_made_folder(tmp_path):
     (path / "rng" / "rank_00000.pt").unlink()
     assert verify_checkpoint(path) == "rng/rank_00000.pt: missing"
 
-    # Before this change COMPLETE.json recorded no files: verified by COMPLETE.json alone.
+    # Before format 2 COMPLETE.json recorded no files: nothing verifies such a checkpoint, so
+    # it is refused, naming the override that accepts it unverified.
     old = _hand_made(tmp_path / "old", 10)
     meta = json.loads((old / COMPLETE).read_text())
     del meta["files"]
     (old / COMPLETE).write_text(json.dumps(meta))
     (old / "__0_0.distcp").write_bytes(b"anything")
+    assert verify_checkpoint(old) == (
+        f"{COMPLETE} records no files, so nothing verifies them; set {UNRECORDED_ENV}=1 to "
+        f"accept it unverified"
+    )
+    monkeypatch.setenv(UNRECORDED_ENV, "1")
     assert verify_checkpoint(old) is None
+    monkeypatch.delenv(UNRECORDED_ENV)
 
     assert verify_checkpoint(tmp_path / "nowhere") == f"it has no {COMPLETE}"
     (old / COMPLETE).write_text("{not json")
@@ -98,3 +108,30 @@ def test_newest_verifying_checkpoint_is_chosen(tmp_path):
     (good / ".metadata").unlink()
     with pytest.raises(ValueError, match=r"no checkpoint of .* verifies: .*\.metadata: missing"):
         resolve_checkpoint(tmp_path)
+
+
+def test_a_signed_record_refuses_a_folder_altered_without_the_secret(tmp_path, monkeypatch):
+    """With a job secret, a checkpoint verifies only if its ``COMPLETE.json`` was signed by it:
+    a file replaced and its checksum re-recorded (what anyone who can write the folder can do)
+    no longer passes; nor does an unsigned record, nor one signed by another secret."""
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    path = _hand_made(tmp_path, 4)
+    meta = json.loads((path / COMPLETE).read_text())
+    (path / COMPLETE).write_text(json.dumps(sign_record(meta), indent=2))
+    assert verify_checkpoint(path) is None
+    assert len(json.loads((path / COMPLETE).read_text())["hmac_sha256"]) == 64
+
+    (path / ".metadata").write_bytes(b"crafted")  # altered, its record rewritten to match
+    altered = {**json.loads((path / COMPLETE).read_text()), "files": checkpoint_files(path)}
+    (path / COMPLETE).write_text(json.dumps(altered))
+    assert "its signature is not RAGGEDFSDP_CHECKPOINT_KEY's" in verify_checkpoint(path)
+    del altered["hmac_sha256"]
+    (path / COMPLETE).write_text(json.dumps(altered))
+    assert "is not signed, and RAGGEDFSDP_CHECKPOINT_KEY is set" in verify_checkpoint(path)
+    monkeypatch.setenv(KEY_ENV, "other")
+    (path / COMPLETE).write_text(json.dumps(sign_record(altered)))
+    monkeypatch.setenv(KEY_ENV, "s3cret")
+    assert "its signature is not" in verify_checkpoint(path)
+    # the negative control: without a secret, the checksums alone pass the altered folder
+    monkeypatch.delenv(KEY_ENV)
+    assert verify_checkpoint(path) is None

@@ -18,22 +18,37 @@ def _port(text: str) -> int:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add the ``rendezvous`` arguments to ``parser``: the port."""
+    """Add the ``rendezvous`` arguments to ``parser``: the address and the port."""
+    parser.description = (
+        f"{parser.description}. The store has no authentication: anyone who reaches the port "
+        f"can read and write every job's state there (and so disturb or join the jobs). Run "
+        f"it on a private network only, listening on that network's address (--host), as "
+        f"PyTorch's security policy says of its TCP store; SECURITY.md."
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        metavar="ADDR",
+        help="the address (or name) of this machine to listen on, alone: that of the private "
+        "network the nodes share (default: every address of this machine)",
+    )
     parser.add_argument(
         "--port",
         type=_port,
         default=DEFAULT_PORT,
-        help=f"the port to listen on, on every address of this machine (default {DEFAULT_PORT})",
+        help=f"the port to listen on (default {DEFAULT_PORT})",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Host the store until SIGTERM or SIGINT; 0 then. A port already taken is a ``ValueError``
     (one line), before anything listens."""
-    with rendezvous_store(args.port) as stopped:
+    with rendezvous_store(args.port, args.host) as stopped:
+        where = f"on {args.host}" if args.host else "on every address (no authentication)"
         print(
-            f"rendezvous store listening on port {args.port}: start each node with "
-            f"--rdzv-endpoint {socket.gethostname()}:{args.port} (Ctrl-C or SIGTERM ends it)",
+            f"rendezvous store listening {where}, port {args.port}: start each node with "
+            f"--rdzv-endpoint {args.host or socket.gethostname()}:{args.port} and a --rdzv-id "
+            f"of its job (Ctrl-C or SIGTERM ends it)",
             flush=True,
         )
         stopped.wait()

@@ -10,6 +10,7 @@ worker, a rendezvous that never met and a preemption each end in one line and an
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from typing import TYPE_CHECKING
@@ -64,6 +65,33 @@ def _endpoint(text: str) -> str:
     return text
 
 
+def _add_rendezvous_arguments(launcher: argparse._ArgumentGroup) -> None:
+    """The options of the c10d rendezvous: where, which job, torchrun's settings."""
+    launcher.add_argument(
+        "--rdzv-endpoint",
+        type=_endpoint,
+        default=None,
+        metavar="HOST:PORT",
+        help="c10d rendezvous endpoint shared by all nodes (default with one node: a free local "
+        "port); the first launcher there hosts it, or 'raggedfsdp rendezvous' does, so that "
+        "any node may be lost",
+    )
+    launcher.add_argument(
+        "--rdzv-id",
+        metavar="ID",
+        help="the job's id, its key in the store (needed with --nnodes above 1, the same on "
+        "every node; one node: a random one). The store has no authentication (SECURITY.md)",
+    )
+    launcher.add_argument(
+        "--rdzv-conf",
+        default="",
+        metavar="KEY=VALUE,...",
+        help="torchrun's rendezvous settings (e.g. last_call_timeout=5: how long an elastic "
+        "job waits for more nodes once MIN are there; default 30 s). join_timeout defaults to "
+        "--startup-timeout-s",
+    )
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     """The launcher's options, then every training option (``--help`` shows both)."""
     launcher = parser.add_argument_group("launcher (torchrun)")
@@ -92,18 +120,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="this node's rank; node 0 checks the output folder, so a replacement node takes "
         "the lost node's rank (ranks inside the job are assigned by the rendezvous)",
     )
-    launcher.add_argument(
-        "--rdzv-endpoint",
-        type=_endpoint,
-        default=None,
-        metavar="HOST:PORT",
-        help="c10d rendezvous endpoint shared by all nodes (default with one node: a free local "
-        "port); the first launcher there hosts it, or 'raggedfsdp rendezvous' does, so that "
-        "any node may be lost",
-    )
-    launcher.add_argument(
-        "--rdzv-id", default="raggedfsdp", metavar="ID", help="job id shared by all nodes"
-    )
+    _add_rendezvous_arguments(launcher)
     launcher.add_argument(
         "--max-restarts",
         type=_non_negative,
@@ -112,13 +129,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="restart all workers up to K times after a failure or a change of membership, "
         "resuming from the newest checkpoint (default: 0)",
     )
-    launcher.add_argument(
-        "--rdzv-conf",
-        default="",
-        metavar="KEY=VALUE,...",
-        help="torchrun's rendezvous settings (e.g. last_call_timeout=5: how long an elastic "
-        "job waits for more nodes once MIN are there; default 30 s). join_timeout defaults to "
-        "--startup-timeout-s",
+    parser.add_argument_group("files").add_argument(
+        "--user-only",
+        action="store_true",
+        help="everything the run writes readable and writable by this user alone (umask 077; "
+        "default: the umask's modes, usually readable by all; SECURITY.md)",
     )
     add_config_arguments(parser.add_argument_group("training"))  # type: ignore[arg-type]
 
@@ -151,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.dry_run:
         print(dry_run_report(cfg, options.max_world_size))
         return 0
+    if args.user_only:  # before the first file; the workers inherit it
+        os.umask(0o077)
     with run_lock(cfg.out, job=options.job) as lock:
         if lock.taken_over is not None:
             sys.stderr.write(

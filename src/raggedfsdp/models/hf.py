@@ -107,7 +107,13 @@ def hf_config(spec: str) -> Any:
                 f"built-in config ({', '.join(TINY_CONFIGS)})"
             )
         try:
-            config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+            record, _ = transformers.PretrainedConfig.get_config_dict(
+                str(path), local_files_only=True
+            )
+            _refuse_remote_code(record, transformers)
+            config = transformers.AutoConfig.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=False
+            )
         except (OSError, ValueError, KeyError) as err:
             raise ValueError(f"hf_config: {spec!r}: {' '.join(str(err).split())}") from None
     name = type(config).__name__
@@ -120,6 +126,28 @@ def hf_config(spec: str) -> Any:
         if isinstance(value, int) and not 0 <= value < BYTE_VOCAB:
             setattr(config, key, None)
     return config
+
+
+def _refuse_remote_code(record: Mapping[str, Any], transformers: Any) -> None:
+    """``ValueError`` when the config (``record``: its JSON, read as data) points at code of
+    its folder (``auto_map``): a model folder is data to raggedfsdp, never a program. Says
+    how to build the class transformers already has for its ``model_type``, if any."""
+    auto_map = record.get("auto_map")
+    if not auto_map:
+        return
+    model_type = record.get("model_type")
+    known = model_type in transformers.CONFIG_MAPPING
+    fix = (
+        f"delete 'auto_map' from its config.json to build transformers' own {model_type!r} classes"
+        if known
+        else f"its model_type {model_type!r} has no class in transformers; give a config of "
+        f"one that does (a built-in --hf-config, or a model_type transformers knows)"
+    )
+    code = ", ".join(sorted({str(v) for v in dict(auto_map).values()}))
+    raise ValueError(
+        f"auto_map names code of the model folder ({code}); raggedfsdp runs no code from a "
+        f"config (trust_remote_code=False): {fix}"
+    )
 
 
 #: Sizes a model cannot be built without: each a positive integer when the config sets it.
@@ -199,15 +227,23 @@ def build_hf_model(spec: str | Mapping[str, Any], device: torch.device | str) ->
     transformers = _transformers()
     if isinstance(spec, Mapping):
         record = dict(spec)
+        try:
+            _refuse_remote_code(record, transformers)
+        except ValueError as err:
+            raise ValueError(f"hf_config of the checkpoint: {err}") from None
         config = transformers.AutoConfig.for_model(record.pop("model_type"), **record)
     else:
         config = hf_config(spec)
     device = torch.device(device)
     if device.type == "meta":
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, trust_remote_code=False
+            )
     else:  # on the host, so the values do not depend on the device's generator
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, trust_remote_code=False
+        )
         model = model.to(device)
     cls = type(model)
     model.__class__ = type(cls.__name__, (_ByteTargets, cls), {})

@@ -24,7 +24,9 @@ import io
 import itertools
 import json
 import os
+import pickle
 import random
+import re
 import shutil
 import sys
 import time
@@ -37,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._console import check_writable, write_whole
@@ -48,17 +49,21 @@ from ..checkpoint import (
     optim_state_dict,
 )
 from ..runtime import error_feedback_state, load_error_feedback_state
+from .dcp_reader import SafeReader, read_metadata
 from .run_dir import (
     COMPLETE,
     COMPLETE_KEYS,
     checkpoint_files,
     checkpoint_path,
+    remove_entry,
     resolve_checkpoint,
+    sign_record,
     verify_checkpoint,
 )
 
 __all__ = [
     "check_entries",
+    "check_rank_files",
     "describe_failure",
     "export_checkpoint",
     "load_checkpoint",
@@ -92,7 +97,9 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 def _read_metadata(path: Path) -> Metadata:
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return read_metadata(path)
+    except ValueError:  # a crafted file, refused (dcp_reader): its own line
+        raise
     except Exception as err:  # DCP raises whatever its reader hit (OSError, pickle errors, ...)
         raise ValueError(
             f"checkpoint {str(path)!r} is corrupt: its DCP metadata cannot be read "
@@ -181,6 +188,29 @@ def _write_rng_state(path: Path) -> None:
     path.write_bytes(buffer.getvalue())
 
 
+def _load_weights(file: Path) -> Any:
+    """A per-rank file of a checkpoint (RNG states: tensors and Python's state, tuples of
+    ints; error-feedback residuals: tensors) read with ``weights_only``, so a crafted one runs
+    nothing: ``ValueError`` naming the file and what it refused."""
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as err:
+        # torch's message opens with advice to load it unsafely; the refused global is inside.
+        found = re.search(r"unsupported GLOBAL ([^ ]+)", str(err))
+        why = f"it names the type {found.group(1)}" if found else _first_line(err)
+        raise ValueError(
+            f"checkpoint file {str(file)!r} refused: {why}, which torch.load(weights_only=True) "
+            f"does not run (a crafted or foreign file)"
+        ) from None
+
+
+def check_rank_files(path: str | Path) -> None:
+    """Read every rank's RNG states of the checkpoint ``path`` as a resume will (a few KB
+    each), so that a crafted one is refused before any worker starts."""
+    for file in sorted((Path(path) / "rng").glob("rank_*.pt")):
+        _load_weights(file)
+
+
 def _set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
@@ -207,8 +237,10 @@ def save_checkpoint(
     final = checkpoint_path(out, step)
     tmp = final.with_name(final.name + ".tmp")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "rng").mkdir(parents=True)
+        remove_entry(tmp)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()  # fails on anything planted since (a link): never written through
+        (tmp / "rng").mkdir()
     _barrier()
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
     dcp.save(state, checkpoint_id=str(tmp))
@@ -218,14 +250,16 @@ def save_checkpoint(
         before_commit()
     _barrier()  # every rank's files are on disk
     if rank == 0:
-        record = {
-            "version": _FORMAT_VERSION,
-            **meta,
-            "step": step,
-            "world_size": world,
-            "time": time.time(),
-            "files": checkpoint_files(tmp),
-        }
+        record = sign_record(
+            {
+                "version": _FORMAT_VERSION,
+                **meta,
+                "step": step,
+                "world_size": world,
+                "time": time.time(),
+                "files": checkpoint_files(tmp),
+            }
+        )
         marker = tmp / COMPLETE
         with open(marker, "w") as f:
             json.dump(record, f, indent=2)
@@ -284,7 +318,7 @@ def load_checkpoint(
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
     check_entries(path, dict(expected_entries(state)), meta)
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, storage_reader=SafeReader(str(path)))
     # DCP gathers every rank's failure into a CheckpointException, a BaseException.
     except (Exception, dcp.CheckpointException) as err:
         raise ValueError(
@@ -296,7 +330,7 @@ def load_checkpoint(
     saved, now = _ranks_of(meta["world_size"], meta.get("mesh")), _ranks_of(world, mesh)
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
     if saved == now and rng_file.is_file():
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(_load_weights(rng_file))
     _load_residuals(path, model, (meta["world_size"], saved), (world, now))
     return meta
 
@@ -347,7 +381,7 @@ def _load_residuals(
             stacklevel=2,
         )
     else:
-        load_error_feedback_state(model, torch.load(file, weights_only=True))
+        load_error_feedback_state(model, _load_weights(file))
 
 
 def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
@@ -366,7 +400,7 @@ def load_full(path: str | Path, prefix: str = "model.") -> dict[str, torch.Tenso
         # "torch.distributed is disabled ... assuming single process": exactly the intent.
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(path)), no_dist=True)
         except (Exception, dcp.CheckpointException) as err:
             raise ValueError(
                 f"checkpoint {str(path)!r} could not be read ({describe_failure(err)})"

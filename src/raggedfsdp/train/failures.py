@@ -62,13 +62,16 @@ def report_failure(err: BaseException, out: str | None) -> int:
     rank that failed first and why. Status 1."""
     rank = _rank()
     # Into the run's folder once the run writes there; before, a file there would make the
-    # corrected command's folder "not empty", so the temporary folder instead.
-    logs = Path(out) / "logs" if out is not None and has_outputs(out) else None
-    logs = logs or Path(tempfile.gettempdir()) / f"raggedfsdp-{os.getpid()}"
+    # corrected command's folder "not empty", so a private temporary folder instead (made
+    # by tempfile: a name nobody could plant beforehand, mode 0700).
     where = ""
     try:
+        if out is not None and has_outputs(out):
+            logs = Path(out) / "logs"
+            logs.mkdir(exist_ok=True)
+        else:
+            logs = Path(tempfile.mkdtemp(prefix="raggedfsdp-"))
         log = logs / f"rank_{rank:05d}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
         log.write_text("".join(traceback.format_exception(err)))
         where = f" (traceback in {log})"
     except OSError:  # the disk that is full may be this one: the line alone, then

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from .._console import write_whole
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..models import hf
@@ -279,9 +280,8 @@ def _write_config(cfg: TrainConfig, out: Path, world: _World) -> None:
     """``OUT/config.json``, once the run has started for good (built and resumed): a start
     that fails before, on a user's error, leaves the folder as it found it."""
     if world.rank == 0:
-        (out / "config.json").write_text(
-            json.dumps({**cfg.to_dict(), "world_size": world.size}, indent=2) + "\n"
-        )
+        text = json.dumps({**cfg.to_dict(), "world_size": world.size}, indent=2) + "\n"
+        write_whole(out / "config.json", lambda partial: partial.write_text(text))
 
 
 def _build_data(

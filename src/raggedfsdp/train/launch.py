@@ -24,6 +24,7 @@ import contextlib
 import logging
 import math
 import os
+import secrets
 import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 
 from .._lifeline import LAUNCHER_PID
 from .config import TrainConfig
+from .rendezvous import BACKEND, register_backend
 from .run_dir import JOB_ENV, has_outputs
 
 __all__ = [
@@ -68,7 +70,8 @@ class LaunchOptions:
         max_nodes: nodes it takes at most (above ``min_nodes``: an elastic job).
         node_rank: this node's rank; node 0 checks the output folder.
         rdzv_endpoint: ``HOST:PORT`` of the c10d rendezvous (``None``: one node, standalone).
-        rdzv_id: the job id shared by all nodes.
+        rdzv_id: the job id shared by all nodes, its key in the store; needed with several
+            nodes (a guessable default would let other jobs share it), random on one.
         max_restarts: how often the agent restarts all workers after a failure or a change of
             membership.
         rdzv_conf: torchrun's rendezvous settings, ``KEY=VALUE,...``.
@@ -79,7 +82,7 @@ class LaunchOptions:
     max_nodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str | None = None
-    rdzv_id: str = "raggedfsdp"
+    rdzv_id: str | None = None
     max_restarts: int = 0
     rdzv_conf: str = ""
 
@@ -157,6 +160,7 @@ def launch(
     # while they start (raggedfsdp._lifeline); torchrun's agent runs here, so it is their parent.
     os.environ[LAUNCHER_PID] = str(os.getpid())
     os.environ[JOB_ENV] = job
+    register_backend()
     run(get_args_parser().parse_args(argv))
 
 
@@ -178,11 +182,16 @@ def torchrun_argv(options: LaunchOptions, worker_argv: list[str], *, cfg: TrainC
                 "--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
             )
         argv.append("--standalone")
+    elif high > 1 and not options.rdzv_id:
+        raise ValueError(
+            "--nnodes above 1 needs --rdzv-id ID, the same on every node and unique to this job "
+            "(the scheduler's job id, or `openssl rand -hex 8`): the store knows a job by it"
+        )
     else:
         argv += [
-            "--rdzv-backend=c10d",
+            f"--rdzv-backend={BACKEND}",  # torchrun's c10d, its state checked (rendezvous.py)
             f"--rdzv-endpoint={options.rdzv_endpoint}",
-            f"--rdzv-id={options.rdzv_id}",
+            f"--rdzv-id={options.rdzv_id or secrets.token_hex(8)}",  # one node: its own
         ]  # c10d assigns node ranks itself (torchrun ignores --node-rank there, with a warning)
     conf = rdzv_conf(options.rdzv_conf, startup_timeout_s=cfg.startup_timeout_s)
     if conf:

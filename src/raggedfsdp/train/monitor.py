@@ -43,7 +43,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from .._console import format_bytes
+from .._console import format_bytes, write_whole
 from .config import TrainConfig
 
 __all__ = ["METRICS", "REPORT", "Monitor", "StepTimes", "read_metrics", "window_peaks"]
@@ -165,7 +165,9 @@ class Monitor:
         # Keep the records up to the resumed step: later ones belong to an abandoned future.
         self.records = [r for r in read_metrics(self.out) if r.get("step", 0) <= start_step]
         path = self.out / METRICS
-        path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        text = "".join(json.dumps(r) + "\n" for r in self.records)
+        # Replaced, not rewritten: a link planted at its name is replaced, never followed.
+        write_whole(path, lambda partial: partial.write_text(text))
         self._file = open(path, "a")  # noqa: SIM115 (held open for the run, closed in close())
         self.console = Console()
         if not self.console.is_terminal:

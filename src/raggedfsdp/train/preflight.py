@@ -26,7 +26,7 @@ from ..facts import ParallelDims
 from ..models import hf
 from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
-from .checkpoints import check_entries, read_meta
+from .checkpoints import check_entries, check_rank_files, read_meta
 from .config import TrainConfig
 from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
@@ -51,6 +51,8 @@ def check_data_path(path: str | None) -> None:
     data = Path(path)
     if not data.exists():
         raise ValueError(f"data: corpus path {str(data)!r} does not exist")
+    if not data.is_dir() and not data.is_file():
+        raise ValueError(f"data: corpus path {str(data)!r} is neither a regular file nor a folder")
     if data.is_file() and data.stat().st_size == 0:
         raise ValueError(f"data: corpus file {str(data)!r} is empty")
     if data.is_dir() and not any(p.is_file() for p in data.rglob("*")):
@@ -206,6 +208,7 @@ def preflight(
                 f"{cfg.optimizer}, whose state it does not have"
             )
         check_entries(ckpt, _model_entries(cfg), meta)
+        check_rank_files(ckpt)
         if meta["step"] >= cfg.steps:
             raise ValueError(
                 f"checkpoint {str(ckpt)!r} is at step {meta['step']}, not before --steps "

@@ -9,46 +9,228 @@ failures do not take down), and point every node's ``--rdzv-endpoint`` at it: to
 then find the port taken and join it as clients (``_create_tcp_store`` falls back to a client
 when it cannot host), so any training node may be lost and replaced. One store serves several
 jobs, each with its own ``--rdzv-id``.
+
+[Note: the rendezvous store is not a trust boundary]
+A TCP store has no authentication: anyone who reaches its port may read and write every key
+(PyTorch's security policy says so too). So it belongs on a private network, and this module
+narrows what reaching it can do:
+
+- ``raggedfsdp rendezvous --host ADDR`` listens on that address alone (a socket bound here and
+  handed to the store: ``master_listen_fd``), as does a launcher that hosts the store of an
+  endpoint given as an IP address (a host name may resolve to another address here than on
+  the other nodes, 127.0.1.1 say, so one keeps torchrun's every address).
+- torchrun's c10d rendezvous keeps its state as a pickle under ``torch.rendezvous.JOB_ID``,
+  and ``dynamic_rendezvous`` unpickles whatever is there: a process that writes a crafted
+  pickle under a job's key runs code in every agent. raggedfsdp's launchers use torch's c10d
+  backend through :data:`BACKEND`, which reads that state with an unpickler admitting only its
+  three types (:data:`STATE_TYPES`) before torch does, and refuses anything else with a
+  ``RendezvousStateError`` naming the type. A valid state written by a stranger can still
+  disturb the job (join it, close it): that is what a private network is for.
+- A job's id defaults to a random one on one node; several nodes must name theirs
+  (``--rdzv-id``): a guessable default would let unrelated jobs, or a stranger, share its key.
+
+The workers' own store (the process group's, and :func:`~.health.attempt_store`) is torch's:
+on every address, at a free port, holding no pickles.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import io
+import ipaddress
+import pickle
 import signal
+import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["DEFAULT_PORT", "rendezvous_store"]
+__all__ = [
+    "BACKEND",
+    "DEFAULT_PORT",
+    "STATE_TYPES",
+    "check_state",
+    "listening_socket",
+    "register_backend",
+    "rendezvous_store",
+]
 
 #: torchrun's default c10d rendezvous port.
 DEFAULT_PORT = 29400
+#: The name of the rendezvous backend raggedfsdp's launchers use: torchrun's c10d, whose state
+#: is checked before it is unpickled (module Note).
+BACKEND = "raggedfsdp-c10d"
+_DYNAMIC = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+#: ``(module, name)`` of every type in torchrun's c10d rendezvous state (torch 2.13's
+#: ``dynamic_rendezvous``: the state, a node's description, its heartbeat times in UTC).
+STATE_TYPES = frozenset(
+    {
+        (_DYNAMIC, "_RendezvousState"),
+        (_DYNAMIC, "_NodeDesc"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+    }
+)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host`` (an address of this machine, or a name of one) and
+    ``port``, listening: what a store is handed to listen there alone. ``OSError`` when it
+    cannot (``EADDRINUSE``: taken; ``EADDRNOTAVAIL``: not an address of this machine)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own server
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _hosted_store(host: str, sock: socket.socket, timeout: datetime.timedelta) -> Any:
+    """A TCP store served on the listening ``sock`` (which it then owns)."""
+    from torch.distributed import TCPStore
+
+    port = sock.getsockname()[1]
+    try:
+        return TCPStore(
+            host,
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            timeout=timeout,
+            master_listen_fd=sock.fileno(),
+        )
+    finally:
+        sock.detach()  # the store's server listens on it now; never closed under it
 
 
 @contextlib.contextmanager
-def rendezvous_store(port: int) -> Iterator[threading.Event]:
-    """Host the store on ``port``, on every address of this machine, while the block runs; the
-    event it yields is set by SIGTERM or SIGINT (installed first, so one that comes while the
-    store starts is not lost). A port already taken is a ``ValueError``, before anything
+def rendezvous_store(port: int, host: str | None = None) -> Iterator[threading.Event]:
+    """Host the store on ``port`` while the block runs: on ``host`` alone (an address or name
+    of this machine), or on every address when None. The event it yields is set by SIGTERM or
+    SIGINT (installed first, so one that comes while the store starts is not lost). A port
+    already taken, or a host that is not this machine's, is a ``ValueError``, before anything
     listens."""
     from torch.distributed import TCPStore
 
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
+    timeout = datetime.timedelta(seconds=30)
     try:
-        # The server listens on every address; the process's own client connects to loopback.
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            multi_tenant=True,
-            timeout=datetime.timedelta(seconds=30),
-        )
-    except RuntimeError as err:  # the port is taken (another store, a launcher that hosts one)
-        raise ValueError(f"--port {port}: cannot listen there: {err}") from err
+        if host is not None:
+            store = _hosted_store(host, listening_socket(host, port), timeout)
+        else:
+            # The server listens on every address; the process's own client connects to
+            # loopback.
+            store = TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=True,
+                wait_for_workers=False,
+                multi_tenant=True,
+                timeout=timeout,
+            )
+    except (RuntimeError, OSError) as err:  # taken (another store, a launcher), not an address
+        where = f"--host {host} --port {port}" if host is not None else f"--port {port}"
+        raise ValueError(f"{where}: cannot listen there: {err}") from err
     try:
         yield stop
     finally:
         del store  # the server stops with its last reference
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in STATE_TYPES:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def check_state(state: bytes, key: str) -> None:
+    """``RendezvousStateError`` unless ``state`` (the pickle under the store's ``key``) holds
+    nothing but the types of torchrun's rendezvous state (:data:`STATE_TYPES`): unpickled
+    here with that allow-list, so a crafted one runs nothing, before torch unpickles it."""
+    from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+    try:
+        _StateUnpickler(io.BytesIO(state)).load()
+    except Exception as err:  # whatever a crafted or damaged pickle raises
+        raise RendezvousStateError(
+            f"the store's value under {key!r} is not a rendezvous state ({type(err).__name__}: "
+            f"{err}): refused unread; another process writes to this store (it has no "
+            f"authentication: keep it on a private network, docs/operations.md)"
+        ) from None
+
+
+def _checked_backend(store: Any, run_id: str) -> Any:
+    """torchrun's c10d rendezvous backend on ``store``, whose every state read from the store
+    passes :func:`check_state` first."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+
+    class Checked(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:
+            return BACKEND
+
+        def get_state(self) -> Any:
+            got = super().get_state()
+            if got is not None:
+                check_state(got[0], self._key)
+            return got
+
+        def set_state(self, state: bytes, token: Any = None) -> Any:
+            got = super().set_state(state, token)
+            if got is not None:
+                check_state(got[0], self._key)
+            return got
+
+    return Checked(store, run_id)
+
+
+def _job_store(params: Any) -> Any:
+    """The store of a launcher's rendezvous at ``params.endpoint``: hosted here on that
+    address alone when it is an IP address of this machine with the port free, else joined
+    (the port is taken: another launcher or ``raggedfsdp rendezvous`` hosts it); an endpoint
+    given by name goes to torch's own (module Note)."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:  # a name
+        return create_backend(params)[1]
+    timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60))
+    try:
+        return _hosted_store(host, listening_socket(host, port), timeout)
+    except OSError as err:
+        if err.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+            raise
+    return TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+
+
+def _create_handler(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    store = _job_store(params)
+    return create_handler(store, _checked_backend(store, params.run_id), params)
+
+
+def register_backend() -> None:
+    """Make :data:`BACKEND` known to torchrun's agent in this process (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, _create_handler)

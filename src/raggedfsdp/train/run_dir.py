@@ -11,6 +11,13 @@ size). Measured on a 50 MB file (a shared 2-core machine, so a range): sha256 39
 faster checksum would gain too little to give up one that ``sha256sum`` checks by hand. Files
 are hashed in up to 8 threads (hashlib releases the GIL): for many ranks' files on a network
 file system; on 2 busy cores it gained nothing.
+The checksums prove integrity, not authenticity: whoever can write the folder can rewrite
+``COMPLETE.json`` too. With a job secret in :data:`KEY_ENV`, rank 0 signs the record (an
+HMAC-SHA256 of all of it but the signature, in canonical JSON: :func:`sign_record`), and
+verification refuses a record without a signature that this secret makes (compared in
+constant time): a folder altered by someone without the secret no longer verifies. A record
+without ``files`` (format version 1, or stripped) verifies nothing, so it is refused unless
+:data:`UNRECORDED_ENV` is ``1``.
 :func:`verified_checkpoint` is the newest checkpoint that verifies, and which newer ones did
 not and why: what ``--resume`` and ``raggedfsdp export`` of a run folder use.
 """
@@ -18,6 +25,7 @@ not and why: what ``--resume`` and ``raggedfsdp export`` of a run folder use.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -34,8 +42,11 @@ __all__ = [
     "COMPLETE",
     "COMPLETE_KEYS",
     "JOB_ENV",
+    "KEY_ENV",
     "LOCK",
     "OUTPUTS",
+    "UNRECORDED_ENV",
+    "check_no_links",
     "check_out_dir",
     "checkpoint_files",
     "checkpoint_path",
@@ -45,9 +56,11 @@ __all__ = [
     "has_outputs",
     "latest_checkpoint",
     "prepare_out_dir",
+    "remove_entry",
     "remove_partial",
     "resolve_checkpoint",
     "resume_checkpoint",
+    "sign_record",
     "verified_checkpoint",
     "verify_checkpoint",
 ]
@@ -76,6 +89,15 @@ LOCK = ".lock"
 #: The environment variable in which the launcher names the job to its workers
 #: (:func:`current_job`).
 JOB_ENV = "RAGGEDFSDP_JOB"
+
+#: The environment variable holding the job's secret that signs every ``COMPLETE.json`` it
+#: writes and that a checkpoint it reads must be signed with (module Note).
+KEY_ENV = "RAGGEDFSDP_CHECKPOINT_KEY"
+#: The environment variable that, set to ``1``, accepts a checkpoint whose ``COMPLETE.json``
+#: records no files (module Note).
+UNRECORDED_ENV = "RAGGEDFSDP_ACCEPT_UNRECORDED"
+#: The key of the signature in ``COMPLETE.json``.
+_SIGNATURE = "hmac_sha256"
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -133,8 +155,33 @@ def remove_partial(out: str | Path) -> list[Path]:
     root = Path(out) / CHECKPOINTS
     removed = sorted(root.glob("step_*.tmp")) if root.is_dir() else []
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_entry(path)
     return removed
+
+
+def remove_entry(path: Path) -> None:
+    """Delete ``path`` (a file, a folder and what it holds, or a symbolic link) without ever
+    following a link: what a run deletes in its folder is the folder's own."""
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+def check_no_links(out: str | Path) -> None:
+    """``ValueError`` naming the first symbolic link among the outputs of the run folder
+    ``out`` (:data:`OUTPUTS` and all they hold): a run resumed there would write through it,
+    wherever it points (SECURITY.md). ``out`` itself may be a link: the user chose it."""
+    out = Path(out)
+    for name in OUTPUTS:
+        top = out / name
+        tree = os.walk(top) if top.is_dir() and not top.is_symlink() else ()
+        for entry in (top, *(Path(d) / n for d, dirs, files in tree for n in dirs + files)):
+            if entry.is_symlink():
+                raise ValueError(
+                    f"out: {str(entry)!r} is a symbolic link (to {os.readlink(entry)!r}); a run "
+                    f"writes its outputs only into its own folder: remove the link to resume"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,14 +238,45 @@ def _file_records(records: Any) -> dict[str, tuple[int, str]] | str:
     return out
 
 
+def _signature(record: dict[str, Any], key: str) -> str:
+    signed = {name: value for name, value in record.items() if name != _SIGNATURE}
+    # As the file will read back (tuples as lists, keys as strings), then canonical.
+    text = json.dumps(json.loads(json.dumps(signed)), sort_keys=True, separators=(",", ":"))
+    return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_record(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` (a ``COMPLETE.json``) with its signature by the secret in :data:`KEY_ENV`;
+    as it is when none is set."""
+    key = os.environ.get(KEY_ENV)
+    return {**record, _SIGNATURE: _signature(record, key)} if key else record
+
+
+def _check_signature(meta: dict[str, Any]) -> str | None:
+    """Why ``meta`` is not signed by the secret in :data:`KEY_ENV`; None when it is, or when no
+    secret is set (nothing to check it with)."""
+    key = os.environ.get(KEY_ENV)
+    if not key:
+        return None
+    given = meta.get(_SIGNATURE)
+    if not isinstance(given, str):
+        return f"{COMPLETE} is not signed, and {KEY_ENV} is set: refused"
+    if not hmac.compare_digest(given, _signature(meta, key)):
+        return (
+            f"{COMPLETE}: its signature is not {KEY_ENV}'s (altered, or written by another "
+            f"job's secret): refused"
+        )
+    return None
+
+
 def verify_checkpoint(path: str | Path) -> str | None:
     """None when the checkpoint folder ``path`` is intact, else why not, in a few words that
     name the file (``__0_0.distcp: 12,288 bytes, expected 24,576``).
 
-    Checks that ``COMPLETE.json`` is readable and has its keys, then that every file it
-    records exists with the recorded size, then the recorded checksums. A checkpoint written
-    before the files were recorded (format version 1) has no such records: it is treated as
-    verified by its ``COMPLETE.json`` alone. Files not recorded are ignored. Reads the whole
+    Checks that ``COMPLETE.json`` is readable, has its keys and, with a secret in
+    :data:`KEY_ENV`, is signed by it; then that every file it records exists with the recorded
+    size, then the recorded checksums. A record without files (format version 1) is refused,
+    unless :data:`UNRECORDED_ENV` is ``1``. Files not recorded are ignored. Reads the whole
     checkpoint (module Note: ~650 MB/s per core)."""
     root = Path(path)
     try:
@@ -215,8 +293,16 @@ def verify_checkpoint(path: str | Path) -> str | None:
     named = _STEP_DIR.match(root.name)
     if named and meta["step"] != int(named.group(1)):
         return f"{COMPLETE} records step {meta['step']}, not {int(named.group(1))}"
-    if "files" not in meta:
-        return None  # written before the files were recorded
+    unsigned = _check_signature(meta)
+    if unsigned is not None:
+        return unsigned
+    if "files" not in meta:  # written before the files were recorded, or stripped
+        if os.environ.get(UNRECORDED_ENV) == "1":
+            return None
+        return (
+            f"{COMPLETE} records no files, so nothing verifies them; set {UNRECORDED_ENV}=1 "
+            f"to accept it unverified"
+        )
     records = _file_records(meta["files"])
     if isinstance(records, str):
         return records
@@ -352,7 +438,10 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Pat
         raise ValueError(f"out: {str(out)!r} exists and is not a folder")
     # The lock is this job's (the launcher took it before this check), never a run's output.
     entries = sorted(p for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
-    if not entries or resume:
+    if not entries:
+        return []
+    if resume:
+        check_no_links(out)
         return []
     if not overwrite:
         raise ValueError(
@@ -371,8 +460,5 @@ def check_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> list[Pat
 def prepare_out_dir(out: str | Path, *, resume: bool, overwrite: bool) -> None:
     """:func:`check_out_dir`, then delete what it allows and create the folder."""
     for target in check_out_dir(out, resume=resume, overwrite=overwrite):
-        if target.is_dir():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
+        remove_entry(target)
     Path(out).mkdir(parents=True, exist_ok=True)
