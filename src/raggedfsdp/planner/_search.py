@@ -151,7 +151,7 @@ class _Bucket:
         states = math.prod(t.count + 1 for t in self.types)
         width = states if states <= _EXACT_STATES else _BEAM_WIDTH * len(self.items)
         dp_cost = width * len(self.types)
-        #: Small enough for the type-count DP at every candidate size (as it always was).
+        #: Small enough for the type-count DP at every candidate size.
         self.small = dp_cost <= _DP_BUDGET
         #: Small enough for the DP (its beam) at a few sizes, within the work budget.
         self.medium = dp_cost <= _MEDIUM_DP
@@ -262,9 +262,9 @@ class _Bucket:
 # - *Order matters.* Each size first gets the cheap orders: model order (ties go to model order),
 #   large units first, large tensors first. For a small bucket (a dense layer) the exact dynamic
 #   program over type counts follows -- how many of each type are placed, the smallest cursor per
-#   state -- which becomes a beam search when the state space is large, as it always was.
+#   state -- which becomes a beam search when the state space is large.
 # - *Large buckets are searched rank by rank.* Placing tensors one at a time costs the DP a layer
-#   per tensor, which is what made a layer of hundreds of experts take seconds. Inside one rank the
+#   per tensor, which would make a layer of hundreds of experts take seconds. Inside one rank the
 #   order of the tensors that fit does not matter, only which ones and which tensor crosses the
 #   rank's end; so :func:`window_beam` extends a beam of partial placements one rank at a time: a
 #   few rare tensors (norms, a router, attention) chosen depth-first, the common ones (the experts)

@@ -453,7 +453,7 @@ def train(cfg: TrainConfig) -> None:
             print(dry_run_report(cfg, world.size))
         return
     health.die_with_agent()
-    # From here a SIGTERM ends the job after a checkpoint (it used to end it at once).
+    # From here a SIGTERM ends the job after a checkpoint (before here, at once).
     preemption = Preemption(cfg.preempt_grace_s, rank=world.rank)
     # Start-up is watched too: a peer that never arrives must end the job, not hang it.
     watchdog = health.StepWatchdog(

@@ -34,13 +34,13 @@ class Finding:
 # raise the same error at the same point of its program (never a silent NaN everywhere, never one
 # rank raising while the others wait in the next collective). Reading a flag on the host makes the
 # host wait for the device's queue, which on a GPU drains it and breaks the prefetch overlap; the
-# old per-message check paid that W times per all-gather and W + 1 times per reduce-scatter (115
-# times per forward and backward of a 16-layer GPT at W = 2). Now:
+# check per message would pay that W times per all-gather and W + 1 times per reduce-scatter (115
+# times per forward and backward of a 16-layer GPT at W = 2). So:
 #
-# - the messages carry the poison as before: a non-finite master weight leaves a non-finite scale in
-#   its rank's all-gather message, and a rank whose gradient has one seals every reduce-scatter
-#   message it sends as poisoned ([Note: non-finite gradients] in ``_codec.py``), with no host sync
-#   on the sender;
+# - the messages carry the poison: a non-finite master weight leaves a non-finite scale in its
+#   rank's all-gather message, and a rank whose gradient has one seals every reduce-scatter message
+#   it sends as poisoned ([Note: non-finite gradients] in ``_codec.py``), with no host sync on the
+#   sender;
 # - each compressed collective, once its messages are in, works out on the device whether one was
 #   bad and where (a :class:`Finding`: a 0-d flag and a few indices) and hands it to the root's
 #   :class:`NonFiniteCheck`; the dequantized values carry NaN on, so nothing downstream mistakes
@@ -53,7 +53,7 @@ class Finding:
 #   direction, none uncompressed.
 # - Only when the flag is set does the root read the findings one by one, in the order the
 #   collectives finished (the same on every rank), and raise the first one's error, naming the
-#   parameter and the rank, as the per-message check did.
+#   parameter and the rank.
 #
 # Every rank has the same findings in the same order (each receives every rank's all-gather message,
 # and the poison of a sealed reduce-scatter sender reaches every rank), so every rank raises the
