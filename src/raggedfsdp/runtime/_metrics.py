@@ -3,8 +3,8 @@
 One :class:`RuntimeStats` is shared by every unit of a model (the root creates it); the collectives
 and the copy sites add to it. ``model.stats()`` returns a snapshot as a plain dict and
 ``model.reset_stats()`` starts a new window (typically one optimizer step). :class:`HostSyncCounter`
-counts host synchronisations, for tests and benchmarks. How waits are timed on an accelerator:
-[Note: timing waits on an accelerator] at :class:`_EventTimes`.
+counts host synchronisations, for tests and benchmarks. Waits on an accelerator are timed as
+:class:`_EventTimes` says ([Note: timing waits on an accelerator]).
 """
 
 from __future__ import annotations
