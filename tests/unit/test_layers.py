@@ -106,21 +106,28 @@ def test_functions_are_short(path: Path) -> None:
 DOCSTRING_LINES = 8
 
 
-def _docstring_lines(source: str) -> int:
-    """Lines of the module docstring in ``source`` (0 when it has none)."""
-    doc = ast.get_docstring(ast.parse(source), clean=False)
-    return 0 if doc is None else len(doc.splitlines())
+def _docstring_problems(source: str) -> list[str]:
+    """What is wrong with the module docstring in ``source``: over :data:`DOCSTRING_LINES` lines,
+    or a summary that runs past its first line."""
+    doc = ast.get_docstring(ast.parse(source), clean=False) or ""
+    lines = doc.splitlines()
+    problems = [f"{len(lines)} lines"] if len(lines) > DOCSTRING_LINES else []
+    if len(lines) > 1 and lines[1].strip():
+        problems.append("summary over one line")
+    return problems
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_module_docstring_is_short(path: Path) -> None:
-    assert _docstring_lines(path.read_text()) <= DOCSTRING_LINES
+    assert _docstring_problems(path.read_text()) == []
 
 
 def test_a_long_module_docstring_is_seen() -> None:
-    """Negative control: a nine-line docstring is counted as nine."""
-    source = '"""' + "\n".join(f"line {i}" for i in range(9)) + '"""\nx = 1\n'
-    assert _docstring_lines(source) == 9 > DOCSTRING_LINES
+    """Negative controls: a nine-line docstring, and a summary wrapped onto a second line."""
+    nine = '"""Summary.\n\n' + "\n".join(f"line {i}" for i in range(7)) + '"""\nx = 1\n'
+    assert _docstring_problems(nine) == ["9 lines"]
+    assert _docstring_problems('"""A summary\nwrapped."""\n') == ["summary over one line"]
+    assert _docstring_problems('"""Summary.\n\nBody."""\n') == []
 
 
 ROOT = PACKAGE.parents[1]
