@@ -1,24 +1,10 @@
 """raggedfsdp: structure-aware fully sharded data parallelism for PyTorch.
 
-The layers, each a room of its own (imports flow down this list only):
-
-- ``layout``      RaggedShard policies, ShardLayout (pure Python, no group)
-- ``planner``     StructAwarePlanner, ShardPlan, the one bucketing (pure Python, no group); beside
-  it, never importing it nor imported by it, ``tensor``: the sharded tensor (RaggedTensor, its
-  RaggedShardPlacement and ShardInfo, its ops and the readers of it)
-- ``runtime``     fully_shard / FSDPBackend, DBuffer, collectives, hooks; beside it, never
-  importing it nor imported by it, ``capacity``: the cost model (memory, bytes and time per
-  step of a plan, raggedfsdp beside FSDP2; pure Python, no group)
-- ``checkpoint``  full state dicts, optimizer state for DCP; ``optim``, ``clip``, ``materialize``
-- ``integration`` the list of what raggedfsdp changes in torch; its ``install()`` makes them now
-- ``train``, ``bench``  the job (the torchrun worker and its launch), the benchmark
-- ``cli``         the ``raggedfsdp`` commands, each ``configure(parser)`` and ``run(args)``
-
-Importing the package changes nothing in torch. The first ``fully_shard``, ragged placement or
-RaggedTensor adapts torch once (idempotent): torch's ``register_fsdp_forward_method``,
-``distribute_tensor`` and ``torch.distributed.checkpoint.state_dict`` then handle raggedfsdp's
-sharded modules, and RaggedTensor joins torch's foreach-supported types
-(:mod:`raggedfsdp.integration` lists them; its ``install()`` makes them at once).
+The rooms (``layout``, ``planner`` beside ``tensor``, ``runtime`` beside ``capacity``,
+``checkpoint``, ``optim``, ``clip``, ``materialize``, ``integration``, ``train``, ``bench``,
+``cli``) import down that list only (README.md, "Layout"). Importing the package changes nothing in
+torch: the first ``fully_shard``, ragged placement or RaggedTensor adapts torch once
+(:mod:`raggedfsdp.integration` lists what changes; its ``install()`` makes them at once).
 """
 
 # First, before torch loads (seconds): a worker of ``raggedfsdp train`` dies with its launcher

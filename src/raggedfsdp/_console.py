@@ -1,5 +1,8 @@
-"""What the ``raggedfsdp`` commands print and how they exit: exit statuses, one-line errors,
-byte counts; and how they write a file a user named: checked before the work, written whole."""
+"""What the ``raggedfsdp`` commands print and how they exit.
+
+Exit statuses, one-line errors, byte counts; and how they write a file a user named: checked before
+the work, written whole.
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """A worker's lifeline to its launcher: the worker dies with it, from its first instruction.
 
-torchrun starts each worker in a session of its own, so a launcher that dies without its
-``finally`` blocks (the OOM killer, a lost host's ``kill -9``, a scheduler's SIGKILL) leaves its
-workers running: re-parented to init (or a subreaper), they would train to the last step into
-``--out``, unsupervised, while the surviving agents of a multi-node job wait at their exit
-barrier for a node that will never come.
-
-So ``raggedfsdp train``'s launcher gives its workers its PID (:data:`LAUNCHER_PID`), and
-``import raggedfsdp`` - the first thing ``python -m raggedfsdp.train`` runs, before torch loads,
-which takes seconds - calls :func:`hold_from_env`: on Linux the kernel then SIGKILLs the worker
-the moment its parent dies (``PR_SET_PDEATHSIG``); elsewhere a thread checks every
-:data:`POLL_S`. Either way the worker first checks that the launcher did not die between its
-fork and that call (the kernel signals only deaths after it). Only stdlib modules load here.
+torchrun starts each worker in a session of its own, so a launcher killed without its ``finally``
+blocks would leave its workers training, unsupervised, while a multi-node job's other agents wait
+for a node that never comes. ``import raggedfsdp`` (before torch loads) calls :func:`hold_from_env`,
+and the worker dies when the launcher does: how, the comment at :func:`hold`. Only stdlib modules
+load here.
 """
 
 from __future__ import annotations
@@ -42,6 +35,12 @@ def hold_from_env() -> None:
         hold(int(text))
 
 
+# So ``raggedfsdp train``'s launcher gives its workers its PID (:data:`LAUNCHER_PID`), and ``import
+# raggedfsdp`` - the first thing ``python -m raggedfsdp.train`` runs, before torch loads, which
+# takes seconds - calls :func:`hold_from_env`: on Linux the kernel then SIGKILLs the worker the
+# moment its parent dies (``PR_SET_PDEATHSIG``); elsewhere a thread checks every :data:`POLL_S`.
+# Either way the worker first checks that the launcher did not die between its fork and that call
+# (the kernel signals only deaths after it). Only stdlib modules load here.
 def hold(parent: int) -> None:
     """End this process (SIGKILL, as the kernel would) as soon as process ``parent``, which
     must be its parent, is gone - at once if it is gone already. Once per process: the first

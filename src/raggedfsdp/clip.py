@@ -1,12 +1,10 @@
 """Gradient clipping by the GLOBAL norm over sharded and unsharded parameters.
 
-``torch.nn.utils.clip_grad_norm_`` on local shards would clip each rank by the norm of its own
-pieces: different ranks would scale by different factors. Here every rank computes the norm of
-the whole gradient: sharded parameters contribute ``sum |g|^p`` of their local pieces, summed over
-their shard process group by ONE all-reduce per group (``MAX`` for the infinity norm) -- and over
-the groups of the mesh dims tensor or expert parallelism cuts a DTensor on, where torch's own
-``clip_grad_norm_`` cannot mix DTensors of several meshes; unsharded parameters are held whole by
-every rank and counted once, locally.
+``torch.nn.utils.clip_grad_norm_`` on local shards would scale each rank by its own pieces' norm.
+Here sharded parameters contribute ``sum |g|^p`` of their local pieces, summed by ONE all-reduce per
+shard group (``MAX`` for the infinity norm) and over the mesh dims tensor or expert parallelism cuts
+a DTensor on (where torch's own cannot mix DTensors of several meshes); unsharded parameters are
+held whole by every rank and counted once, locally.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """raggedfsdp's integration with torch: everything it changes in torch, in one list.
 
-Nothing changes at ``import raggedfsdp`` (nor in ``raggedfsdp plan``, which only reads shapes).
-Each change lives with what it adapts and is made once, on first use: the first
-``fully_shard`` makes all four, the first ragged placement or RaggedTensor the sharded
-tensor's three ([Note: torch adapted on first use] in ``raggedfsdp/tensor/_placement.py``).
-:func:`install` makes them all now, for code that hands torch raggedfsdp's objects before
-either. Each change is contained: torch behaves as before for whatever is not raggedfsdp's
-(modules it did not shard, tensors that are not ragged shards, optimizers over plain
-parameters).
+Nothing changes at ``import raggedfsdp``. Each change lives with what it adapts and is made once, on
+first use: the first ``fully_shard`` makes all four, the first ragged placement or RaggedTensor the
+sharded tensor's three ([Note: torch adapted on first use] in ``raggedfsdp/tensor/_placement.py``).
+:func:`install` makes them all now. Each is contained: torch behaves as before for whatever is not
+raggedfsdp's.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """RaggedShard: how each parameter may be cut, and where each rank's piece of it lies.
 
-Two nouns live here:
-
-- :class:`RaggedShard` is the user's policy. It turns a parameter's name and shape into its
-  *unit*: the run of ``unit_numel`` contiguous elements (row-major) that must never be split.
-  Allowed cut points inside a parameter are ``j * unit_numel`` and the parameter's end, so a
-  partial last unit is legal and nothing is ever dropped.
-- :class:`ShardLayout` is one parameter's placement over the ranks: a contiguous range of its
-  flattened index space per rank (possibly empty), plus the geometry to move between the full
-  tensor and a rank's piece (``local_shape``, ``boxes``, ``to_local``, ``from_locals``).
-
-The sharded tensor that carries a layout, its DTensor placement and their readers are
-:mod:`raggedfsdp.tensor`'s. Everything here is pure Python over shapes; no process group is
-needed (the planner and the ``plan`` command use it alone).
+:class:`RaggedShard` is the user's policy (a parameter's *unit*, the run of elements never split:
+cut points are multiples of it and the parameter's end, so a partial last unit is legal);
+:class:`ShardLayout` is one parameter's placement over the ranks and the geometry between the full
+tensor and a rank's piece. The sharded tensor that carries a layout is :mod:`raggedfsdp.tensor`'s.
+Pure Python over shapes; no process group (the planner and the ``plan`` command use it alone).
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Initialise a model built on the meta device, shard by shard, as if it had been built whole.
 
-``fully_shard`` of a meta-device model keeps its shards on meta. :func:`init_sharded_` gives
-them memory (zeros, on each unit's device) without ever holding a full parameter, then fills
-them: for each parameter in model order it lets ``init_fn`` fill one full-size temporary, from
-the same random stream a whole build would use, and keeps this rank's piece. Every rank runs the
-same stream, so the result equals a whole build with the same seed bit for bit; the only
-full-size memory is one parameter at a time. (``model.to_empty(device=...)`` then the
-parameters' own initialisation, FSDP2's recipe, works too: random fills of a sharded parameter
-draw the whole tensor, [Note: ragged shards as DTensors].)
+``fully_shard`` of a meta-device model keeps its shards on meta. :func:`init_sharded_` gives them
+memory without ever holding a full parameter, then for each parameter in model order lets
+``init_fn`` fill one full-size temporary from the same random stream a whole build would use and
+keeps this rank's piece: bit for bit a whole build with the same seed, one full parameter at a time.
+(FSDP2's recipe, ``to_empty`` then the parameters' own initialisation, works too: random fills of a
+sharded parameter draw the whole tensor, [Note: ragged shards as DTensors].)
 """
 
 from __future__ import annotations

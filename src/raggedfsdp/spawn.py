@@ -1,12 +1,10 @@
 """Run a function on W fresh processes joined by a process group, and collect what each returns.
 
-Used by ``raggedfsdp bench``, the benchmarks and the multi-process tests. Each rank runs
-``fn(rank, world_size, *args)`` in a spawned interpreter with one compute thread and a real
-``torch.distributed`` group: NCCL when every rank can have its own GPU, Gloo otherwise. Results
-travel back through ``torch.save`` files, so they are judged even when Gloo aborts a process at
-exit after its work is done (a known Gloo quirk; ``os._exit`` skips that teardown). An exception
-on any rank is raised here with that rank's traceback; a rank that does not finish within
-``timeout`` seconds is killed and reported instead of hanging the caller.
+For ``raggedfsdp bench``, the benchmarks and the multi-process tests: each rank runs ``fn(rank,
+world_size, *args)`` in a spawned interpreter with one compute thread and NCCL (a GPU per rank) or
+Gloo. Results travel back through ``torch.save`` files, so they are judged even when Gloo aborts a
+process at exit (``os._exit`` skips that teardown). A rank's exception is raised here with its
+traceback; a rank that outruns ``timeout`` is killed and reported instead of hanging the caller.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The benchmark behind ``raggedfsdp bench``: raggedfsdp against FSDP2, DDP and the compute
-floor, interleaved.
+"""The benchmark behind ``raggedfsdp bench``: raggedfsdp against FSDP2, DDP and the compute floor.
 
-Offers the library call (:func:`run_bench` with :class:`BenchOptions`), which returns the
-results as a JSON-ready dict; the command and its tables are :mod:`raggedfsdp.cli.bench`. The
-phases live in ``systems`` (what is compared), ``profile`` (the profiled step), ``memory`` (the
-memory phase) and ``slow_link`` (the rate-limited loopback of ``--link-gbit``).
+The systems run interleaved. Offers the library call (:func:`run_bench` with :class:`BenchOptions`),
+which returns the results as a JSON-ready dict; the command and its tables are
+:mod:`raggedfsdp.cli.bench`. The phases live in ``systems`` (what is compared), ``profile`` (the
+profiled step), ``memory`` (the memory phase) and ``slow_link`` (the rate-limited loopback of
+``--link-gbit``).
 """
 
 from .options import BENCH_MODELS, DEFAULT_SYSTEMS, SYSTEMS, BenchOptions

@@ -1,15 +1,9 @@
-"""What a link gives two ranks, measured: the slow-link bed's figures as the step-time model
-takes them (:mod:`raggedfsdp.capacity.hardware`: a bandwidth per rank per direction, and a fixed
-cost per collective).
+"""What a link gives two ranks, measured, as the step-time model takes a link's figures.
 
-Two ranks exchange messages (4 MiB by default) one way (rank 0 to rank 1) and both ways at
-once, as a collective's transfers run, time one-element all-gathers back to back (the fixed cost
-every collective pays whatever its size) and ping-pong one element (a bare message's latency).
-Both ways, it also takes each rank's CPU time (its threads', the kernel's work done on their
-behalf included) per byte it sends: on a throttled link the kernel's per-packet work costs
-several times what the same bytes cost on plain loopback, and that CPU is taken from the
-compute a collective overlaps (:attr:`raggedfsdp.capacity.hardware.Hardware.link_cpu_s_per_byte`).
-``tools/calibrate_cpu_gloo.py`` takes the ``cpu-gloo`` preset's link figures from it.
+A bandwidth per rank per direction, a fixed cost per collective, a bare message's latency, and the
+CPU per byte sent (:mod:`raggedfsdp.capacity.hardware`); ``tools/calibrate_cpu_gloo.py`` takes the
+``cpu-gloo`` preset's link figures from it. What is timed, and why the CPU: the comment at
+:func:`probe_link`.
 """
 
 from __future__ import annotations
@@ -75,6 +69,13 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# Two ranks exchange messages (4 MiB by default) one way (rank 0 to rank 1) and both ways at once,
+# as a collective's transfers run, time one-element all-gathers back to back (the fixed cost every
+# collective pays whatever its size) and ping-pong one element (a bare message's latency). Both
+# ways, it also takes each rank's CPU time (its threads', the kernel's work done on their behalf
+# included) per byte it sends: on a throttled link the kernel's per-packet work costs several times
+# what the same bytes cost on plain loopback, and that CPU is taken from the compute a collective
+# overlaps (:attr:`raggedfsdp.capacity.hardware.Hardware.link_cpu_s_per_byte`).
 def probe_link(
     rate_gbit: float | None,
     burst_kb: int = DEFAULT_BURST_KB,

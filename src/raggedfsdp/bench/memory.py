@@ -1,6 +1,7 @@
-"""The memory phase of ``raggedfsdp bench``: one system per fresh process group, with the
-profiler's allocation tracking on from before the model is built, so its records hold every tensor
-byte that system allocated; peak RSS of the same process is reported beside it.
+"""The memory phase of ``raggedfsdp bench``: one system per fresh process group.
+
+The profiler's allocation tracking is on from before the model is built, so its records hold every
+tensor byte that system allocated; peak RSS of the same process is reported beside it.
 """
 
 from __future__ import annotations

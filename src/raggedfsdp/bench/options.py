@@ -1,5 +1,7 @@
-"""What one ``raggedfsdp bench`` invocation runs: the systems and the options (their flags are
-:mod:`raggedfsdp.cli.bench`)."""
+"""What one ``raggedfsdp bench`` invocation runs: the systems and the options.
+
+Their flags are :mod:`raggedfsdp.cli.bench`'s.
+"""
 
 from __future__ import annotations
 

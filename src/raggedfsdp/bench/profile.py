@@ -1,6 +1,8 @@
-"""Analysis of one profiled ``raggedfsdp bench`` step: copy-like operators counted by where they
-run, collective calls and bytes (as :class:`raggedfsdp.runtime.RuntimeStats` counts them), and the
-step's main-thread time split by kind.
+"""Analysis of one profiled ``raggedfsdp bench`` step.
+
+Copy-like operators counted by where they run, collective calls and bytes (as
+:class:`raggedfsdp.runtime.RuntimeStats` counts them), and the step's main-thread time split by
+kind.
 """
 
 from __future__ import annotations

@@ -1,50 +1,10 @@
 """``raggedfsdp bench``: step time, copies, bytes and memory of raggedfsdp against FSDP2 and DDP.
 
-[Note: the protocol] (docs/design.md, "Benchmark protocol") Each system trains the same GPT from the
-same seed on the same batches, with ``torch.optim.AdamW`` in fp32, one thread per rank:
-
-- ``raggedfsdp``       ``FSDPBackend`` with zero copy (parameters and gradients are views of the
-                       bucket buffers);
-- ``raggedfsdp-copy``  the same with ``DBufferConfig(zero_copy=False)`` (FSDP2-style copies);
-- ``fsdp2``            ``torch.distributed.fsdp.fully_shard`` on each block, then the root;
-- ``fsdp2-last``       the same with ``reshard_after_forward=False`` on the last block, as
-                       torchtitan configures it (raggedfsdp keeps that unit unsharded by itself);
-- ``ddp``              ``DistributedDataParallel`` with its defaults;
-- ``floor``            every rank trains its own unsharded replica on its per-rank batch with no
-                       communication at all. The ranks run it *concurrently*, so it sees the same
-                       core and memory-bandwidth contention as the distributed systems: it is the
-                       limit a W-rank step can reach on this machine.
-
-Phases, each in freshly spawned processes (one per rank):
-
-1. **timing**: all selected systems live side by side in each rank process and run
-   *interleaved*: round ``k`` gives every system one step on batch ``k``, in an order rotated by
-   ``k``, each step starting at a barrier, so machine noise and thermal drift hit all systems
-   alike. A step (zero_grad, forward, backward, optimizer) is timed on every rank; its time is the
-   slowest rank's; the reported figure is the median over the measured rounds after the warm-ups
-   (with the best step and the median per-round ratio beside it, which resist noise from other
-   work on a shared machine). Then ``profile_rounds`` more steps of each system run under
-   ``torch.profiler`` (not timed) to count copy-like operators, measure collective sizes and
-   split the step's main-thread time by kind.
-2. **memory** (per system, a fresh process group each): the profiler's allocation tracking is on
-   from before the model is built, so the allocator's running total in its allocation records is
-   exactly the live tensor bytes this process allocated for that system alone; its maximum
-   during the last step is the tensor high-water mark, and what is live at that moment is
-   listed by allocation site. Peak RSS of the same fresh process is reported beside it. (Peak
-   RSS of the timing processes would mix all systems, so it is not used.) On CUDA the tensor
-   figures are ``torch.cuda`` allocator statistics instead.
-
-Collective bytes follow :class:`raggedfsdp.runtime.RuntimeStats`: per rank, what the rank feeds
-into the collective (all-gather: its shard; reduce-scatter: the whole unsharded gradient;
-all-reduce: the tensor). For every system they are read from the profiler (the ``c10d::`` operator
-input shapes; raggedfsdp's point-to-point collectives on Gloo from Gloo's ``gloo:send`` records);
-Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only Gloo
-all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
-
-The options are in :mod:`.options`, the systems are built and stepped in :mod:`.systems`, the
-profiled step is analysed in :mod:`.profile` and the memory phase runs in :mod:`.memory`; this
-module drives the phases and merges what the ranks report into a JSON-ready dict, which
-:mod:`raggedfsdp.cli.bench` prints.
+This module drives the phases (timing, then memory, each in freshly spawned processes) and merges
+what the ranks report into a JSON-ready dict, which :mod:`raggedfsdp.cli.bench` prints; the options,
+systems, profile analysis and memory phase are :mod:`.options`, :mod:`.systems`, :mod:`.profile` and
+:mod:`.memory`. The systems, the phases and how bytes are counted: [Note: the protocol] at
+:func:`run_bench`.
 """
 
 from __future__ import annotations
@@ -76,6 +36,46 @@ __all__ = ["run_bench"]
 # Driver (the parent process): launch the phases, merge what the ranks report.
 
 
+# [Note: the protocol] (docs/design.md, "Benchmark protocol") Each system trains the same GPT from
+# the same seed on the same batches, with ``torch.optim.AdamW`` in fp32, one thread per rank:
+#
+# - ``raggedfsdp``       ``FSDPBackend`` with zero copy (parameters and gradients are views of the
+#   bucket buffers);
+# - ``raggedfsdp-copy``  the same with ``DBufferConfig(zero_copy=False)`` (FSDP2-style copies);
+# - ``fsdp2``            ``torch.distributed.fsdp.fully_shard`` on each block, then the root;
+# - ``fsdp2-last``       the same with ``reshard_after_forward=False`` on the last block, as
+#   torchtitan configures it (raggedfsdp keeps that unit unsharded by itself);
+# - ``ddp``              ``DistributedDataParallel`` with its defaults;
+# - ``floor``            every rank trains its own unsharded replica on its per-rank batch with no
+#   communication at all. The ranks run it *concurrently*, so it sees the same core and
+#   memory-bandwidth contention as the distributed systems: it is the limit a W-rank step can reach
+#   on this machine.
+#
+# Phases, each in freshly spawned processes (one per rank):
+#
+# 1. **timing**: all selected systems live side by side in each rank process and run *interleaved*:
+#    round ``k`` gives every system one step on batch ``k``, in an order rotated by ``k``, each step
+#    starting at a barrier, so machine noise and thermal drift hit all systems alike. A step
+#    (zero_grad, forward, backward, optimizer) is timed on every rank; its time is the slowest
+#    rank's; the reported figure is the median over the measured rounds after the warm-ups (with the
+#    best step and the median per-round ratio beside it, which resist noise from other work on a
+#    shared machine). Then ``profile_rounds`` more steps of each system run under ``torch.profiler``
+#    (not timed) to count copy-like operators, measure collective sizes and split the step's
+#    main-thread time by kind.
+# 2. **memory** (per system, a fresh process group each): the profiler's allocation tracking is on
+#    from before the model is built, so the allocator's running total in its allocation records is
+#    exactly the live tensor bytes this process allocated for that system alone; its maximum during
+#    the last step is the tensor high-water mark, and what is live at that moment is listed by
+#    allocation site. Peak RSS of the same fresh process is reported beside it. (Peak RSS of the
+#    timing processes would mix all systems, so it is not used.) On CUDA the tensor figures are
+#    ``torch.cuda`` allocator statistics instead.
+#
+# Collective bytes follow :class:`raggedfsdp.runtime.RuntimeStats`: per rank, what the rank feeds
+# into the collective (all-gather: its shard; reduce-scatter: the whole unsharded gradient;
+# all-reduce: the tensor). For every system they are read from the profiler (the ``c10d::`` operator
+# input shapes; raggedfsdp's point-to-point collectives on Gloo from Gloo's ``gloo:send`` records);
+# Gloo runs a reduce-scatter as a full all-reduce, so the all-reduce row counts only Gloo
+# all-reduces that no reduce-scatter issued. raggedfsdp's own counters are reported beside them.
 def run_bench(options: BenchOptions, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the benchmark and return its results as a JSON-ready dict.
 

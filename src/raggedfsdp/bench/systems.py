@@ -1,5 +1,7 @@
-"""The systems ``raggedfsdp bench`` compares: how each is built from the shared seed, the batches
-they all train on, and one timed training step with the counters read around it.
+"""The systems ``raggedfsdp bench`` compares, and one timed training step of each.
+
+How each is built from the shared seed, the batches they all train on, and one timed training step
+with the counters read around it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The cost model: what a plan costs each rank in memory, bytes and time per step, for
-raggedfsdp and for FSDP2 on the same shapes, against a device preset. Pure Python over shapes
-(models on the meta device), no process group.
+"""The cost model: what a plan costs each rank in memory, bytes and time per step.
 
-The modules, bottom up: ``parallel`` (what each rank holds under tensor and expert
-parallelism), ``shapes`` (what a model computes and keeps per token), ``hardware`` (device
-presets), ``wire`` (what compressed communication moves), ``cost`` (bytes per
-rank), ``steptime`` (time per step), ``parallel_comm`` (what tensor and expert parallelism
-send), ``capacity`` (all of it at each world size: will it fit, and how fast; which ``(dp, tp,
-ep)`` fits). ``report`` (the ``plan`` command's padding figures beside FSDP2 and FSDP1) is
-imported on demand, so the training worker, which costs its own plan before it
-starts, never loads it. What each system costed does differently (:class:`System`,
-:data:`RAGGEDFSDP`, :data:`FSDP2`) and the degrees (:class:`ParallelDims`) are facts the
-runtime shares: :mod:`raggedfsdp.facts`, re-exported here.
+For raggedfsdp and for FSDP2 on the same shapes, against a device preset; pure Python over shapes
+(models on the meta device), no process group. ``report`` (the ``plan`` command's padding figures)
+is imported on demand, so the training worker, which costs its own plan before it starts, never
+loads it. What each system costed does differently (:class:`System`, :data:`RAGGEDFSDP`,
+:data:`FSDP2`) and the degrees (:class:`ParallelDims`) are :mod:`raggedfsdp.facts`', re-exported.
 """
 
 from ..facts import ParallelDims

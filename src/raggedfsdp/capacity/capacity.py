@@ -1,13 +1,10 @@
-"""Will it fit, and how fast: a model planned at a world size and costed for raggedfsdp and for
-FSDP2 on the same shapes (memory per rank, bytes per step, step time), against a
-:class:`~.hardware.Hardware` with a memory reserve.
+"""Will it fit, and how fast: a model planned at a world size and costed for raggedfsdp and FSDP2.
 
-The logic behind ``raggedfsdp plan --gpu ...`` and the preflight of ``raggedfsdp train``; pure
-Python over shapes. Memory comes from :mod:`.cost`, time from :mod:`.steptime`, what a model
-computes and keeps from :mod:`.shapes`. Under tensor and expert parallelism (``tp``, ``ep``)
-each rank's pieces are planned over their FSDP groups (:mod:`.parallel`), their activations'
-and tokens' traffic is :mod:`.parallel_comm`, and :func:`search_mesh` finds the ``(dp, tp,
-ep)`` that fit a number of devices.
+Memory per rank, bytes per step and step time against a :class:`~.hardware.Hardware` with a memory
+reserve: the logic behind ``raggedfsdp plan --gpu ...`` and the preflight of ``raggedfsdp train``;
+pure Python over shapes. Under tensor and expert parallelism each rank's pieces are planned over
+their FSDP groups (:mod:`.parallel`), and :func:`search_mesh` finds the ``(dp, tp, ep)`` that fit a
+number of devices.
 """
 
 from __future__ import annotations

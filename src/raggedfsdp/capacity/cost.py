@@ -1,37 +1,9 @@
-"""What a training step costs each rank, in bytes, from the plans: raggedfsdp, and FSDP2 on the
-same shapes.
+"""What a training step costs each rank, in bytes, from the plans: raggedfsdp, and FSDP2 alike.
 
-Memory per rank (``raggedfsdp`` as the runtime allocates it, ``runtime/_dbuffer.py``,
-``_param_group.py``, ``_pool.py``):
-
-- **persistent**: every bucket's local shard ``[S]`` (master dtype), its gradient ``[S]`` from the
-  reduce-scatter until ``zero_grad``, and the optimizer's state on the parameters' local pieces
-  (:func:`optimizer_state_bytes`);
-- **unsharded** (communication dtype, one storage per unit, each bucket on 256 bytes): the
-  root's parameters and gradient block for the whole step; the unit that ran forward last stays
-  unsharded into backward; with prefetch depth 1 the next unit's all-gather lands while one
-  computes. The *tensor peak* is the larger of two moments (:func:`activation_bytes`): the
-  loss's backward (every activation, the loss's gradients; the root's and the last block's
-  parameters) and the last block's backward (its gradient blocks too, the next block
-  prefetched). The runtime's own unsharded high-water mark (``peak_unsharded_bytes``) comes
-  later: block ``i``'s parameters and gradient block, block ``i-1`` prefetched, block ``i+1``'s
-  gradient block and, on Gloo, its receive buffer (``(W-1) S``) while its reduce-scatter is in
-  flight.
-- **activations**: what the blocks keep (:mod:`.shapes`) and what the backward adds at the peak.
-- **compression** (:class:`MemoryBreakdown` ``compression``, under compressed communication):
-  the quantized master shard of each bucket (one message, :mod:`.wire`) and, with error
-  feedback, each trainable bucket's 8-bit residual (``W`` messages).
-- **optimizer state**: :mod:`.optimizer_state` (re-exported here).
-
-- **CPU offload** (``StepShape.offload``, ``runtime/_offload.py``): shards, gradients and
-  optimizer state move to the host (:attr:`MemoryBreakdown.host`); the device keeps the rest,
-  plus the pooled staging of a cast (:func:`offload_staging_bytes`).
-
-FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
-the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
-tensors, and the unsharded gradients (per parameter, allocated by autograd) are copied into a
-padded reduce-scatter input. At the peak it holds the root's and the last block's unsharded
-parameters and gradients, the prefetched block's all-gather output, and the same activations.
+Memory per rank as each system allocates it (raggedfsdp: ``runtime/_dbuffer.py``,
+``_param_group.py``, ``_pool.py``; FSDP2: ``fully_shard``, ``Shard(0)``), term by term in the
+comment at :func:`memory_breakdown`; the bytes each unit moves (:class:`UnitBytes`), and what the
+optimizer's state holds (:mod:`.optimizer_state`, re-exported here).
 """
 
 from __future__ import annotations
@@ -343,6 +315,35 @@ def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
     return round(loss), round(block + shape.tied_numel * act)
 
 
+# Memory per rank, term by term (raggedfsdp, then FSDP2):
+#
+# - **persistent**: every bucket's local shard ``[S]`` (master dtype), its gradient ``[S]`` from the
+#   reduce-scatter until ``zero_grad``, and the optimizer's state on the parameters' local pieces
+#   (:func:`optimizer_state_bytes`);
+# - **unsharded** (communication dtype, one storage per unit, each bucket on 256 bytes): the root's
+#   parameters and gradient block for the whole step; the unit that ran forward last stays unsharded
+#   into backward; with prefetch depth 1 the next unit's all-gather lands while one computes. The
+#   *tensor peak* is the larger of two moments (:func:`activation_bytes`): the loss's backward
+#   (every activation, the loss's gradients; the root's and the last block's parameters) and the
+#   last block's backward (its gradient blocks too, the next block prefetched). The runtime's own
+#   unsharded high-water mark (``peak_unsharded_bytes``) comes later: block ``i``'s parameters and
+#   gradient block, block ``i-1`` prefetched, block ``i+1``'s gradient block and, on Gloo, its
+#   receive buffer (``(W-1) S``) while its reduce-scatter is in flight.
+# - **activations**: what the blocks keep (:mod:`.shapes`) and what the backward adds at the peak.
+# - **compression** (:class:`MemoryBreakdown` ``compression``, under compressed communication): the
+#   quantized master shard of each bucket (one message, :mod:`.wire`) and, with error feedback, each
+#   trainable bucket's 8-bit residual (``W`` messages).
+# - **optimizer state**: :mod:`.optimizer_state` (re-exported here).
+#
+# - **CPU offload** (``StepShape.offload``, ``runtime/_offload.py``): shards, gradients and
+#   optimizer state move to the host (:attr:`MemoryBreakdown.host`); the device keeps the rest, plus
+#   the pooled staging of a cast (:func:`offload_staging_bytes`).
+#
+# FSDP2 (``fully_shard``, ``Shard(0)``): each parameter's shard padded to ``ceil(dim0 / W)`` rows;
+# the all-gather output (``W x`` the padded shards) is copied out into per-parameter unsharded
+# tensors, and the unsharded gradients (per parameter, allocated by autograd) are copied into a
+# padded reduce-scatter input. At the peak it holds the root's and the last block's unsharded
+# parameters and gradients, the prefetched block's all-gather output, and the same activations.
 def memory_breakdown(
     shape: ModelShape,
     units: Sequence[UnitBytes],

@@ -1,13 +1,10 @@
 """Hardware presets of the capacity planner: what one device computes, holds and sends.
 
-Published figures (sources in docs/capacity.md): dense BF16 tensor-core peak (no sparsity), HBM
-capacity and bandwidth, NVLink bandwidth per direction per GPU, and one NIC per GPU between nodes
-(DGX/HGX reference systems: eight GPUs per node). ``cpu-gloo`` is this repository's test machine,
-one thread per rank, measured by ``tools/calibrate_cpu_gloo.py``: its "peak" is a measured
-fp32 matmul rate and its "HBM" the host's memory.
-
-Any figure can be overridden (:func:`hardware` keyword arguments, or ``raggedfsdp plan
---link-gbit / --efficiency``), so a cluster that is not a reference system is one flag away.
+Published figures (sources in docs/capacity.md): dense BF16 peak, HBM capacity and bandwidth, NVLink
+per direction per GPU, one NIC per GPU between nodes (DGX/HGX: eight GPUs a node). ``cpu-gloo`` is
+this repository's test machine, one thread per rank, measured by ``tools/calibrate_cpu_gloo.py``
+(its "peak" a measured fp32 matmul rate, its "HBM" the host's memory). Any figure can be overridden
+(:func:`hardware` keyword arguments, or ``raggedfsdp plan --link-gbit / --efficiency``).
 """
 
 from __future__ import annotations

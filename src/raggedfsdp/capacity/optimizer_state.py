@@ -1,8 +1,9 @@
-"""The optimizer state one rank keeps, from the plans: the state tensors each optimizer makes
-on the parameters' local pieces (AdamW's two moments; AdamW8bit's codes, scales and lookup
-tables; Muon's momentum plus AdamW for the rest; Shampoo's grafting moments and its factors and
-inverse roots per block), exactly as ``raggedfsdp.optim`` and ``torch.optim`` allocate them.
-Re-exported by :mod:`.cost`.
+"""The optimizer state one rank keeps, from the plans.
+
+The state tensors each optimizer makes on the parameters' local pieces (AdamW's two moments;
+AdamW8bit's codes, scales and lookup tables; Muon's momentum plus AdamW for the rest; Shampoo's
+grafting moments and its factors and inverse roots per block), exactly as ``raggedfsdp.optim`` and
+``torch.optim`` allocate them. Re-exported by :mod:`.cost`.
 """
 
 from __future__ import annotations

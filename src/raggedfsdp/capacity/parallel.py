@@ -1,26 +1,9 @@
-"""Tensor and expert parallelism as the capacity planner sees them: which piece of each
-parameter one rank holds, and the checks a ``(tp, ep)`` must pass before anything is planned.
+"""Tensor and expert parallelism as the capacity planner sees them: what each rank holds.
 
-The split is torchtitan's plan as :mod:`raggedfsdp.facts.tp_plan` writes it (column-, row-,
-vocabulary-parallel or whole, by module name), which the job's ``models/tensor_parallel.py``
-builds its plans from too; **routed experts** are ``Shard(0)`` over ``ep`` on the expert
-dimension (fused stacks ``[E, ...]``, or the first ``E / ep`` of the ``experts.<i>`` modules),
-and within an expert the same column/row split over ``tp`` (torchtitan's
-``ExpertTensorParallel``). The dense parts of a mixture-of-experts model (attention, shared
-experts, dense layers) split as Llama's. No split may cut a block of the shard policy
-(:mod:`raggedfsdp.facts.cuts`, the rule ``fully_shard`` applies).
-
-**The mesh** (:class:`~raggedfsdp.facts.ParallelDims`: torchtitan's with ``etp = tp``, "partial
-dp -> ep"): ``world = dp_shard x tp`` with the ``tp`` ranks innermost (consecutive: inside a
-node up to 8), and expert parallelism borrows from ``dp_shard = dp x ep``. Dense parameters are
-FSDP-sharded over ``dp_shard = world / tp`` ranks, routed experts over ``dp_shard_mod_ep =
-world / (tp x ep)``, and with
-``ep > 1`` each layer's experts are an FSDP unit of their own (torchtitan's ``apply_fsdp``
-shards ``moe.experts`` on the ``dp_shard_mod_ep`` mesh). torchtitan's default ``etp = 1``, where
-``ep`` borrows the ``tp`` ranks too and experts are not tensor-parallel, is not modelled.
-
-A rank's piece is rank 0's (``torch.chunk``'s first: the largest when a dimension does not
-divide). Pure Python over shapes; no process group.
+Which piece of each parameter one rank holds (rank 0's, ``torch.chunk``'s first: the largest when a
+dimension does not divide), and the checks a ``(tp, ep)`` must pass before anything is planned. The
+split and the mesh it assumes (torchtitan's) are the comment at :func:`split_model`. Pure Python
+over shapes; no process group.
 """
 
 from __future__ import annotations
@@ -261,6 +244,23 @@ def _local_shape(
     return tuple(local)
 
 
+# The split is torchtitan's plan as :mod:`raggedfsdp.facts.tp_plan` writes it (column-, row-,
+# vocabulary-parallel or whole, by module name), which the job's ``models/tensor_parallel.py``
+# builds its plans from too; **routed experts** are ``Shard(0)`` over ``ep`` on the expert dimension
+# (fused stacks ``[E, ...]``, or the first ``E / ep`` of the ``experts.<i>`` modules), and within an
+# expert the same column/row split over ``tp`` (torchtitan's ``ExpertTensorParallel``). The dense
+# parts of a mixture-of-experts model (attention, shared experts, dense layers) split as Llama's. No
+# split may cut a block of the shard policy (:mod:`raggedfsdp.facts.cuts`, the rule ``fully_shard``
+# applies).
+#
+# **The mesh** (:class:`~raggedfsdp.facts.ParallelDims`: torchtitan's with ``etp = tp``, "partial dp
+# -> ep"): ``world = dp_shard x tp`` with the ``tp`` ranks innermost (consecutive: inside a node up
+# to 8), and expert parallelism borrows from ``dp_shard = dp x ep``. Dense parameters are
+# FSDP-sharded over ``dp_shard = world / tp`` ranks, routed experts over ``dp_shard_mod_ep = world /
+# (tp x ep)``, and with ``ep > 1`` each layer's experts are an FSDP unit of their own (torchtitan's
+# ``apply_fsdp`` shards ``moe.experts`` on the ``dp_shard_mod_ep`` mesh). torchtitan's default ``etp
+# = 1``, where ``ep`` borrows the ``tp`` ranks too and experts are not tensor-parallel, is not
+# modelled.
 def split_model(
     module: nn.Module,
     dims: ParallelDims,

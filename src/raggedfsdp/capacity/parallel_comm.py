@@ -1,35 +1,7 @@
-"""What tensor and expert parallelism send per step, and how long they take: the activations
-and tokens they move, beside FSDP's parameters and gradients (:mod:`.steptime`).
+"""What tensor and expert parallelism send per step, and how long they take.
 
-**Tensor parallelism** (tp > 1), sequence parallelism off, as Megatron-LM counts it (Shoeybi et
-al. 2019, section 3: "two all-reduces in the forward pass and two in the backward pass" of each
-transformer layer; Narayanan et al. 2021, section 3.2, the same): per block, forward all-reduces
-the outputs of the attention's and the MLP's row-parallel projections and backward the input
-gradients of their column-parallel ones, each an activation ``[b, s, d]`` in ``param_dtype``:
-``M = b s d x itemsize``. The vocabulary-parallel embedding all-reduces its output in forward and
-the column-parallel head its input gradient in backward: two more per step (with loss
-parallelism the logits are never gathered; its per-token statistics, 8 bytes a token, are left
-out). Activation checkpointing recomputes each block's forward: two more per block. So
-
-    calls = (4 + 2 [checkpointing]) x L + 2, each a ring all-reduce of M over tp ranks:
-    input calls x M, sent 2 (tp - 1) / tp x calls x M, time 2 (tp - 1) (latency + M / tp / bw).
-
-With sequence parallelism (torchtitan's default) each all-reduce is an all-gather and a
-reduce-scatter of the same bytes (Korthikanti et al. 2022, section 4.2.2): the same figures.
-
-**Expert parallelism** (ep > 1): each MoE layer dispatches the rank's tokens to their experts
-and combines the results (two all-to-alls in forward, their gradients two in backward, and two
-again when checkpointing recomputes the forward); each all-to-all moves the ``T k`` token
-copies (``T = b s`` tokens of the rank's tensor-parallel group, ``k`` experts each, ``d``
-wide), of which ``(ep - 1) / ep`` leave the rank under uniform routing:
-
-    calls = (4 + 2 [checkpointing]) x MoE layers, input T k d x itemsize each,
-    sent (ep - 1) / ep of it, time (ep - 1) x latency + sent / bw.
-
-Both run on the critical path (no asynchronous tensor parallelism, no overlap of dispatch with
-compute such as DeepSeek's DualPipe), at the slowest hop their ranks span: ``tp`` consecutive
-ranks (NVLink inside a node of 8), ``ep`` groups of them (``ep x tp`` ranks). Not modelled:
-DeepSeek-V3's node-limited routing and FP8 dispatch, load imbalance, the router's statistics.
+The activations and tokens they move, beside FSDP's parameters and gradients (:mod:`.steptime`); how
+each is counted, with its sources, is the comment at :func:`parallel_bytes`.
 """
 
 from __future__ import annotations
@@ -90,6 +62,35 @@ def _ep(step: StepShape, hw: Hardware, split: ModelSplit) -> _Figures:
     return calls, calls * message, calls * leaving, calls * one
 
 
+# **Tensor parallelism** (tp > 1), sequence parallelism off, as Megatron-LM counts it (Shoeybi et
+# al. 2019, section 3: "two all-reduces in the forward pass and two in the backward pass" of each
+# transformer layer; Narayanan et al. 2021, section 3.2, the same): per block, forward all-reduces
+# the outputs of the attention's and the MLP's row-parallel projections and backward the input
+# gradients of their column-parallel ones, each an activation ``[b, s, d]`` in ``param_dtype``: ``M
+# = b s d x itemsize``. The vocabulary-parallel embedding all-reduces its output in forward and the
+# column-parallel head its input gradient in backward: two more per step (with loss parallelism the
+# logits are never gathered; its per-token statistics, 8 bytes a token, are left out). Activation
+# checkpointing recomputes each block's forward: two more per block. So
+#
+#     calls = (4 + 2 [checkpointing]) x L + 2, each a ring all-reduce of M over tp ranks:
+#     input calls x M, sent 2 (tp - 1) / tp x calls x M, time 2 (tp - 1) (latency + M / tp / bw).
+#
+# With sequence parallelism (torchtitan's default) each all-reduce is an all-gather and a
+# reduce-scatter of the same bytes (Korthikanti et al. 2022, section 4.2.2): the same figures.
+#
+# **Expert parallelism** (ep > 1): each MoE layer dispatches the rank's tokens to their experts and
+# combines the results (two all-to-alls in forward, their gradients two in backward, and two again
+# when checkpointing recomputes the forward); each all-to-all moves the ``T k`` token copies (``T =
+# b s`` tokens of the rank's tensor-parallel group, ``k`` experts each, ``d`` wide), of which ``(ep
+# - 1) / ep`` leave the rank under uniform routing:
+#
+#     calls = (4 + 2 [checkpointing]) x MoE layers, input T k d x itemsize each,
+#     sent (ep - 1) / ep of it, time (ep - 1) x latency + sent / bw.
+#
+# Both run on the critical path (no asynchronous tensor parallelism, no overlap of dispatch with
+# compute such as DeepSeek's DualPipe), at the slowest hop their ranks span: ``tp`` consecutive
+# ranks (NVLink inside a node of 8), ``ep`` groups of them (``ep x tp`` ranks). Not modelled:
+# DeepSeek-V3's node-limited routing and FP8 dispatch, load imbalance, the router's statistics.
 def parallel_bytes(
     shape: ModelShape, step: StepShape, hw: Hardware, split: ModelSplit
 ) -> ParallelBytes:

@@ -2,25 +2,9 @@
 
 The logic behind ``raggedfsdp plan`` and ``benchmarks/bench_planner.py``: plan a whole model with
 :class:`~raggedfsdp.planner.StructAwarePlanner` at several world sizes and measure, per world size,
-
-- **padding** over all buckets, ``(sum W*S - sum numel) / sum numel``, beside the padding the
-  planner's provable lower bound on ``S`` forces (so high padding can be shown to be unavoidable);
-- **elements per rank** (the sum of every bucket's ``S``) and the bytes a rank sends per all-gather
-  (the largest bucket) and per pass over the model (every bucket once);
-- **plan time**, wall clock for the whole model (median of ``repeats`` runs, a fresh planner each
-  run so the planner's bucket cache does not carry over);
-- **S / bound**, overall (sum of ``S`` over sum of bounds) and for the worst bucket;
-- **FSDP2** (``fully_shard``, ``Shard(0)``): each parameter padded to ``ceil(dim0/W)*W`` rows
-  along dim 0, and the policy blocks its row chunks cut;
-- **FSDP1** (``FlatParameter``): each FSDP unit's parameters flattened and concatenated, padded to a
-  multiple of ``W`` and split evenly, and the policy blocks those even splits cut.
-
-"Policy blocks" are the planner's units (the :class:`~raggedfsdp.layout.RaggedShard` block combined
-with the optimizer's need, see :meth:`StructAwarePlanner.unit_numel`), so FSDP2/FSDP1 are judged
-by the same rule our plans obey; our plans cut none (every :class:`ShardPlan` is validated).
-
-Everything here is pure Python over shapes (models on the meta device); results are dataclasses,
-and rendering is the caller's business (:mod:`raggedfsdp.cli.plan`).
+padding, elements per rank, plan time and ``S`` over its bound (the comment at :func:`plan_report`).
+Pure Python over shapes (models on the meta device); results are dataclasses, and rendering is the
+caller's business (:mod:`raggedfsdp.cli.plan`).
 """
 
 from __future__ import annotations
@@ -362,6 +346,24 @@ def _check_world_sizes(world_sizes: Sequence[int]) -> tuple[int, ...]:
     return sizes
 
 
+# Per world size:
+#
+# - **padding** over all buckets, ``(sum W*S - sum numel) / sum numel``, beside the padding the
+#   planner's provable lower bound on ``S`` forces (so high padding can be shown to be unavoidable);
+# - **elements per rank** (the sum of every bucket's ``S``) and the bytes a rank sends per
+#   all-gather (the largest bucket) and per pass over the model (every bucket once);
+# - **plan time**, wall clock for the whole model (median of ``repeats`` runs, a fresh planner each
+#   run so the planner's bucket cache does not carry over);
+# - **S / bound**, overall (sum of ``S`` over sum of bounds) and for the worst bucket;
+# - **FSDP2** (``fully_shard``, ``Shard(0)``): each parameter padded to ``ceil(dim0/W)*W`` rows
+#   along dim 0, and the policy blocks its row chunks cut;
+# - **FSDP1** (``FlatParameter``): each FSDP unit's parameters flattened and concatenated, padded to
+#   a multiple of ``W`` and split evenly, and the policy blocks those even splits cut.
+#
+# "Policy blocks" are the planner's units (the :class:`~raggedfsdp.layout.RaggedShard` block
+# combined with the optimizer's need, see :meth:`StructAwarePlanner.unit_numel`), so FSDP2/FSDP1 are
+# judged by the same rule our plans obey; our plans cut none (every :class:`ShardPlan` is
+# validated).
 def plan_report(
     model: nn.Module | str,
     world_sizes: Sequence[int],

@@ -1,35 +1,8 @@
-"""What the capacity planner reads from a model's shapes: its FSDP units, how much each one
-computes per token, and how many activation elements it keeps for backward.
+"""What the capacity planner reads from a model's shapes: its units, their FLOPs and activations.
 
-Pure Python over parameter shapes (models on the meta device). The rules, stated once:
-
-- **hidden size** ``d`` and **vocabulary** ``V``: the first ``nn.Embedding``'s dimensions.
-- **matmul elements per token** of a unit: every weight of two or more dimensions except
-  embeddings (one tied to the output head counts once, as the head), each a ``[out, in]``
-  matrix applied once per token; a routed expert (a 3-D stack
-  ``[E, a, b]`` or a module under ``experts.<i>``) counts ``experts_per_token / E`` of it, since
-  only that share of the experts sees a token.
-- **FLOPs per token** of a unit: ``2 x`` its matmul elements forward (multiply and add), twice
-  that backward; attention adds ``2 T d`` forward per block (``Q Kᵀ`` and ``A V``, ``2 T d``
-  each, halved by the causal mask) for sequence length ``T``.
-- **activations** kept per token by a block (no activation checkpointing, flash attention, no
-  dropout): ``sum over its matrices of (in + out)`` elements, each projection's input and output
-  (an output projection's output standing for the residual sum it is added into). For the plain
-  GPT block that is ``16 d``, exactly what it keeps: ``ln1`` (d), ``q k v`` (3d), the attention
-  output (d), the residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum
-  (d). Projections that read one input (queries, keys and values; a gated feed-forward's two
-  input projections) count it once. Per-token statistics (LayerNorm mean and rstd, the
-  attention's log-sum-exp: under 0.5% of the total) are left out. With activation
-  checkpointing a block keeps only its input, ``d`` per token, and recomputes the rest in its
-  backward.
-- **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul
-  elements are the rank's own pieces' (a replicated matrix whole, a split one ``1 / tp``; its
-  ``E / ep`` experts see ``k / (E / ep)`` of its tokens each, the same work as before); the
-  activations, the widest projection, the hidden size and the vocabulary of the loss are the
-  whole model's over ``tp``, a first-order model: exact for sequence parallelism, where every
-  activation is split over tp (Korthikanti et al. 2022, eq. 2: ``sbh (34 / t + 5 a s / (h t))``;
-  without it the norms' inputs and the residual stream, ``10 sbh`` of Megatron's ``34``, stay
-  whole). A tied embedding's gradient is the rank's vocabulary slice.
+Pure Python over parameter shapes (models on the meta device): a model's FSDP units, how much each
+one computes per token, and how many activation elements it keeps for backward. The rules, stated
+once, are the comment at :func:`model_shape`.
 """
 
 from __future__ import annotations
@@ -206,6 +179,34 @@ def _params_by_unit(
     return by_unit
 
 
+# The rules, stated once:
+#
+# - **hidden size** ``d`` and **vocabulary** ``V``: the first ``nn.Embedding``'s dimensions.
+# - **matmul elements per token** of a unit: every weight of two or more dimensions except
+#   embeddings (one tied to the output head counts once, as the head), each a ``[out, in]`` matrix
+#   applied once per token; a routed expert (a 3-D stack ``[E, a, b]`` or a module under
+#   ``experts.<i>``) counts ``experts_per_token / E`` of it, since only that share of the experts
+#   sees a token.
+# - **FLOPs per token** of a unit: ``2 x`` its matmul elements forward (multiply and add), twice
+#   that backward; attention adds ``2 T d`` forward per block (``Q Kᵀ`` and ``A V``, ``2 T d`` each,
+#   halved by the causal mask) for sequence length ``T``.
+# - **activations** kept per token by a block (no activation checkpointing, flash attention, no
+#   dropout): ``sum over its matrices of (in + out)`` elements, each projection's input and output
+#   (an output projection's output standing for the residual sum it is added into). For the plain
+#   GPT block that is ``16 d``, exactly what it keeps: ``ln1`` (d), ``q k v`` (3d), the attention
+#   output (d), the residual sum (d), ``ln2`` (d), ``fc`` (4d), GELU (4d), the next residual sum
+#   (d). Projections that read one input (queries, keys and values; a gated feed-forward's two input
+#   projections) count it once. Per-token statistics (LayerNorm mean and rstd, the attention's
+#   log-sum-exp: under 0.5% of the total) are left out. With activation checkpointing a block keeps
+#   only its input, ``d`` per token, and recomputes the rest in its backward.
+# - **under tensor and expert parallelism** (a :class:`~.parallel.ModelSplit`): the matmul elements
+#   are the rank's own pieces' (a replicated matrix whole, a split one ``1 / tp``; its ``E / ep``
+#   experts see ``k / (E / ep)`` of its tokens each, the same work as before); the activations, the
+#   widest projection, the hidden size and the vocabulary of the loss are the whole model's over
+#   ``tp``, a first-order model: exact for sequence parallelism, where every activation is split
+#   over tp (Korthikanti et al. 2022, eq. 2: ``sbh (34 / t + 5 a s / (h t))``; without it the norms'
+#   inputs and the residual stream, ``10 sbh`` of Megatron's ``34``, stay whole). A tied embedding's
+#   gradient is the rank's vocabulary slice.
 def model_shape(
     module: nn.Module,
     *,

@@ -1,50 +1,9 @@
 """How long a training step takes, and what it sends, from the plans and a :class:`Hardware`.
 
-- **compute**: a unit's FLOPs (:class:`~.shapes.ModelShape`) over ``peak_flops x efficiency``;
-  backward is twice the forward, and activation checkpointing adds the blocks' forward again.
-- **a collective** (all-gather or reduce-scatter of one bucket) as a ring over ``W`` devices:
-  ``(W - 1) x (latency + S x itemsize / bandwidth)``, where ``S`` is the bucket's shard and the
-  bandwidth and latency are those of the slowest hop (:meth:`Hardware.link_bytes_per_s`). Both
-  collectives put ``(W - 1) S`` elements on each rank's link; they run one at a time on it.
-- **overlap** as raggedfsdp achieves it, prefetch depth 1: in forward the next unit's all-gather
-  runs under this unit's compute; in backward the previous unit's all-gather and the next one's
-  reduce-scatter run under this unit's compute. Exposed: the root's and the first block's
-  all-gathers, the root's reduce-scatter and the first block's at the end. The last block is
-  not resharded after forward (raggedfsdp keeps it; FSDP2 re-gathers it under the head's
-  backward).
-  Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo moves the bytes with the
-  compute's cores) each collective's time at the host's own speed (the link unthrottled:
-  :meth:`Hardware.unthrottled`) adds to the step; what a slower link adds beyond it is waiting,
-  which overlaps the compute as above. The CPU the slower link itself costs while it carries the
-  bytes (:attr:`Hardware.link_cpu_s_per_byte`, per byte sent) is work on the compute's core: a
-  stretch where compute overlaps a collective takes ``max(compute + that CPU, waiting)``.
-- **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
-  and reads the gradient.
-- **the runtime's own CPU work** (hooks, buffer bookkeeping, FSDP2's DTensor dispatch) is not
-  derived from the shapes: a caller that measured it (``host_overhead_s``: a system's step at
-  W = 1 minus the model's, on a host backend) adds it to the step. On an accelerator it runs
-  ahead of the device and costs nothing, so it is 0 by default.
-- **compressed communication** (raggedfsdp): the collectives move the messages of codes and
-  scales (:mod:`.wire`), and quantizing and dequantizing add their memory traffic at memory
-  bandwidth to the step, on the compute thread (``codec_s``).
-- **CPU offload** (``step.offload``): every all-gather first copies the rank's shards from
-  the host (master dtype, host to device), every reduce-scatter's shard goes back (master
-  dtype, device to host), both over the device's PCIe link (:meth:`Hardware.offload_rates`).
-  Both systems issue them on the all-gather copy-in stream and the stream that finishes the
-  reduction (raggedfsdp: ``runtime/_param_group.py``; FSDP2: ``_fsdp_collectives.py``;
-  :attr:`System.host_copies <raggedfsdp.facts.System>`), so a copy runs in series with its
-  collective but beside the compute: it lengthens the collective's own time, which overlaps as
-  above. A copy on the compute stream would add its whole time to the step (``host_copy_s``).
-  The optimizer step runs on the host, at the rank's share of the node's host memory bandwidth.
-- FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of
-  its collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the
-  critical path. Where the backend has no reduce-scatter of its own
-  (:attr:`Hardware.native_reduce_scatter` off: Gloo), FSDP2's is an all-reduce of the whole
-  gradient: twice the ring's steps and bytes, and the clone of its input.
-
-Each of these differences is a field of the :class:`~raggedfsdp.facts.System` costed; the step is
-assembled from each unit's collective costs (:func:`collective_costs`), the forward and backward
-pipelines over them, the optimizer step, the host copies and the quantizing.
+The step is assembled from each unit's collective costs (:func:`collective_costs`), the forward and
+backward pipelines over them, the optimizer step, the host copies and the quantizing; each
+difference between the systems is a field of the :class:`~raggedfsdp.facts.System` costed. The
+model, term by term, is the comment at :func:`step_time`.
 """
 
 from __future__ import annotations
@@ -336,6 +295,48 @@ def _backward_s(
     return backward + again
 
 
+# The model of a step, term by term:
+#
+# - **compute**: a unit's FLOPs (:class:`~.shapes.ModelShape`) over ``peak_flops x efficiency``;
+#   backward is twice the forward, and activation checkpointing adds the blocks' forward again.
+# - **a collective** (all-gather or reduce-scatter of one bucket) as a ring over ``W`` devices: ``(W
+#   - 1) x (latency + S x itemsize / bandwidth)``, where ``S`` is the bucket's shard and the
+#   bandwidth and latency are those of the slowest hop (:meth:`Hardware.link_bytes_per_s`). Both
+#   collectives put ``(W - 1) S`` elements on each rank's link; they run one at a time on it.
+# - **overlap** as raggedfsdp achieves it, prefetch depth 1: in forward the next unit's all-gather
+#   runs under this unit's compute; in backward the previous unit's all-gather and the next one's
+#   reduce-scatter run under this unit's compute. Exposed: the root's and the first block's
+#   all-gathers, the root's reduce-scatter and the first block's at the end. The last block is not
+#   resharded after forward (raggedfsdp keeps it; FSDP2 re-gathers it under the head's backward).
+#   Without overlap (:attr:`Hardware.overlaps` off: CPU, where Gloo moves the bytes with the
+#   compute's cores) each collective's time at the host's own speed (the link unthrottled:
+#   :meth:`Hardware.unthrottled`) adds to the step; what a slower link adds beyond it is waiting,
+#   which overlaps the compute as above. The CPU the slower link itself costs while it carries the
+#   bytes (:attr:`Hardware.link_cpu_s_per_byte`, per byte sent) is work on the compute's core: a
+#   stretch where compute overlaps a collective takes ``max(compute + that CPU, waiting)``.
+# - **the optimizer step**: bound by memory bandwidth: it reads and writes the shard and its state
+#   and reads the gradient.
+# - **the runtime's own CPU work** (hooks, buffer bookkeeping, FSDP2's DTensor dispatch) is not
+#   derived from the shapes: a caller that measured it (``host_overhead_s``: a system's step at W =
+#   1 minus the model's, on a host backend) adds it to the step. On an accelerator it runs ahead of
+#   the device and costs nothing, so it is 0 by default.
+# - **compressed communication** (raggedfsdp): the collectives move the messages of codes and scales
+#   (:mod:`.wire`), and quantizing and dequantizing add their memory traffic at memory bandwidth to
+#   the step, on the compute thread (``codec_s``).
+# - **CPU offload** (``step.offload``): every all-gather first copies the rank's shards from the
+#   host (master dtype, host to device), every reduce-scatter's shard goes back (master dtype,
+#   device to host), both over the device's PCIe link (:meth:`Hardware.offload_rates`). Both systems
+#   issue them on the all-gather copy-in stream and the stream that finishes the reduction
+#   (raggedfsdp: ``runtime/_param_group.py``; FSDP2: ``_fsdp_collectives.py``;
+#   :attr:`System.host_copies <raggedfsdp.facts.System>`), so a copy runs in series with its
+#   collective but beside the compute: it lengthens the collective's own time, which overlaps as
+#   above. A copy on the compute stream would add its whole time to the step (``host_copy_s``). The
+#   optimizer step runs on the host, at the rank's share of the node's host memory bandwidth.
+# - FSDP2 on the same shapes moves its padded per-parameter shards and copies them in and out of its
+#   collective buffers (``2 x`` the buffer, read and write, at memory bandwidth), in the critical
+#   path. Where the backend has no reduce-scatter of its own (:attr:`Hardware.native_reduce_scatter`
+#   off: Gloo), FSDP2's is an all-reduce of the whole gradient: twice the ring's steps and bytes,
+#   and the clone of its input.
 def step_time(
     shape: ModelShape,
     units: Sequence[UnitBytes],

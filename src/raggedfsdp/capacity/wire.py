@@ -1,13 +1,10 @@
-"""What compressed communication costs, from the plans: the bytes of each bucket's message, the
-error-feedback residuals, and the memory traffic of quantizing and dequantizing.
+"""What compressed communication costs, from the plans: messages, residuals and codec traffic.
 
-A bucket's *message* is what one rank sends per peer under compression, laid out as the
-runtime's codec lays it out (``runtime/compression/_codec.py``), both through
-:class:`~raggedfsdp.planner.MessageLayout`: its shard's ``S`` one-byte codes padded to 16 bytes,
+A bucket's *message* is what one rank sends per peer, laid out as the runtime's codec lays it out
+(both through :class:`~raggedfsdp.planner.MessageLayout`): ``S`` one-byte codes padded to 16 bytes,
 then one fp32 scale per quantization block of its pieces, padded to the largest count of any rank
 (all messages of a bucket have one size), the whole padded to 16 bytes. The planner keeps every
-block whole (:mod:`.quant_blocks`), so a rank's pieces are whole blocks and the counts follow from
-the plan.
+block whole, so a rank's pieces are whole blocks and the counts follow from the plan.
 """
 
 from __future__ import annotations

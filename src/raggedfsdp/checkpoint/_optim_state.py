@@ -1,16 +1,9 @@
 """Optimizer state by parameter FQN, for ``torch.distributed.checkpoint``.
 
-Optimizers keep the state of sharded parameters as DTensors: torch's make it with
-``zeros_like(param)``, raggedfsdp's keep theirs as RaggedTensors ([Note: optimizer state across
-world sizes] in ``optim/_state.py``). So ``optimizer.state_dict()`` is reshardable as it is;
-:func:`optim_state_dict` keys its state by parameter FQN, as DSD does, and
-:func:`load_optim_state_dict` hands it back through ``optimizer.load_state_dict``.
-
-Loading at another world size or policy needs a *template*: the new run's own state, in its own
-layout, for DCP to fill. :func:`init_optimizer_state` creates it by one optimizer step with zero
-gradients and every learning rate set to 0, after which the parameters are restored from a copy
-(so whatever the update rule does with a zero step, the model is untouched); DCP then overwrites
-every value of that template with the saved one, resharded, in place.
+Optimizers keep the state of sharded parameters as DTensors ([Note: optimizer state across world
+sizes] in ``optim/_state.py``), so ``optimizer.state_dict()`` is reshardable as it is:
+:func:`optim_state_dict` keys it by parameter FQN, as DSD does, :func:`load_optim_state_dict` hands
+it back, and :func:`init_optimizer_state` makes the template a load at another world size fills.
 """
 
 from __future__ import annotations
@@ -120,6 +113,11 @@ def _check_same_placement(fqn: str, key: str, value: Any, held: Any) -> None:
         )
 
 
+# Loading at another world size or policy needs a *template*: the new run's own state, in its own
+# layout, for DCP to fill. :func:`init_optimizer_state` creates it by one optimizer step with zero
+# gradients and every learning rate set to 0, after which the parameters are restored from a copy
+# (so whatever the update rule does with a zero step, the model is untouched); DCP then overwrites
+# every value of that template with the saved one, resharded, in place.
 @torch.no_grad()
 def init_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (in the current layout) without changing the model: one step

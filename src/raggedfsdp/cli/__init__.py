@@ -1,17 +1,11 @@
 """The ``raggedfsdp`` command: the table of subcommands, and how errors end.
 
-Each subcommand is one entry of :data:`SUBCOMMANDS`: a help line, a function that adds its
-arguments to an ``argparse`` parser, and a function that runs it and returns the exit status.
-Each is a module of this package (``plan``, ``train``, ``bench``, ``export``, ``rendezvous``)
-exporting ``configure(parser)`` and ``run(args) -> int``: it parses, prints and chooses the exit
-status; the work it calls stays in its room (the planner and the cost model, the launcher in
-``train``, the benchmark in ``bench``). To add a subcommand, write such a module and add one
-entry here. ``python -m raggedfsdp.cli`` runs :func:`main` (``__main__.py``).
-
-Errors the user caused (a bad argument, an unknown model, a policy the shapes cannot meet) are
-``ValueError``; they print one line ``raggedfsdp: error: ...`` to stderr and exit 2, with the
-traceback only under ``--debug``. The machine's errors (``OSError``: a full disk, a file gone)
-print one line the same way and exit 1. Anything else is a bug and keeps its traceback.
+Each subcommand is one entry of :data:`SUBCOMMANDS` and a module of this package exporting
+``configure(parser)`` and ``run(args) -> int``: it parses, prints and chooses the exit status; the
+work stays in its room. User errors (``ValueError``) print one line and exit 2 (the traceback under
+``--debug``), the machine's (``OSError``) one line and exit 1; anything else is a bug and keeps its
+traceback. A new subcommand is such a module and one entry; ``python -m raggedfsdp.cli`` runs
+:func:`main`.
 """
 
 from __future__ import annotations

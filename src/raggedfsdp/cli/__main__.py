@@ -1,5 +1,7 @@
-"""``python -m raggedfsdp.cli``: the ``raggedfsdp`` command (what the tests and benchmarks run
-without the console script)."""
+"""``python -m raggedfsdp.cli``: the ``raggedfsdp`` command.
+
+What the tests and benchmarks run without the console script.
+"""
 
 from . import main
 

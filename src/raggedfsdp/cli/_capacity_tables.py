@@ -1,5 +1,7 @@
-"""What ``raggedfsdp plan --gpu ...`` prints: a capacity report as rich tables, JSON records and
-a plot of memory and step time against the world size."""
+"""What ``raggedfsdp plan --gpu ...`` prints: a capacity report.
+
+As rich tables, JSON records and a plot of memory and step time against the world size.
+"""
 
 from __future__ import annotations
 

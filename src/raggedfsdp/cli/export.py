@@ -1,5 +1,7 @@
-"""``raggedfsdp export``: a training checkpoint's model as a plain state dict of the unwrapped
-model (:func:`raggedfsdp.train.checkpoints.export_checkpoint` does the work)."""
+"""``raggedfsdp export``: a training checkpoint's model as a plain state dict.
+
+Of the unwrapped model; :func:`raggedfsdp.train.checkpoints.export_checkpoint` does the work.
+"""
 
 from __future__ import annotations
 

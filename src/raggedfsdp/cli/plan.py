@@ -1,14 +1,10 @@
 """The ``raggedfsdp plan`` command: its arguments, and the report as rich tables or JSON.
 
-Without capacity flags it reports the plans (padding, elements per rank, FSDP2/FSDP1 beside
-them). With any of ``--gpu``, ``--link-gbit``, ``--batch``, ``--seq``,
-``--activation-checkpointing``, ``--efficiency``, ``--plot`` or the compression flags
-(``--compress-all-gather``, ``--compress-reduce-scatter``, ``--error-feedback``, spelled as
-``raggedfsdp train`` spells them) or ``--offload`` (``--pin-memory``) or ``--tp`` / ``--ep``
-(tensor and expert parallelism) it answers "will it fit, and how fast"
-(:mod:`raggedfsdp.capacity`): memory per rank, bytes and time per step, raggedfsdp beside
-FSDP2; with ``--tp`` or ``--ep`` the bytes of each dimension (dp, tp, ep) and the smallest
-``(dp, tp, ep)`` that fits each world size.
+Without capacity flags it reports the plans (padding, elements per rank, FSDP2/FSDP1 beside them).
+With any capacity flag (``--gpu``, ``--batch``, the compression flags as ``raggedfsdp train`` spells
+them, ``--offload``, ``--tp`` / ``--ep``, ...) it answers "will it fit, and how fast": memory per
+rank, bytes and time per step, raggedfsdp beside FSDP2; with ``--tp`` or ``--ep`` the bytes of each
+dimension and the smallest ``(dp, tp, ep)`` that fits each world size.
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""``raggedfsdp rendezvous``: host a multi-node job's rendezvous store, so that any training node
-may be lost (:mod:`raggedfsdp.train.rendezvous` says why and hosts it)."""
+"""``raggedfsdp rendezvous``: host a multi-node job's rendezvous store.
+
+So that any training node may be lost (:mod:`raggedfsdp.train.rendezvous` says why and hosts it).
+"""
 
 from __future__ import annotations
 

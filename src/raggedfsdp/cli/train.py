@@ -1,10 +1,9 @@
-"""``raggedfsdp train``: the launcher's flags and every training option, the checks made here
-so that a mistake is one line before any worker starts, and what the launch ends with.
+"""``raggedfsdp train``: the launcher's flags, every training option, and the checks made here.
 
-The launch itself (torchrun's agent, c10d rendezvous, restarts) is
-:func:`raggedfsdp.train.launch.launch`; ``--dry-run`` plans here and starts nothing. A failed
-worker, a rendezvous that never met and a preemption each end in one line and an exit status
-(docs/operations.md, "Exit statuses").
+The checks make a mistake one line before any worker starts. The launch itself (torchrun's agent,
+c10d rendezvous, restarts) is :func:`raggedfsdp.train.launch.launch`; ``--dry-run`` plans here and
+starts nothing. A failed worker, a rendezvous that never met and a preemption each end in one line
+and an exit status (docs/operations.md, "Exit statuses").
 """
 
 from __future__ import annotations

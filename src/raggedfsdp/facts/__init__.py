@@ -1,18 +1,10 @@
 """Facts that the runtime, the cost model, the models and the job share, each stated once.
 
-- :mod:`.degrees`: the parallel degrees of a run, one noun (:class:`ParallelDims`, in the spirit
-  of torchtitan's);
-- :mod:`.tp_plan`: which parameter of a GPT / Llama-style decoder tensor parallelism splits how
-  (torchtitan's plans), from which ``models/tensor_parallel.py`` builds its
-  ``parallelize_module`` plans and ``capacity/parallel.py`` computes each rank's shapes;
-- :mod:`.cuts`: where a tensor- or expert-parallel split may cut a parameter without cutting a
-  block of the shard policy, called by ``fully_shard`` and by the capacity planner alike;
-- :mod:`.systems`: what raggedfsdp and FSDP2 do with a unit's bytes (where each copy runs, what
-  is staged, how many collectives), which the cost model costs and
-  ``tests/distributed/test_facts_conformance.py`` holds against what the runtime records.
-
-Pure Python over shapes: no process group, no allocation. It sits on ``layout`` (the shard
-policy) and under everything that shares these facts.
+The parallel degrees of a run (:class:`ParallelDims`, :mod:`.degrees`), tensor parallelism's split
+by module name (:mod:`.tp_plan`), where a tensor- or expert-parallel split may cut a parameter
+(:mod:`.cuts`), and what raggedfsdp and FSDP2 do with a unit's bytes (:mod:`.systems`, which
+``tests/distributed/test_facts_conformance.py`` holds against the runtime). Pure Python over shapes,
+on ``layout`` and under everything that shares these facts.
 """
 
 from .cuts import check_cut, chunk_cuts, first_cut_inside_block

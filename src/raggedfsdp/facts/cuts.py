@@ -1,25 +1,8 @@
-"""Where a tensor- or expert-parallel split may cut a parameter: never inside a block that the
-shard policy keeps whole (a 128x128 tile split across tp ranks would be quantized, or
-orthogonalised, as two). One rule, called by ``fully_shard`` for a DTensor parameter and by the
-capacity planner for each rank's piece.
+"""Where a tensor- or expert-parallel split may cut a parameter: never inside a whole-kept block.
 
-A split into ``ways`` cuts dim ``d`` where ``torch.chunk`` does (as ``Shard(d)`` does). What it
-must respect follows the policy's *rows* (:func:`raggedfsdp.layout.row_numel`: a matrix ``[out,
-in]`` and an expert stack ``[E, out, in]`` have rows of ``in`` elements, the stack viewed as
-``[E*out, in]``; a convolution's row is one whole filter):
-
-- **along the row** (the last dim of a matrix or of a stack): on a multiple of the block's
-  columns (``b`` for ``b x b`` tiles, ``cols`` of ``(rows, cols)``), so each rank's piece holds
-  whole tiles; ``"whole"`` takes no cut;
-- **across rows** (any other dim): between units of the flattened tensor (``b`` rows, ``rows``
-  of a tile, the whole tensor), and, where dims before ``d`` make slabs (the experts of a
-  stack), each slab must hold whole units too, since the split cuts every slab at its start:
-  blocks of a ``[E*out, in]`` view that straddle two experts are cut when ``out`` is.
-
-That is what the runtime does to the tensor: each rank's piece is planned with the policy's
-units over the piece's own rows, so a split that follows these lines leaves every block of the
-whole tensor inside one rank's piece and one unit of it (``tests/unit/test_facts.py`` checks
-the rule against that, element by element).
+A 128x128 tile split across tp ranks would be quantized, or orthogonalised, as two. One rule, called
+by ``fully_shard`` for a DTensor parameter and by the capacity planner for each rank's piece; the
+rule and why it is the runtime's: the comment at :func:`first_cut_inside_block`.
 """
 
 from __future__ import annotations
@@ -43,6 +26,23 @@ def _along_row(shape: Sequence[int], dim: int) -> bool:
     return 2 <= len(shape) <= 3 and dim == len(shape) - 1
 
 
+# A split into ``ways`` cuts dim ``d`` where ``torch.chunk`` does (as ``Shard(d)`` does). What it
+# must respect follows the policy's *rows* (:func:`raggedfsdp.layout.row_numel`: a matrix ``[out,
+# in]`` and an expert stack ``[E, out, in]`` have rows of ``in`` elements, the stack viewed as
+# ``[E*out, in]``; a convolution's row is one whole filter):
+#
+# - **along the row** (the last dim of a matrix or of a stack): on a multiple of the block's columns
+#   (``b`` for ``b x b`` tiles, ``cols`` of ``(rows, cols)``), so each rank's piece holds whole
+#   tiles; ``"whole"`` takes no cut;
+# - **across rows** (any other dim): between units of the flattened tensor (``b`` rows, ``rows`` of
+#   a tile, the whole tensor), and, where dims before ``d`` make slabs (the experts of a stack),
+#   each slab must hold whole units too, since the split cuts every slab at its start: blocks of a
+#   ``[E*out, in]`` view that straddle two experts are cut when ``out`` is.
+#
+# That is what the runtime does to the tensor: each rank's piece is planned with the policy's units
+# over the piece's own rows, so a split that follows these lines leaves every block of the whole
+# tensor inside one rank's piece and one unit of it (``tests/unit/test_facts.py`` checks the rule
+# against that, element by element).
 def first_cut_inside_block(
     name: str, shape: Sequence[int], dim: int, ways: int, policy: RaggedShard
 ) -> int | None:

@@ -1,18 +1,9 @@
-"""The parallel degrees of a run: one noun, as torchtitan's ``ParallelDims`` (its
-``distributed/parallel_dims.py``) names them.
+"""The parallel degrees of a run: one noun, as torchtitan's ``ParallelDims`` names them.
 
-``world = dp_replicate x dp_shard x cp x tp x pp``, with ``tp`` innermost (consecutive ranks,
-inside a node). Expert parallelism borrows its ranks from ``dp_shard`` (torchtitan's ``etp =
-tp``: experts are tensor-parallel over ``tp`` as the dense layers are): dense parameters are
-FSDP-sharded over ``dp_shard`` ranks, routed experts over ``dp_shard / ep``
-(:attr:`ParallelDims.dp_shard_mod_ep`, torchtitan's mesh dim of that name). ``dp_shard=-1``
-(the default, as torchtitan's) takes whatever ranks the others leave, so one noun serves both
-before a world size is known (the capacity planner costs many) and after
-(:meth:`ParallelDims.at_world`).
-
-torchtitan lets ``ep`` borrow from ``cp`` too, and has ``etp = 1`` (experts not
-tensor-parallel, ``ep`` borrowing the ``tp`` ranks); neither is modelled here. ``cp`` and ``pp``
-are degrees a run may state; nothing in raggedfsdp splits by them yet.
+``world = dp_replicate x dp_shard x cp x tp x pp``, ``tp`` innermost; expert parallelism borrows its
+ranks from ``dp_shard`` (torchtitan's ``etp = tp``). ``dp_shard=-1`` takes whatever ranks the others
+leave, so one noun serves before a world size is known and after (:meth:`ParallelDims.at_world`).
+What is and is not modelled: the comment at :class:`ParallelDims`.
 """
 
 from __future__ import annotations
@@ -34,6 +25,17 @@ def _positive(name: str, value: object, *, auto: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer{also}, got {value!r}")
 
 
+# ``world = dp_replicate x dp_shard x cp x tp x pp``, with ``tp`` innermost (consecutive ranks,
+# inside a node). Expert parallelism borrows its ranks from ``dp_shard`` (torchtitan's ``etp = tp``:
+# experts are tensor-parallel over ``tp`` as the dense layers are): dense parameters are
+# FSDP-sharded over ``dp_shard`` ranks, routed experts over ``dp_shard / ep``
+# (:attr:`ParallelDims.dp_shard_mod_ep`, torchtitan's mesh dim of that name). ``dp_shard=-1`` (the
+# default, as torchtitan's) takes whatever ranks the others leave, so one noun serves both before a
+# world size is known (the capacity planner costs many) and after (:meth:`ParallelDims.at_world`).
+#
+# torchtitan lets ``ep`` borrow from ``cp`` too, and has ``etp = 1`` (experts not tensor-parallel,
+# ``ep`` borrowing the ``tp`` ranks); neither is modelled here. ``cp`` and ``pp`` are degrees a run
+# may state; nothing in raggedfsdp splits by them yet.
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """How a run's ranks are split (module doc).

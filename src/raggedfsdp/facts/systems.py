@@ -1,10 +1,10 @@
-"""The systems the cost model compares, each a frozen description of how it lays out, moves and
-keeps a unit's bytes: raggedfsdp (:data:`RAGGEDFSDP`) and PyTorch's FSDP2 (:data:`FSDP2`).
+"""The systems the cost model compares: how each lays out, moves and keeps a unit's bytes.
 
-The capacity planner's memory and time formulas (``capacity/cost.py``, ``capacity/steptime.py``)
-read these fields, so a difference between the systems is stated here, with the runtime code it
-comes from, and nowhere else. raggedfsdp's description is held to what its runtime records (the
-stream log, the collective log, ``stats()``) by ``tests/distributed/test_facts_conformance.py``.
+raggedfsdp (:data:`RAGGEDFSDP`) and PyTorch's FSDP2 (:data:`FSDP2`), each a frozen description. The
+capacity planner's memory and time formulas (``capacity/cost.py``, ``capacity/steptime.py``) read
+these fields, so a difference between the systems is stated here, with the runtime code it comes
+from, and nowhere else. raggedfsdp's description is held to what its runtime records (the stream
+log, the collective log, ``stats()``) by ``tests/distributed/test_facts_conformance.py``.
 """
 
 from __future__ import annotations

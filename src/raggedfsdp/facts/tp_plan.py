@@ -1,24 +1,10 @@
-"""Tensor parallelism's split of a decoder, by the name of the module that holds each parameter:
-torchtitan's plans (``models/llama3/infra/parallelize.py``,
-``models/deepseek_v3/infra/parallelize.py``, ``distributed/expert_parallel.py``), written once.
-``models/tensor_parallel.py`` builds its ``parallelize_module`` plans from it and
-``capacity/parallel.py`` each rank's shapes.
+"""Tensor parallelism's split of a decoder, by the name of the module that holds each parameter.
 
-- **column-parallel** (``ColwiseParallel``: ``Shard(0)`` of a ``[out, in]`` weight, and of its
-  bias): the attention's query, key and value projections (``wq wk wv``, DeepSeek's ``wq_b
-  wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, as GPT's), the
-  feed-forward's ``w1 w3`` (``gate_proj up_proj``, GPT's ``fc``) and the output head
-  (vocabulary-parallel: each rank computes its columns of the logits);
-- **row-parallel** (``RowwiseParallel``: ``Shard(1)``, the bias replicated): ``wo w2``
-  (``o_proj down_proj``, GPT's ``proj``); the token embedding is ``RowwiseParallel`` too, which
-  for an ``nn.Embedding`` is ``Shard(0)`` of ``[vocab, d]``: vocabulary-parallel
-  (:data:`TOKEN_EMBEDDING`);
-- **replicated** (``SequenceParallel``, ``NoParallel``): norms and other vectors, DeepSeek's
-  low-rank ``wq_a wkv_a`` (``q_a_proj kv_a_proj_with_mqa``), the router (``gate``,
-  ``router``), other embeddings (GPT's positions, as Megatron keeps them);
-- **routed experts** in fused stacks (:data:`FUSED_EXPERTS`): the same column/row split within
-  each expert (torchtitan's ``ExpertTensorParallel``); gpt-oss's attention sinks, one per head
-  (:data:`PER_HEAD`), split with the heads.
+torchtitan's plans (``models/llama3/infra/parallelize.py``,
+``models/deepseek_v3/infra/parallelize.py``, ``distributed/expert_parallel.py``), written once:
+``models/tensor_parallel.py`` builds its ``parallelize_module`` plans from it and
+``capacity/parallel.py`` each rank's shapes. Which module is split how: the comment at
+:data:`TP_PLAN`.
 """
 
 from __future__ import annotations
@@ -49,6 +35,21 @@ class TPStyle(Enum):
     """Whole on every tp rank (``NoParallel``, and what ``SequenceParallel`` keeps whole)."""
 
 
+# - **column-parallel** (``ColwiseParallel``: ``Shard(0)`` of a ``[out, in]`` weight, and of its
+#   bias): the attention's query, key and value projections (``wq wk wv``, DeepSeek's ``wq_b
+#   wkv_b``, Hugging Face ``q_proj k_proj v_proj q_b_proj kv_b_proj``, as GPT's), the feed-forward's
+#   ``w1 w3`` (``gate_proj up_proj``, GPT's ``fc``) and the output head (vocabulary-parallel: each
+#   rank computes its columns of the logits);
+# - **row-parallel** (``RowwiseParallel``: ``Shard(1)``, the bias replicated): ``wo w2`` (``o_proj
+#   down_proj``, GPT's ``proj``); the token embedding is ``RowwiseParallel`` too, which for an
+#   ``nn.Embedding`` is ``Shard(0)`` of ``[vocab, d]``: vocabulary-parallel
+#   (:data:`TOKEN_EMBEDDING`);
+# - **replicated** (``SequenceParallel``, ``NoParallel``): norms and other vectors, DeepSeek's
+#   low-rank ``wq_a wkv_a`` (``q_a_proj kv_a_proj_with_mqa``), the router (``gate``, ``router``),
+#   other embeddings (GPT's positions, as Megatron keeps them);
+# - **routed experts** in fused stacks (:data:`FUSED_EXPERTS`): the same column/row split within
+#   each expert (torchtitan's ``ExpertTensorParallel``); gpt-oss's attention sinks, one per head
+#   (:data:`PER_HEAD`), split with the heads.
 #: The style of each module by its name (the last part of its path). The output head is here
 #: by name; the token embedding by its type (:data:`TOKEN_EMBEDDING`).
 TP_PLAN: Mapping[str, TPStyle] = {

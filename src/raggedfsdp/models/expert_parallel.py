@@ -1,25 +1,10 @@
 """Expert parallelism for the Hugging Face mixtures of experts (torchtitan's ExpertParallel).
 
-transformers 5 keeps a MoE layer's experts stacked in one *experts module*: ``gate_up_proj
-[E, 2I, d]`` (each expert's gate and up projections, concatenated), ``down_proj [E, d, I]`` and
-``act_fn``, called as ``experts(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k])``
-after the layer's own router chose each token's ``k`` experts (Mixtral, Qwen2-MoE, and most MoEs
-of the library: their eager forwards are the same code). :func:`parallelize_experts` splits each
-such module over the ranks of a 1-D ``ep`` mesh: rank ``r`` keeps experts ``[r E/ep, (r+1)
-E/ep)`` as DTensors ``Shard(0)``, and the module's forward sends every (token, expert) pair to
-the rank holding that expert and brings the result back, by ``all_to_all_single`` over the ep
-group (both directions differentiable). The router, the top-k choice, the weighting by the
-router's scores and anything beside the experts (Qwen2-MoE's shared expert) stay HF's own code;
-the experts compute exactly HF's eager per-expert math, on this rank's experts only.
-
-Every experts module is entered by every rank of the ep group once per forward, in model
-order, whatever tokens it got: the exchanges are collectives, and a count of 0 is a valid split.
-
-transformers dispatches an experts forward by ``config._experts_implementation`` (eager,
-``grouped_mm``, kernels; the ``use_experts_implementation`` decorator). None of those knows
-that the weights are split, so the split module's class is extended by :class:`_ExpertParallel`
-(as raggedfsdp's ``fully_shard`` extends a class it shards): its forward runs whatever the config
-says, and a model left unsplit keeps HF's dispatch untouched.
+:func:`parallelize_experts` splits each experts module (transformers 5's stacked experts) over a 1-D
+``ep`` mesh and sends every (token, expert) pair to the rank holding that expert and back by
+``all_to_all_single``; the router and anything beside the experts stay HF's own code, and the
+experts compute HF's eager per-expert math. How, and why the module's class is extended: the comment
+at :func:`parallelize_experts`.
 """
 
 from __future__ import annotations
@@ -137,6 +122,26 @@ def _structure_problem(module: nn.Module) -> str | None:
     return None
 
 
+# transformers 5 keeps a MoE layer's experts stacked in one *experts module*: ``gate_up_proj [E, 2I,
+# d]`` (each expert's gate and up projections, concatenated), ``down_proj [E, d, I]`` and
+# ``act_fn``, called as ``experts(hidden_states [T, d], top_k_index [T, k], top_k_weights [T, k])``
+# after the layer's own router chose each token's ``k`` experts (Mixtral, Qwen2-MoE, and most MoEs
+# of the library: their eager forwards are the same code). :func:`parallelize_experts` splits each
+# such module over the ranks of a 1-D ``ep`` mesh: rank ``r`` keeps experts ``[r E/ep, (r+1) E/ep)``
+# as DTensors ``Shard(0)``, and the module's forward sends every (token, expert) pair to the rank
+# holding that expert and brings the result back, by ``all_to_all_single`` over the ep group (both
+# directions differentiable). The router, the top-k choice, the weighting by the router's scores and
+# anything beside the experts (Qwen2-MoE's shared expert) stay HF's own code; the experts compute
+# exactly HF's eager per-expert math, on this rank's experts only.
+#
+# Every experts module is entered by every rank of the ep group once per forward, in model order,
+# whatever tokens it got: the exchanges are collectives, and a count of 0 is a valid split.
+#
+# transformers dispatches an experts forward by ``config._experts_implementation`` (eager,
+# ``grouped_mm``, kernels; the ``use_experts_implementation`` decorator). None of those knows that
+# the weights are split, so the split module's class is extended by :class:`_ExpertParallel` (as
+# raggedfsdp's ``fully_shard`` extends a class it shards): its forward runs whatever the config
+# says, and a model left unsplit keeps HF's dispatch untouched.
 def parallelize_experts(model: nn.Module, ep_mesh: DeviceMesh) -> list[nn.Module]:
     """Expert parallelism over the 1-D mesh ``ep_mesh`` (torchtitan's ExpertParallel); returns
     the experts modules, in model order.

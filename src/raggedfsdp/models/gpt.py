@@ -1,28 +1,9 @@
 """A small nanoGPT-style decoder-only transformer.
 
-The model is deliberately plain (pre-LayerNorm blocks, learned positions, causal
+Deliberately plain (pre-LayerNorm blocks, learned positions, causal
 ``scaled_dot_product_attention``, GELU MLP, no biases in Linear layers) so that sharding tests and
-benchmarks exercise the FSDP machinery rather than exotic layers.
-
-Initialisation contract
------------------------
-:meth:`GPT.init_weights` is *defined* as::
-
-    for name, param in model.named_parameters():
-        init_parameter_(name, param, model.cfg, generator=generator)
-
-so anybody who visits the same names, in the same order, with full-shaped tensors on the same
-device type and the same generator state, gets bit-identical values. This is what lets a
-meta-device model be materialised one parameter (or one shard) at a time: create the full tensor
-for the next name, call :func:`init_parameter_`, keep the local slice, drop the rest. Draws from
-the generator between two calls (or skipped names) shift every later value. With
-``tie_embeddings`` the head weight *is* ``tok_emb.weight``; ``named_parameters()`` reports it once,
-under ``tok_emb.weight``, so ``head.weight`` is never visited.
-
-``GPT(cfg)`` builds on the meta device, moves to the target device and then calls
-``init_weights()``, so ``torch.manual_seed(s); GPT(cfg)`` draws exactly the same numbers as
-``torch.manual_seed(s)`` followed by a shard-by-shard materialisation of
-``GPT(cfg, device="meta")``.
+benchmarks exercise the FSDP machinery rather than exotic layers. Its initialisation is a contract a
+shard-by-shard materialisation relies on: the comment at :func:`init_parameter_`.
 """
 
 from __future__ import annotations
@@ -109,6 +90,25 @@ _NORMAL_RE = re.compile(
 _NORM_RE = re.compile(r"(?:^|\.)(?:ln_f|blocks\.\d+\.ln[12])\.(?P<kind>weight|bias)$")
 
 
+# Initialisation contract:
+#
+# :meth:`GPT.init_weights` is *defined* as::
+#
+#     for name, param in model.named_parameters():
+#         init_parameter_(name, param, model.cfg, generator=generator)
+#
+# so anybody who visits the same names, in the same order, with full-shaped tensors on the same
+# device type and the same generator state, gets bit-identical values. This is what lets a
+# meta-device model be materialised one parameter (or one shard) at a time: create the full tensor
+# for the next name, call :func:`init_parameter_`, keep the local slice, drop the rest. Draws from
+# the generator between two calls (or skipped names) shift every later value. With
+# ``tie_embeddings`` the head weight *is* ``tok_emb.weight``; ``named_parameters()`` reports it
+# once, under ``tok_emb.weight``, so ``head.weight`` is never visited.
+#
+# ``GPT(cfg)`` builds on the meta device, moves to the target device and then calls
+# ``init_weights()``, so ``torch.manual_seed(s); GPT(cfg)`` draws exactly the same numbers as
+# ``torch.manual_seed(s)`` followed by a shard-by-shard materialisation of ``GPT(cfg,
+# device="meta")``.
 @torch.no_grad()
 def init_parameter_(
     name: str,

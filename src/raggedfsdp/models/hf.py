@@ -1,17 +1,10 @@
 """Hugging Face causal language models for the training job (``raggedfsdp train --hf-config``).
 
-Any causal-LM architecture of ``transformers`` is built from its config with random weights (no
-download): a ``config.json`` (or a folder holding one), or one of the tiny built-in configs of
-:data:`TINY_CONFIGS`. ``transformers`` is an optional dependency (``pip install
-'raggedfsdp[hf]'``), imported only here and only when an HF model is asked for; without it every
-entry point raises one ``ValueError`` saying how to install it.
-
-The job's data are bytes (:mod:`raggedfsdp.data`), so the config's vocabulary is replaced by
-:data:`BYTE_VOCAB` token ids, and special-token ids that no longer fit are dropped. The model
-keeps its class, its parameter names and ``generate()``: only its class is extended by
-:class:`_ByteTargets`, so that ``model(x, targets)`` returns the mean next-token loss as the GPT
-of :mod:`raggedfsdp.models.gpt` does (the job's one calling convention), while ``model(x)`` and
-every keyword call stay Hugging Face's own.
+Any causal-LM architecture of ``transformers`` (an optional dependency, imported only here) built
+from its config with random weights, no download. The job's data are bytes, so the vocabulary is
+replaced by :data:`BYTE_VOCAB` token ids (special-token ids that no longer fit dropped), and the
+class is extended by :class:`_ByteTargets` so that ``model(x, targets)`` returns the mean next-token
+loss as the GPT does (the job's one calling convention); everything else stays Hugging Face's own.
 """
 
 from __future__ import annotations

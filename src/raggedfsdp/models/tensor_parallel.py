@@ -1,19 +1,11 @@
-"""Tensor parallelism for the training job's models: Megatron's split, as torchtitan's plans
-write it, for a :class:`~raggedfsdp.models.gpt.GPT` and a Llama-style Hugging Face decoder.
+"""Tensor parallelism for the job's models: Megatron's split, as torchtitan's plans write it.
 
-In every block the query, key and value projections and the feed-forward's input projections
-are column-parallel (``ColwiseParallel``: each rank holds whole heads, or a slice of the hidden
-units), the attention's and the feed-forward's output projections row-parallel
-(``RowwiseParallel``: their outputs are summed over tp); the token embedding is split by
-vocabulary rows and the output head by vocabulary columns, its logits gathered (no loss
-parallelism); norms and a GPT's learned positions stay whole on every rank. Each projection's
-style is looked up in :mod:`raggedfsdp.facts.tp_plan`, the table
-:mod:`raggedfsdp.capacity.parallel` costs too, so ``raggedfsdp plan --tp`` and the job's
-preflight describe the run the job makes.
-
-:func:`check_tensor_parallel` refuses, on a meta-device model and before any collective, a
-degree that does not divide the heads, the hidden units or the vocabulary, and a decoder layer
-of another shape (a mixture of experts: ``--ep`` splits those).
+For a :class:`~raggedfsdp.models.gpt.GPT` and a Llama-style Hugging Face decoder, each projection's
+style looked up in :mod:`raggedfsdp.facts.tp_plan` (the table the capacity planner costs, so
+``raggedfsdp plan --tp`` and the preflight describe the run the job makes); the split itself is the
+comment at :func:`parallelize_tensor`. :func:`check_tensor_parallel` refuses, before any collective,
+a degree that does not divide the heads, hidden units or vocabulary, and a decoder layer of another
+shape (a mixture of experts: ``--ep`` splits those).
 """
 
 from __future__ import annotations
@@ -124,6 +116,12 @@ def check_tensor_parallel(model: nn.Module, tp: int, *, name: str | None = None)
             )
 
 
+# In every block the query, key and value projections and the feed-forward's input projections are
+# column-parallel (``ColwiseParallel``: each rank holds whole heads, or a slice of the hidden
+# units), the attention's and the feed-forward's output projections row-parallel
+# (``RowwiseParallel``: their outputs are summed over tp); the token embedding is split by
+# vocabulary rows and the output head by vocabulary columns, its logits gathered (no loss
+# parallelism); norms and a GPT's learned positions stay whole on every rank. Each projection's
 def parallelize_tensor(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Split ``model`` over the 1-D ``tp_mesh`` in place (module doc); returns it. Every rank
     must hold the same full model (the same seed): each keeps its slices. Call

@@ -1,39 +1,9 @@
 """Parameter shapes of public large language models, as real ``nn.Module`` trees.
 
-These models exist for *planning*: the sharding planner walks ``named_parameters()`` of a model
-built on the meta device (which allocates no storage), so the exact shapes and module order of a
-405B- or 671B-parameter model can be planned on a laptop. Their ``forward`` raises
-``NotImplementedError``; only the GPT entries (built by :class:`~raggedfsdp.models.gpt.GPT`) run.
-
-Built on a real device, the zoo models hold torch's default initialisation for Linear, Embedding
-and RMSNorm layers and uninitialised memory (``torch.empty``) for the fused expert tensors.
-
-Parameter counts (untied embeddings, this module's shapes):
-
-==================  ==================  ==========================================
-name                parameters          public figure
-==================  ==================  ==========================================
-llama3-8b           8,030,261,248       8.03B
-llama3-70b          70,553,706,496      70.6B
-llama3-405b         405,853,388,800     405.9B (reported as 405B)
-deepseek-v3-671b    671,026,404,352     671B (main model, without the 14B MTP module)
-gpt-oss-120b        116,829,156,672     116.8B
-==================  ==================  ==========================================
-
-The ``-experts`` entries and ``deepseek-v2-lite`` keep every expert's projections as separate
-``nn.Linear`` modules, named as the Hugging Face checkpoints name them
-(``model.layers.N.mlp.experts.E.gate_proj.weight``): a layer bucket then holds hundreds of
-same-shaped matrices, the case the planner's grouping of identical tensors exists for. Their
-expert containers are plain modules with numbered children, not ``nn.ModuleList`` (the default
-wrap policy makes every ``ModuleList`` element an FSDP unit; a decoder layer is the unit here).
-
-==========================  ==================  ==========================================
-name                        parameters          public figure
-==========================  ==================  ==========================================
-deepseek-v3-671b-experts    671,026,404,352     671B (as ``deepseek-v3-671b``)
-gpt-oss-120b-experts        116,829,156,672     116.8B (as ``gpt-oss-120b``)
-deepseek-v2-lite            15,706,484,224      15.7B
-==========================  ==================  ==========================================
+These models exist for *planning*: the planner walks ``named_parameters()`` of a model built on the
+meta device (no storage), so a 405B- or 671B-parameter model can be planned on a laptop. Their
+``forward`` raises ``NotImplementedError``; only the GPT entries run. Their parameter counts, and
+why the ``-experts`` entries keep every expert separate: the comment at ``_PUBLIC_BUILDERS``.
 """
 
 from __future__ import annotations
@@ -559,6 +529,35 @@ class GPTOSSHF(_PlanningOnly):
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
+# Built on a real device, the zoo models hold torch's default initialisation for Linear, Embedding
+# and RMSNorm layers and uninitialised memory (``torch.empty``) for the fused expert tensors.
+#
+# Parameter counts (untied embeddings, this module's shapes):
+#
+# ==================  ==================  ==========================================
+# name                parameters          public figure
+# ==================  ==================  ==========================================
+# llama3-8b           8,030,261,248       8.03B
+# llama3-70b          70,553,706,496      70.6B
+# llama3-405b         405,853,388,800     405.9B (reported as 405B)
+# deepseek-v3-671b    671,026,404,352     671B (main model, without the 14B MTP module)
+# gpt-oss-120b        116,829,156,672     116.8B
+# ==================  ==================  ==========================================
+#
+# The ``-experts`` entries and ``deepseek-v2-lite`` keep every expert's projections as separate
+# ``nn.Linear`` modules, named as the Hugging Face checkpoints name them
+# (``model.layers.N.mlp.experts.E.gate_proj.weight``): a layer bucket then holds hundreds of
+# same-shaped matrices, the case the planner's grouping of identical tensors exists for. Their
+# expert containers are plain modules with numbered children, not ``nn.ModuleList`` (the default
+# wrap policy makes every ``ModuleList`` element an FSDP unit; a decoder layer is the unit here).
+#
+# ==========================  ==================  ==========================================
+# name                        parameters          public figure
+# ==========================  ==================  ==========================================
+# deepseek-v3-671b-experts    671,026,404,352     671B (as ``deepseek-v3-671b``)
+# gpt-oss-120b-experts        116,829,156,672     116.8B (as ``gpt-oss-120b``)
+# deepseek-v2-lite            15,706,484,224      15.7B
+# ==========================  ==================  ==========================================
 _PUBLIC_BUILDERS = {
     "llama3-8b": lambda: Llama3(hidden=4096, n_layers=32, n_heads=32, ffn=14336),
     "llama3-70b": lambda: Llama3(hidden=8192, n_layers=80, n_heads=64, ffn=28672),

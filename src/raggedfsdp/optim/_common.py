@@ -1,13 +1,10 @@
-"""What the structure-aware optimizers share: this rank's pieces of a parameter, its gradient and
-its state, the global non-finite skip rule, the check that a layout keeps an optimizer's blocks
-whole, torch's AdamW update, and loading a state dict.
+"""What the structure-aware optimizers share: local pieces, the skip rule, block checks, AdamW.
 
-Every optimizer here computes on *local pieces*: a sharded parameter (a RaggedTensor) holds this
-rank's contiguous range of the global tensor's row-major flattening, and its ``.grad`` the
-matching piece of the global-mean gradient; :meth:`ShardedOptimizer._pieces` hands a step the
-plain local tensors. A plain tensor is an ordinary parameter held whole by this process (single
-device, or replicated).
-The state of a RaggedTensor is kept as RaggedTensors ([Note: optimizer state across world sizes]
+This rank's pieces of a parameter, its gradient and its state (:meth:`ShardedOptimizer._pieces`
+hands a step the plain local tensors: a RaggedTensor's contiguous range of the row-major flattening,
+and the matching piece of the global-mean gradient; a plain tensor is held whole), the global
+non-finite skip rule, the check that a layout keeps an optimizer's blocks whole, torch's AdamW
+update, and loading a state dict, kept as RaggedTensors ([Note: optimizer state across world sizes]
 in ``_state.py``).
 """
 

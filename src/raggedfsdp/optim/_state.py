@@ -1,42 +1,7 @@
 """The state of sharded parameters: kept as RaggedTensors, and taken back from a state dict.
 
-[Note: optimizer state across world sizes]
-raggedfsdp's optimizers keep the state of a sharded parameter (a RaggedTensor, [Note: ragged
-shards as DTensors]) as RaggedTensors over the parameter's ranks, as torch's optimizers do over
-FSDP2's DTensors (``zeros_like(param)``). So ``optimizer.state_dict()`` is what
-``torch.distributed.checkpoint`` saves and reshards, as it is, and DSD's
-``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (full or sharded) take it unchanged:
-no hook and no conversion. Keeping it (rather than converting at ``state_dict()``) also makes a
-DCP load land in the state itself, and keeps the state's keys and global shapes those of the
-single-device optimizer, which holds the global tensors: a checkpoint of either loads into the
-other.
-
-Where each entry lies is decided by its key (``ShardedOptimizer.sharded_state_layout``):
-
-1. ``step`` (0-D) is a plain tensor, the same on every rank; Python numbers stay numbers;
-2. param-shaped entries (moments, momentum, 8-bit codes) are placed like the parameter;
-3. block-structured entries have a layout of their own over the same ranks, where each rank
-   holds the entries of the blocks it holds: 8-bit AdamW's scales (one per block, globally
-   ``[tile_rows, tile_cols]``) and Shampoo's factors (globally the concatenation of every
-   block's flattened factor in row-major block order).
-
-The step computes on the local pieces (``to_local()``). The state of plain parameters is plain
-(whole), as torch's.
-
-``load_state_dict`` takes, per entry of a sharded parameter (:func:`loaded_value`):
-
-- a RaggedTensor placed as this entry is: kept as it is (DCP loaded it in place: no copy);
-- a RaggedTensor of another layout: a ``ValueError`` naming the parameter and the key. Cutting
-  this rank's piece out of it would need the whole tensor (a collective that every rank would
-  have to join, entry by entry, inside ``load_state_dict``); ``dcp.load`` into this optimizer's
-  own ``state_dict()`` reshards it, chunk by chunk, with no whole tensor;
-- the whole tensor (DSD's ``full_state_dict``, a single-process checkpoint): this rank's piece;
-- this rank's own piece as a plain tensor (a per-rank ``torch.save`` of an older run at the
-  same world size): placed as this entry is.
-
-To load at another world size, the new run first needs state of its own for DCP to fill: DSD
-makes it by one step with zero gradients and learning rate 0 (``_init_optim_state``), and so
-does :func:`raggedfsdp.checkpoint.init_optimizer_state`.
+Why the state is RaggedTensors and where each entry lies: [Note: optimizer state across world sizes]
+at :func:`local`; what ``load_state_dict`` takes for an entry: the comment at :func:`loaded_value`.
 """
 
 from __future__ import annotations
@@ -57,6 +22,27 @@ __all__ = ["LayoutOf", "loaded_value", "local", "placed"]
 LayoutOf = Callable[[torch.Tensor, str], ShardLayout | None]
 
 
+# [Note: optimizer state across world sizes] raggedfsdp's optimizers keep the state of a sharded
+# parameter (a RaggedTensor, [Note: ragged shards as DTensors]) as RaggedTensors over the
+# parameter's ranks, as torch's optimizers do over FSDP2's DTensors (``zeros_like(param)``). So
+# ``optimizer.state_dict()`` is what ``torch.distributed.checkpoint`` saves and reshards, as it is,
+# and DSD's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (full or sharded) take it
+# unchanged: no hook and no conversion. Keeping it (rather than converting at ``state_dict()``) also
+# makes a DCP load land in the state itself, and keeps the state's keys and global shapes those of
+# the single-device optimizer, which holds the global tensors: a checkpoint of either loads into the
+# other.
+#
+# Where each entry lies is decided by its key (``ShardedOptimizer.sharded_state_layout``):
+#
+# 1. ``step`` (0-D) is a plain tensor, the same on every rank; Python numbers stay numbers;
+# 2. param-shaped entries (moments, momentum, 8-bit codes) are placed like the parameter;
+# 3. block-structured entries have a layout of their own over the same ranks, where each rank holds
+#    the entries of the blocks it holds: 8-bit AdamW's scales (one per block, globally ``[tile_rows,
+#    tile_cols]``) and Shampoo's factors (globally the concatenation of every block's flattened
+#    factor in row-major block order).
+#
+# The step computes on the local pieces (``to_local()``). The state of plain parameters is plain
+# (whole), as torch's.
 def local(value: Any) -> Any:
     """This rank's piece of a sharded tensor (no copy); anything else as it is."""
     return value.to_local() if isinstance(value, DTensor) else value
@@ -70,6 +56,20 @@ def placed(param: torch.Tensor, layout: ShardLayout | None, piece: torch.Tensor)
     return to_ragged_tensor(piece, layout, param)
 
 
+# ``load_state_dict`` takes, per entry of a sharded parameter (:func:`loaded_value`):
+#
+# - a RaggedTensor placed as this entry is: kept as it is (DCP loaded it in place: no copy);
+# - a RaggedTensor of another layout: a ``ValueError`` naming the parameter and the key. Cutting
+#   this rank's piece out of it would need the whole tensor (a collective that every rank would have
+#   to join, entry by entry, inside ``load_state_dict``); ``dcp.load`` into this optimizer's own
+#   ``state_dict()`` reshards it, chunk by chunk, with no whole tensor;
+# - the whole tensor (DSD's ``full_state_dict``, a single-process checkpoint): this rank's piece;
+# - this rank's own piece as a plain tensor (a per-rank ``torch.save`` of an older run at the same
+#   world size): placed as this entry is.
+#
+# To load at another world size, the new run first needs state of its own for DCP to fill: DSD makes
+# it by one step with zero gradients and learning rate 0 (``_init_optim_state``), and so does
+# :func:`raggedfsdp.checkpoint.init_optimizer_state`.
 def loaded_value(param: torch.Tensor, key: str, value: Any, layout_of: LayoutOf, label: str) -> Any:
     """What the state entry ``key`` of ``param`` becomes when ``value`` is loaded into it (the
     Note's list); ``label`` names the parameter in errors."""

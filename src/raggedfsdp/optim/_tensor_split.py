@@ -1,20 +1,9 @@
 """Matrices that tensor or expert parallelism splits, as Muon sees them.
 
-Beside FSDP, tensor parallelism gives a parameter ``Shard(d)`` on a mesh dimension of its own
-(``ColwiseParallel``: rows, ``RowwiseParallel``: columns): each tensor-parallel rank holds a
-slice of the matrix, and raggedfsdp's ragged shard over the data-parallel dimension is cut from
-that slice. Newton–Schulz is not elementwise: orthogonalising the slice instead of the matrix is
-silently wrong. So the data-parallel owner of a slice gathers the slices over the
-tensor-parallel group, orthogonalises the whole matrix and keeps its own slice of the result.
-The owners agree: tensor-parallel peers hold equal slices (an even split is required), so their
-shard layouts and owner plans are equal, and every peer owns the same matrices in the same
-order, when every rank built the same model and plan; :func:`check_peers_agree` makes that an
-error rather than a trust, once per bucket (a peer pairing other matrices would gather the
-wrong slices, or wait in a collective the others never enter). Each peer runs the same kernel
-on the same matrix: the numbers of one device.
-
-Expert parallelism (``Shard(0)`` of a stack ``[E, rows, cols]``) splits between matrices, never
-inside one: nothing to gather. Any other split of a stack is refused.
+A tensor-parallel slice is gathered over its group by its data-parallel owner, orthogonalised whole,
+and the owner keeps its own slice; expert parallelism splits between matrices, so nothing is
+gathered. Why, and how the owners agree (:func:`check_peers_agree`): the comment at
+:class:`TensorSplit`.
 """
 
 from __future__ import annotations
@@ -30,6 +19,21 @@ from ..tensor import RaggedShardPlacement
 __all__ = ["TensorSplit", "check_peers_agree", "tensor_split"]
 
 
+# Beside FSDP, tensor parallelism gives a parameter ``Shard(d)`` on a mesh dimension of its own
+# (``ColwiseParallel``: rows, ``RowwiseParallel``: columns): each tensor-parallel rank holds a slice
+# of the matrix, and raggedfsdp's ragged shard over the data-parallel dimension is cut from that
+# slice. Newton–Schulz is not elementwise: orthogonalising the slice instead of the matrix is
+# silently wrong. So the data-parallel owner of a slice gathers the slices over the tensor-parallel
+# group, orthogonalises the whole matrix and keeps its own slice of the result. The owners agree:
+# tensor-parallel peers hold equal slices (an even split is required), so their shard layouts and
+# owner plans are equal, and every peer owns the same matrices in the same order, when every rank
+# built the same model and plan; :func:`check_peers_agree` makes that an error rather than a trust,
+# once per bucket (a peer pairing other matrices would gather the wrong slices, or wait in a
+# collective the others never enter). Each peer runs the same kernel on the same matrix: the numbers
+# of one device.
+#
+# Expert parallelism (``Shard(0)`` of a stack ``[E, rows, cols]``) splits between matrices, never
+# inside one: nothing to gather. Any other split of a stack is refused.
 @dataclass(frozen=True)
 class TensorSplit:
     """A matrix split along ``dim`` (0: rows, 1: columns) into ``size`` equal slices over

@@ -1,21 +1,10 @@
 """AdamW with block-wise 8-bit moments whose blocks coincide with the shard cuts.
 
 Each moment is stored as one uint8 code per element plus one fp32 scale (the block's absmax) per
-block; a code indexes a 256-value dynamic map (bitsandbytes' dynamic data type, Dettmers 2015,
-arXiv 1511.04561): signed for the first moment, unsigned for the second. A step dequantizes,
-runs torch's AdamW arithmetic in fp32, and requantizes to the nearest map value.
-
-Blocks are 256-element runs of the flattened tensor (``block_numel``), or, with ``block_shape=(r,
-c)``, ``r × c`` tiles of the parameter's ``[rows, row_len]`` matrix view (the 32×32 tiles of
-veScale's 8-bit Adam). A partial last block (or edge tile) is kept as a smaller block.
-
-Sharding: when every rank boundary of a parameter falls on a multiple of ``block_numel`` elements
-(flat) or of ``r`` rows (tiles), each rank's piece is a run of whole global blocks, so quantizing
-its piece locally produces exactly the global codes and scales it holds: codes, scales and
-parameters are bitwise the single-device ones for any world size. A layout that cuts a block is a
-``ValueError``. Whether a parameter is quantized at all is decided from its *global* numel
-(torchao and bitsandbytes decide from the local shard, so the mesh changes the maths: ao#4912,
-bnb#2080).
+block; a code indexes a 256-value dynamic map (bitsandbytes' dynamic data type, Dettmers 2015, arXiv
+1511.04561): signed for the first moment, unsigned for the second. A step dequantizes, runs torch's
+AdamW arithmetic in fp32, and requantizes to the nearest map value. The blocks, and why a rank's
+codes are the single-device ones: the comment at :class:`AdamW8bit`.
 """
 
 from __future__ import annotations
@@ -164,6 +153,17 @@ def dequantize_blocks(
     return _untiled(tiles, *codes.shape)
 
 
+# Blocks are 256-element runs of the flattened tensor (``block_numel``), or, with ``block_shape=(r,
+# c)``, ``r × c`` tiles of the parameter's ``[rows, row_len]`` matrix view (the 32×32 tiles of
+# veScale's 8-bit Adam). A partial last block (or edge tile) is kept as a smaller block.
+#
+# Sharding: when every rank boundary of a parameter falls on a multiple of ``block_numel`` elements
+# (flat) or of ``r`` rows (tiles), each rank's piece is a run of whole global blocks, so quantizing
+# its piece locally produces exactly the global codes and scales it holds: codes, scales and
+# parameters are bitwise the single-device ones for any world size. A layout that cuts a block is a
+# ``ValueError``. Whether a parameter is quantized at all is decided from its *global* numel
+# (torchao and bitsandbytes decide from the local shard, so the mesh changes the maths: ao#4912,
+# bnb#2080).
 class AdamW8bit(ShardedOptimizer):
     """AdamW whose moments are block-wise 8-bit; single-device and sharded alike.
 

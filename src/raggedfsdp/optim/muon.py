@@ -1,31 +1,9 @@
-"""Muon on ragged shards: the numbers of ``torch.optim.Muon``, with each matrix orthogonalised
-whole on one owner rank.
+"""Muon on ragged shards: the numbers of ``torch.optim.Muon``, each matrix orthogonalised whole.
 
-Newton–Schulz is not elementwise: applied to a row shard instead of the whole matrix it changes
-the update by 29–120% (docs/references.md). So each step, per process group:
-
-1. momentum and Nesterov mixing run on the local pieces, elementwise, exactly as torch does;
-2. every matrix (a 2-D parameter, or one matrix of a 3-D expert stack) has an *owner* rank, chosen
-   once and identically on every rank to balance Newton–Schulz cost; one uneven
-   ``all_to_all_single`` gathers each matrix's pieces, already cast to the Newton–Schulz dtype, to
-   its owner;
-3. the owner orthogonalises the whole matrix with torch's own kernel
-   (``torch.optim._muon._zeropower_via_newtonschulz``), so the result is bitwise torch's;
-4. a second ``all_to_all_single`` (the first one reversed) scatters the results back, and each
-   rank applies weight decay and the update to its pieces, elementwise.
-
-Beside tensor parallelism, the matrix of step 2 is this rank's tensor-parallel slice; the owner
-gathers the slices over the tensor-parallel group before step 3 and keeps its own slice of the
-result (``_tensor_split.py``). Expert parallelism splits a stack between its matrices: nothing to
-gather.
-
-A matrix held whole by one rank is owned by that rank and never moves; when no matrix of a group
-is split, the exchange is skipped. Both collectives are asynchronous: the owner orthogonalises its
-local matrices while the gather is in flight and applies its own results while the scatter is.
-Muon traffic per rank on a balanced set of split matrices is about ``2(W-1)/W² · P`` elements.
-
-Parameters Muon should not touch (biases, norms, embeddings, the output head) go to an auxiliary
-AdamW inside the same optimizer: param groups with ``use_muon=False``.
+Newton–Schulz is not elementwise (applied to a row shard it changes the update by 29–120%,
+docs/references.md), so each matrix is gathered to one owner rank, orthogonalised there with torch's
+own kernel and scattered back; everything else runs on the local pieces. The step, and what tensor
+and expert parallelism change: the comment at :class:`Muon`.
 """
 
 from __future__ import annotations
@@ -213,6 +191,31 @@ class _Pending:
     split: TensorSplit | None  # how tensor parallelism splits its matrix, if it does
 
 
+# Newton–Schulz is not elementwise: applied to a row shard instead of the whole matrix it changes
+# the update by 29–120% (docs/references.md). So each step, per process group:
+#
+# 1. momentum and Nesterov mixing run on the local pieces, elementwise, exactly as torch does;
+# 2. every matrix (a 2-D parameter, or one matrix of a 3-D expert stack) has an *owner* rank, chosen
+#    once and identically on every rank to balance Newton–Schulz cost; one uneven
+#    ``all_to_all_single`` gathers each matrix's pieces, already cast to the Newton–Schulz dtype, to
+#    its owner;
+# 3. the owner orthogonalises the whole matrix with torch's own kernel
+#    (``torch.optim._muon._zeropower_via_newtonschulz``), so the result is bitwise torch's;
+# 4. a second ``all_to_all_single`` (the first one reversed) scatters the results back, and each
+#    rank applies weight decay and the update to its pieces, elementwise.
+#
+# Beside tensor parallelism, the matrix of step 2 is this rank's tensor-parallel slice; the owner
+# gathers the slices over the tensor-parallel group before step 3 and keeps its own slice of the
+# result (``_tensor_split.py``). Expert parallelism splits a stack between its matrices: nothing to
+# gather.
+#
+# A matrix held whole by one rank is owned by that rank and never moves; when no matrix of a group
+# is split, the exchange is skipped. Both collectives are asynchronous: the owner orthogonalises its
+# local matrices while the gather is in flight and applies its own results while the scatter is.
+# Muon traffic per rank on a balanced set of split matrices is about ``2(W-1)/W² · P`` elements.
+#
+# Parameters Muon should not touch (biases, norms, embeddings, the output head) go to an auxiliary
+# AdamW inside the same optimizer: param groups with ``use_muon=False``.
 class Muon(ShardedOptimizer):
     """Muon (momentum orthogonalised by Newton–Schulz) for sharded and unsharded matrices.
 

@@ -1,29 +1,9 @@
 """Block Shampoo with Adam grafting, on shards that hold whole row-blocks.
 
-Each parameter with two or more dimensions is viewed as a matrix ``[rows, row_len]`` (a row as
-docs/design.md defines it: ``[E, out, in]`` is ``[E*out, in]``, a conv filter is one row) and cut
-into blocks of at most ``max_preconditioner_dim`` rows × ``max_preconditioner_dim`` columns. Per
-block ``G``:
-
-- ``L += G Gᵀ`` and ``R += Gᵀ G`` (or an EMA with ``shampoo_beta2 < 1``), in fp32;
-- every ``precondition_frequency`` steps from ``start_preconditioning_step`` (by default every
-  100 steps from step 100), the inverse fourth roots ``L^-1/4``, ``R^-1/4`` are recomputed from
-  fp32 eigendecompositions, one batched ``eigh`` per block size for the whole param group (each
-  ``eigh`` is a host sync on an accelerator);
-- the direction ``L^-1/4 · M̂ · R^-1/4`` (``M̂`` the bias-corrected first moment) is rescaled to
-  the Frobenius norm of the Adam direction ``M̂ / (sqrt(V̂) + grafting_epsilon)`` of the same
-  block (Adam grafting: the block's step size is Adam's, its direction Shampoo's);
-- ``p ← p·(1 - lr·weight_decay) - lr · direction`` (decoupled weight decay).
-
-Before the first preconditioner and for 0-D/1-D parameters the direction is Adam's itself.
-
-Sharding: when every rank boundary falls on a multiple of ``max_preconditioner_dim`` rows (the
-planner's unit for ``optimizer_type="shampoo"``), each rank's piece is whole row-blocks, so the
-blocks a rank sees locally are exactly the global blocks it holds: it preconditions them with no
-communication, and the numbers are the single-device ones (same block inputs, same kernels). A
-layout that cuts a block is a ``ValueError``. Equality is bitwise in practice; it is promised only
-to fp32 round-off because BLAS/LAPACK kernels may in principle choose a different summation order
-for the same block (e.g. by thread count or memory alignment) on different processes.
+Each rank preconditions the blocks it holds with no communication, so the numbers are the
+single-device ones; a layout that cuts a block is a ``ValueError``. The update per block, and why
+equality is bitwise in practice but promised only to fp32 round-off: the comment at
+:class:`Shampoo`.
 """
 
 from __future__ import annotations
@@ -81,6 +61,30 @@ class _Item:
     factors: dict[str, list[torch.Tensor]]
 
 
+# Each parameter with two or more dimensions is viewed as a matrix ``[rows, row_len]`` (a row as
+# docs/design.md defines it: ``[E, out, in]`` is ``[E*out, in]``, a conv filter is one row) and cut
+# into blocks of at most ``max_preconditioner_dim`` rows × ``max_preconditioner_dim`` columns. Per
+# block ``G``:
+#
+# - ``L += G Gᵀ`` and ``R += Gᵀ G`` (or an EMA with ``shampoo_beta2 < 1``), in fp32;
+# - every ``precondition_frequency`` steps from ``start_preconditioning_step`` (by default every 100
+#   steps from step 100), the inverse fourth roots ``L^-1/4``, ``R^-1/4`` are recomputed from fp32
+#   eigendecompositions, one batched ``eigh`` per block size for the whole param group (each
+#   ``eigh`` is a host sync on an accelerator);
+# - the direction ``L^-1/4 · M̂ · R^-1/4`` (``M̂`` the bias-corrected first moment) is rescaled to
+#   the Frobenius norm of the Adam direction ``M̂ / (sqrt(V̂) + grafting_epsilon)`` of the same
+#   block (Adam grafting: the block's step size is Adam's, its direction Shampoo's);
+# - ``p ← p·(1 - lr·weight_decay) - lr · direction`` (decoupled weight decay).
+#
+# Before the first preconditioner and for 0-D/1-D parameters the direction is Adam's itself.
+#
+# Sharding: when every rank boundary falls on a multiple of ``max_preconditioner_dim`` rows (the
+# planner's unit for ``optimizer_type="shampoo"``), each rank's piece is whole row-blocks, so the
+# blocks a rank sees locally are exactly the global blocks it holds: it preconditions them with no
+# communication, and the numbers are the single-device ones (same block inputs, same kernels). A
+# layout that cuts a block is a ``ValueError``. Equality is bitwise in practice; it is promised only
+# to fp32 round-off because BLAS/LAPACK kernels may in principle choose a different summation order
+# for the same block (e.g. by thread count or memory alignment) on different processes.
 class Shampoo(ShardedOptimizer):
     """Block Shampoo with per-block Adam grafting; single-device and sharded alike.
 

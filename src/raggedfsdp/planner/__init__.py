@@ -1,12 +1,9 @@
 """The structure-aware planner: pure Python over shapes, no process group.
 
-Offers :class:`StructAwarePlanner` (each parameter's unit, the plan of a bucket or a model),
-the frozen :class:`ShardPlan` it returns, the provable lower bound
-(:func:`shard_size_lower_bound`), and the one bucketing that the planner, the ``plan`` command,
-``train --dry-run`` and the runtime share (:mod:`raggedfsdp.planner.bucketing`), and each
-parameter's quantization block under compressed communication
-(:mod:`raggedfsdp.planner.quant_blocks`). What a plan costs (memory, bytes and time per step,
-the padding beside FSDP2 and FSDP1) is the cost model's room, :mod:`raggedfsdp.capacity`.
+Offers :class:`StructAwarePlanner` (each parameter's unit, the plan of a bucket or a model), the
+frozen :class:`ShardPlan` it returns, the provable lower bound (:func:`shard_size_lower_bound`),
+the one bucketing the planner, the ``plan`` command, ``train --dry-run`` and the runtime share, and
+each parameter's quantization block. What a plan costs is :mod:`raggedfsdp.capacity`'s.
 """
 
 from ._placement import shard_size_lower_bound

@@ -1,6 +1,8 @@
-"""StructAwarePlanner: each parameter's unit (policy and optimizer), and the plan of one bucket
-or of a whole model. The search itself is in ``_search.py``, its arithmetic in
-``_placement.py``."""
+"""StructAwarePlanner: each parameter's unit, and the plan of one bucket or of a whole model.
+
+A unit follows the policy and the optimizer. The search itself is in ``_search.py``, its arithmetic
+in ``_placement.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""A proof that a candidate shard size has no valid plan in any order (residues of the sums of
-aligned sizes modulo each type's cut lcm); see the note in ``_search.py``."""
+"""A proof that a candidate shard size has no valid plan in any order.
+
+Residues of the sums of aligned sizes modulo each type's cut lcm; see the note in ``_search.py``.
+"""
 
 from __future__ import annotations
 

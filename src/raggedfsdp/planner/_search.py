@@ -1,54 +1,10 @@
-"""The structure-aware planner: one flat buffer per bucket, equal shards, no unit split.
+"""The structure-aware planner's search: one flat buffer per bucket, equal shards, no unit split.
 
 Given a bucket's parameters (each with a numel and a unit), a world size ``W`` and an alignment
-``a`` (elements), the planner picks a shard size ``S`` and an offset per parameter so that
-
-1. parameters do not overlap and lie in ``[0, W*S)``;
-2. every rank boundary ``k*S`` strictly inside a parameter is one of its cut points;
-3. offsets and ``S`` are multiples of ``a``;
-4. the result is deterministic.
-
-[Note: why the search is shaped this way]
-
-- *Fixed order is easy.* For a fixed order of parameters, placing each at its earliest valid
-  offset is optimal: the earliest start gives the earliest end, and the set of valid offsets for
-  the next parameter only shrinks as the cursor grows (see :func:`earliest_offset`).
-- *Per-parameter necessary conditions.* A parameter of ``n`` elements and unit ``u`` that crosses
-  two boundaries forces ``S % u == 0``; one that crosses one boundary needs a cut point ``t``
-  (a multiple of ``lcm(u, a)``) with ``n - S <= t <= S``. Together these say: the parameter is
-  placeable iff ``S % u == 0`` or ``S >= c`` where ``c`` is its *crossing size* (see
-  :func:`crossing_size`). With ``W*S >= total`` and a bin-packing bound for the parameters no
-  boundary may cut (whole units: a rank holds at most ``k`` of those larger than ``S / (k + 1)``,
-  :func:`packing_bound`) this gives a provable lower bound on ``S``
-  (:func:`shard_size_lower_bound`) and the only candidate sizes worth trying.
-- *Feasibility is not monotone in S*, so sizes are tried in increasing order, not bisected.
-- *Parameters of one shape are one type with a count.* Everything below works on the types
-  ``(numel, unit)`` of a bucket, not on its tensors: a layer of 256 separate experts has a
-  dozen types, and within a type parameters keep model order.
-- *Waste.* A placement's cursor is the aligned sizes placed so far plus the padding it left
-  (its *waste*). A plan fits iff its final waste is at most the *slack* ``W*S - min total``, so
-  a partial placement whose waste already exceeds the slack is dead; every search prunes on it.
-- *Residues prove sizes infeasible, cheaply.* Each rank boundary ``k*S`` falls between
-  parameters or inside one at a cut point, so the parameter there starts at ``k*S`` minus a
-  multiple of its ``lcm(unit, a)``, and its start is a sum of aligned sizes plus the waste so
-  far. Modulo each type's lcm those sums form a small set, so the waste each boundary forces
-  can be accumulated boundary by boundary with no order at all (:class:`Residues`). Near the
-  bound, where the slack is a few elements and the units are thousands, that rules out most
-  candidate sizes before any placement is tried. A size this proof rules out has no valid plan
-  in any order, so skipping it changes no result.
-- *Order matters.* Each size first gets the cheap orders: model order (ties go to model order),
-  large units first, large tensors first. For a small bucket (a dense layer) the exact dynamic
-  program over type counts follows -- how many of each type are placed, the smallest cursor per
-  state -- which becomes a beam search when the state space is large, as it always was.
-- *Large buckets are searched rank by rank.* Placing tensors one at a time costs the DP a layer
-  per tensor, which is what made a layer of hundreds of experts take seconds. Inside one rank
-  the order of the tensors that fit does not matter, only which ones and which tensor crosses
-  the rank's end; so :func:`window_beam` extends a beam of partial placements one rank at a
-  time: a few rare tensors (norms, a router, attention) chosen depth-first, the common ones
-  (the experts) topped up in closed form, then every type that could cross the boundary, the
-  states of least waste kept. All beams of one search share a deterministic work budget, spent
-  by iterative deepening on the undecided sizes below the first size that fits (see
-  :func:`search`).
+``a`` (elements), :func:`search` picks a shard size ``S`` and an offset per parameter so that
+parameters do not overlap and lie in ``[0, W*S)``, every rank boundary ``k*S`` strictly inside a
+parameter is one of its cut points, offsets and ``S`` are multiples of ``a``, and the result is
+deterministic. Why the search is shaped as it is: the note at :func:`search`.
 """
 
 from __future__ import annotations
@@ -195,7 +151,7 @@ class _Bucket:
         states = math.prod(t.count + 1 for t in self.types)
         width = states if states <= _EXACT_STATES else _BEAM_WIDTH * len(self.items)
         dp_cost = width * len(self.types)
-        #: Small enough for the type-count DP at every candidate size (as it always was).
+        #: Small enough for the type-count DP at every candidate size.
         self.small = dp_cost <= _DP_BUDGET
         #: Small enough for the DP (its beam) at a few sizes, within the work budget.
         self.medium = dp_cost <= _MEDIUM_DP
@@ -275,6 +231,46 @@ class _Bucket:
         return None
 
 
+# [Note: why the search is shaped this way]
+#
+# - *Fixed order is easy.* For a fixed order of parameters, placing each at its earliest valid
+#   offset is optimal: the earliest start gives the earliest end, and the set of valid offsets for
+#   the next parameter only shrinks as the cursor grows (see :func:`earliest_offset`).
+# - *Per-parameter necessary conditions.* A parameter of ``n`` elements and unit ``u`` that crosses
+#   two boundaries forces ``S % u == 0``; one that crosses one boundary needs a cut point ``t`` (a
+#   multiple of ``lcm(u, a)``) with ``n - S <= t <= S``. Together these say: the parameter is
+#   placeable iff ``S % u == 0`` or ``S >= c`` where ``c`` is its *crossing size* (see
+#   :func:`crossing_size`). With ``W*S >= total`` and a bin-packing bound for the parameters no
+#   boundary may cut (whole units: a rank holds at most ``k`` of those larger than ``S / (k + 1)``,
+#   :func:`packing_bound`) this gives a provable lower bound on ``S``
+#   (:func:`shard_size_lower_bound`) and the only candidate sizes worth trying.
+# - *Feasibility is not monotone in S*, so sizes are tried in increasing order, not bisected.
+# - *Parameters of one shape are one type with a count.* Everything below works on the types
+#   ``(numel, unit)`` of a bucket, not on its tensors: a layer of 256 separate experts has a dozen
+#   types, and within a type parameters keep model order.
+# - *Waste.* A placement's cursor is the aligned sizes placed so far plus the padding it left (its
+#   *waste*). A plan fits iff its final waste is at most the *slack* ``W*S - min total``, so a
+#   partial placement whose waste already exceeds the slack is dead; every search prunes on it.
+# - *Residues prove sizes infeasible, cheaply.* Each rank boundary ``k*S`` falls between parameters
+#   or inside one at a cut point, so the parameter there starts at ``k*S`` minus a multiple of its
+#   ``lcm(unit, a)``, and its start is a sum of aligned sizes plus the waste so far. Modulo each
+#   type's lcm those sums form a small set, so the waste each boundary forces can be accumulated
+#   boundary by boundary with no order at all (:class:`Residues`). Near the bound, where the slack
+#   is a few elements and the units are thousands, that rules out most candidate sizes before any
+#   placement is tried. A size this proof rules out has no valid plan in any order, so skipping it
+#   changes no result.
+# - *Order matters.* Each size first gets the cheap orders: model order (ties go to model order),
+#   large units first, large tensors first. For a small bucket (a dense layer) the exact dynamic
+#   program over type counts follows -- how many of each type are placed, the smallest cursor per
+#   state -- which becomes a beam search when the state space is large.
+# - *Large buckets are searched rank by rank.* Placing tensors one at a time costs the DP a layer
+#   per tensor, which would make a layer of hundreds of experts take seconds. Inside one rank the
+#   order of the tensors that fit does not matter, only which ones and which tensor crosses the
+#   rank's end; so :func:`window_beam` extends a beam of partial placements one rank at a time: a
+#   few rare tensors (norms, a router, attention) chosen depth-first, the common ones (the experts)
+#   topped up in closed form, then every type that could cross the boundary, the states of least
+#   waste kept. All beams of one search share a deterministic work budget, spent by iterative
+#   deepening on the undecided sizes below the first size that fits.
 def search(items: Sequence[Item], world_size: int, a: int) -> tuple[int, list[Item]]:
     """Smallest shard size found feasible, and the order that achieves it.
 

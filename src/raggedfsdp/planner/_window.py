@@ -1,5 +1,7 @@
-"""Window beams: a type order for a large bucket found one rank at a time (see the note in
-``_search.py``, "Large buckets are searched rank by rank")."""
+"""Window beams: a type order for a large bucket found one rank at a time.
+
+See the note in ``_search.py``, "Large buckets are searched rank by rank".
+"""
 
 from __future__ import annotations
 

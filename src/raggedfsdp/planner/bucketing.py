@@ -1,11 +1,11 @@
-"""The one bucketing: which FSDP units a model has, and how each unit's parameters split into
-buckets. ``plan_model``, the ``plan`` command, ``train --dry-run`` and the runtime all use it, so
-what is planned is what runs.
+"""The one bucketing: a model's FSDP units, and how each unit's parameters split into buckets.
 
-A unit's parameters are grouped by ``(dtype, requires_grad)`` in model order (first appearance
-decides the group order), and each group is split in model order at ``buffer_size`` bytes *of
-the communication dtype* (``param_dtype`` under mixed precision: what the collectives move). A
-bucket is named ``<unit path>/<dtype>[/frozen]/<i>`` (``<root>`` for the root's path).
+``plan_model``, the ``plan`` command, ``train --dry-run`` and the runtime all use it, so what is
+planned is what runs. A unit's parameters are grouped by ``(dtype, requires_grad)`` in model order
+(first appearance decides the group order), and each group is split in model order at
+``buffer_size`` bytes *of the communication dtype* (``param_dtype`` under mixed precision: what the
+collectives move). A bucket is named ``<unit path>/<dtype>[/frozen]/<i>`` (``<root>`` for the root's
+path).
 """
 
 from __future__ import annotations

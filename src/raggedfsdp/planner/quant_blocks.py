@@ -1,16 +1,11 @@
 """The quantization block of each parameter under compressed communication.
 
-docs/design.md ("Compressed communication") defines it on the parameter's 2-D view ``[rows,
-row_length]`` (rows as :class:`~raggedfsdp.layout.RaggedShard` defines them): an explicit
-``block_size=b`` is ``b x b`` tiles and ``(r, c)`` is ``r x c``; unset, it follows the policy
-(``b`` -> ``b x b``, ``(r, c)`` -> ``r x c``, ``"whole"`` -> ``128 x 128``, element -> runs of 256
-elements of the flattened parameter). 1-D parameters have runs of ``b`` (``r`` for a tuple) or 256
-elements; a 0-dim parameter is one block. Tiles are laid row-major; a partial tile at the right or
-bottom edge is a block of its own.
-
-The planner makes every unit a multiple of :attr:`QuantBlock.unit_numel`, so a rank's piece of a
-parameter is always whole blocks: quantizing it locally gives exactly the blocks, codes and scales
-of the whole parameter, for any world size. Pure geometry over shapes, like the policy's unit.
+Defined in docs/design.md ("Compressed communication") on the parameter's 2-D view ``[rows,
+row_length]``: tiles laid row-major (a partial tile at the right or bottom edge a block of its own);
+a 1-D parameter has runs of ``b`` (``r`` of a tuple, else 256), a 0-dim one is one block. The
+planner makes every unit a multiple of :attr:`QuantBlock.unit_numel`, so a rank's piece of a
+parameter is whole blocks: quantizing it locally gives the blocks, codes and scales of the whole
+parameter, for any world size.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
 """Sharded parameters changed outside the runtime, taken back: FSDP2's ``reset_sharded_param``.
 
-[Note: adopting changed parameters]
-A unit's sharded parameters are RaggedTensors whose local tensors are views of their bucket's
-shard buffer. Three things break that without the unit knowing:
-
-- ``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``to(device)``, ``half()``, ...) swaps new
-  contents into every DTensor parameter (``torch.utils.swap_tensors``): the parameter object is
-  the same, but its local tensor is a new tensor, of the new dtype or device, outside the buffer;
-- ``load_state_dict(assign=True)`` and plain assignment (``module.weight = p``) make the module
-  hold another tensor in the parameter's place;
-- nothing else: an in-place update (an optimizer step, ``copy_``, ``nn.init``) writes through the
-  view, which is the point.
-
-:func:`adopt` makes the unit whole again, as FSDP2 does: each parameter's current values go into
-its bucket's buffer (a new one, of the new dtype and on the new device, if those changed -- and
-then the unit's storages and strategies are made anew), the parameter's local tensor is a view
-of it again, and the modules hold the unit's parameters. Values held in a parameter's place are
-copied in by ``copy_``, so a whole tensor, a sharded one of this layout or another (resharded, a
-collective: every rank adopts at the same points) all work. The plan (which element lies where)
-never changes, so a dtype change keeps each rank's pieces. ``FSDPModule._apply``, the load
-post-hook and every unshard adopt, so nothing computes with a parameter the unit does not hold.
+``nn.Module._apply`` and assignment can leave a sharded parameter outside its bucket's buffer;
+:func:`adopt` puts its values back in and makes it a view again ([Note: adopting changed parameters]
+at :func:`adopt`).
 """
 
 from __future__ import annotations
@@ -61,6 +44,26 @@ class Unit(Protocol):
 __all__ = ["adopt", "materialize", "meta_parameters"]
 
 
+# [Note: adopting changed parameters] A unit's sharded parameters are RaggedTensors whose local
+# tensors are views of their bucket's shard buffer. Three things break that without the unit
+# knowing:
+#
+# - ``nn.Module._apply`` (``to_empty``, ``to(dtype)``, ``to(device)``, ``half()``, ...) swaps new
+#   contents into every DTensor parameter (``torch.utils.swap_tensors``): the parameter object is
+#   the same, but its local tensor is a new tensor, of the new dtype or device, outside the buffer;
+# - ``load_state_dict(assign=True)`` and plain assignment (``module.weight = p``) make the module
+#   hold another tensor in the parameter's place;
+# - nothing else: an in-place update (an optimizer step, ``copy_``, ``nn.init``) writes through the
+#   view, which is the point.
+#
+# :func:`adopt` makes the unit whole again, as FSDP2 does: each parameter's current values go into
+# its bucket's buffer (a new one, of the new dtype and on the new device, if those changed -- and
+# then the unit's storages and strategies are made anew), the parameter's local tensor is a view of
+# it again, and the modules hold the unit's parameters. Values held in a parameter's place are
+# copied in by ``copy_``, so a whole tensor, a sharded one of this layout or another (resharded, a
+# collective: every rank adopts at the same points) all work. The plan (which element lies where)
+# never changes, so a dtype change keeps each rank's pieces. ``FSDPModule._apply``, the load
+# post-hook and every unshard adopt, so nothing computes with a parameter the unit does not hold.
 def adopt(group: Unit) -> None:
     """Take back every parameter of ``group`` that changed (see the Note); a no-op, costing
     one identity check per parameter, when none did. The unit must be sharded."""

@@ -1,29 +1,8 @@
 """How each bucket communicates: one all-gather and one reduce-scatter strategy per bucket.
 
-[Note: one strategy per bucket] Everything that decides how a bucket's parameters are gathered
-and its gradients reduced (zero copy or not, mixed precision, CPU offload, compression) is fixed
-when ``fully_shard`` builds the bucket. So the choice is made there, once, and kept on the
-bucket's DBuffer as two objects, ``bucket.gather`` (an :class:`AllGather`) and ``bucket.reduce``
-(a :class:`ReduceScatter`, ``None`` for a frozen bucket), as FSDP2 keeps its ``AllGather`` and
-``ReduceScatter`` comm objects (``_fsdp_api.py``). The parameter group calls them without
-looking at the configuration again, and whatever a strategy keeps between calls (the HSDP shard
-held back from the replicas' all-reduce here; the quantized shard and the error-feedback
-residual in ``compression/``) lives on the strategy object, one per bucket.
-
-The all-gathers, by what this rank sends from where:
-
-- :class:`InPlaceAllGather` (zero copy, no cast): the shard as it lies; parameters this rank
-  holds whole are views of it, so nothing of theirs is placed;
-- :class:`CastAllGather` (mixed precision): the fp32 shard cast into its bf16 slot of ``full``
-  -- that cast is the only copy, and the all-gather then runs in place;
-- :class:`HostOffloadAllGather` (CPU offload): the host shard copied into its device slot;
-- :class:`CopyInAllGather` (``zero_copy=False``): a copy of the shard, FSDP2's copy-in, for A/B
-  measurement;
-- ``compression.QuantizedAllGather``: codes and scales.
-
-The reduce-scatters: :class:`InPlaceReduceScatter` reads the unsharded gradient block as it
-lies, :class:`CastReduceScatter` casts it to ``reduce_dtype`` first, and
-``compression.QuantizedReduceScatter`` sends codes and scales.
+The strategies (:class:`AllGather`, :class:`ReduceScatter` and their kinds, by what this rank sends
+from where) are chosen once, when ``fully_shard`` builds the bucket, and kept on its DBuffer ([Note:
+one strategy per bucket] at :class:`AllGather`).
 """
 
 from __future__ import annotations
@@ -54,6 +33,30 @@ __all__ = [
 ]
 
 
+# [Note: one strategy per bucket] Everything that decides how a bucket's parameters are gathered and
+# its gradients reduced (zero copy or not, mixed precision, CPU offload, compression) is fixed when
+# ``fully_shard`` builds the bucket. So the choice is made there, once, and kept on the bucket's
+# DBuffer as two objects, ``bucket.gather`` (an :class:`AllGather`) and ``bucket.reduce`` (a
+# :class:`ReduceScatter`, ``None`` for a frozen bucket), as FSDP2 keeps its ``AllGather`` and
+# ``ReduceScatter`` comm objects (``_fsdp_api.py``). The parameter group calls them without looking
+# at the configuration again, and whatever a strategy keeps between calls (the HSDP shard held back
+# from the replicas' all-reduce here; the quantized shard and the error-feedback residual in
+# ``compression/``) lives on the strategy object, one per bucket.
+#
+# The all-gathers, by what this rank sends from where:
+#
+# - :class:`InPlaceAllGather` (zero copy, no cast): the shard as it lies; parameters this rank holds
+#   whole are views of it, so nothing of theirs is placed;
+# - :class:`CastAllGather` (mixed precision): the fp32 shard cast into its bf16 slot of ``full`` --
+#   that cast is the only copy, and the all-gather then runs in place;
+# - :class:`HostOffloadAllGather` (CPU offload): the host shard copied into its device slot;
+# - :class:`CopyInAllGather` (``zero_copy=False``): a copy of the shard, FSDP2's copy-in, for A/B
+#   measurement;
+# - ``compression.QuantizedAllGather``: codes and scales.
+#
+# The reduce-scatters: :class:`InPlaceReduceScatter` reads the unsharded gradient block as it lies,
+# :class:`CastReduceScatter` casts it to ``reduce_dtype`` first, and
+# ``compression.QuantizedReduceScatter`` sends codes and scales.
 class AllGather(ABC):
     """How one bucket's unsharded buffer is filled with every rank's shard ([Note: one strategy
     per bucket])."""

@@ -1,30 +1,9 @@
 """The data-parallel ranks of a root, over which every gradient is averaged.
 
-[Note: units on different meshes]
-Units under one root may shard over different meshes. Beside expert parallelism (torchtitan's
-layout: ep borrows its ranks from data parallelism) the dense units shard over the ranks of
-``dp`` and ``ep`` flattened into one dim, while the experts -- DTensors ``Shard(0)`` over
-``mesh["ep"]`` -- shard over ``mesh["dp"]`` only. Every rank some unit treats as data-parallel
-holds other data, so the root's *data-parallel ranks* are the union of its units' meshes (this
-rank's slices of them). A gradient reaches all of them in two ways: the unit's reduction, over its
-mesh, and, for a parameter split over dims that lie among those ranks, the model's own
-communication (the token dispatch's all-to-all brings every ep rank's tokens to the rank that
-holds an expert, and in backward their gradients). So each trainable parameter must cover them:
-its unit's ranks times the ranks of each dim it is ``Shard``-ed over inside them must be all of
-them. A parameter that does not -- a plain parameter in a unit sharded over ``mesh["dp"]`` beside
-a ``(dp, ep)`` root, an expert unit whose mesh is too small -- would see the gradients of part of
-the data only and its replicas would drift apart. Over data-parallel ranks only whole experts
-may be split (``Shard(0)``, as torchtitan places them over ep): a slice of every expert on each
-rank would compute with that rank's tokens only. Either is one error naming the parameter, at
-the root's first forward, before any collective.
-
-Gradients are then averaged over all the data-parallel ranks (the default divide factor is their
-number): a unit's reduction averages over its mesh and the reduced shard is scaled by its ranks /
-that number, so ``dp x ep`` ranks and one process on the global batch take the same step. FSDP2
-divides by each unit's own mesh, which leaves expert gradients ``ep`` times too large; torchtitan
-sets their factor by hand (``set_gradient_divide_factor``), as one may here, with the same result.
-A tensor-parallel dim holds the same data on all its ranks and lies outside the data-parallel
-ranks, so nothing changes beside TP.
+Units under one root may shard over different meshes (experts beside dense units); the root's
+data-parallel ranks are the union of its units' meshes, every trainable parameter must cover them,
+and gradients are averaged over all of them ([Note: units on different meshes] at
+:func:`data_parallel_ranks`).
 """
 
 from __future__ import annotations
@@ -40,6 +19,30 @@ from ._param_group import FSDPParamGroup
 __all__ = ["data_parallel_ranks"]
 
 
+# [Note: units on different meshes] Units under one root may shard over different meshes. Beside
+# expert parallelism (torchtitan's layout: ep borrows its ranks from data parallelism) the dense
+# units shard over the ranks of ``dp`` and ``ep`` flattened into one dim, while the experts --
+# DTensors ``Shard(0)`` over ``mesh["ep"]`` -- shard over ``mesh["dp"]`` only. Every rank some unit
+# treats as data-parallel holds other data, so the root's *data-parallel ranks* are the union of its
+# units' meshes (this rank's slices of them). A gradient reaches all of them in two ways: the unit's
+# reduction, over its mesh, and, for a parameter split over dims that lie among those ranks, the
+# model's own communication (the token dispatch's all-to-all brings every ep rank's tokens to the
+# rank that holds an expert, and in backward their gradients). So each trainable parameter must
+# cover them: its unit's ranks times the ranks of each dim it is ``Shard``-ed over inside them must
+# be all of them. A parameter that does not -- a plain parameter in a unit sharded over
+# ``mesh["dp"]`` beside a ``(dp, ep)`` root, an expert unit whose mesh is too small -- would see the
+# gradients of part of the data only and its replicas would drift apart. Over data-parallel ranks
+# only whole experts may be split (``Shard(0)``, as torchtitan places them over ep): a slice of
+# every expert on each rank would compute with that rank's tokens only. Either is one error naming
+# the parameter, at the root's first forward, before any collective.
+#
+# Gradients are then averaged over all the data-parallel ranks (the default divide factor is their
+# number): a unit's reduction averages over its mesh and the reduced shard is scaled by its ranks /
+# that number, so ``dp x ep`` ranks and one process on the global batch take the same step. FSDP2
+# divides by each unit's own mesh, which leaves expert gradients ``ep`` times too large; torchtitan
+# sets their factor by hand (``set_gradient_divide_factor``), as one may here, with the same result.
+# A tensor-parallel dim holds the same data on all its ranks and lies outside the data-parallel
+# ranks, so nothing changes beside TP.
 def data_parallel_ranks(units: list[tuple[list[str], FSDPParamGroup]]) -> int:
     """How many data-parallel ranks the units under one root have together (``(paths below
     the root, group)`` each): the number their gradients are averaged over. Raises, naming it,

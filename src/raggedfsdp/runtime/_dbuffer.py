@@ -1,33 +1,10 @@
 """DBuffer: one flat buffer per bucket, with parameters and gradients as views into it.
 
-A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a global buffer of
-``W * S`` elements; rank ``r`` owns ``[r*S, (r+1)*S)``. A :class:`DBuffer` holds
-
-- ``local``      ``[S]`` master dtype, persistent: the sharded parameters are views of it, so the
-  optimizer updates it in place (on the host under CPU offload, ``_offload.py``);
-- ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
-  all-gather writes straight into it and the unsharded parameters are views of it (those this
-  rank holds whole are views of ``local`` instead: nothing needs placing for them);
-- ``full_grad``  ``[W*S]`` communication dtype, bound from the unit's first gradient in a
-  backward to its reduce-scatter's completion (a block of the model's
-  :class:`~._pool.BufferPool`): autograd accumulates the unsharded gradients into
-  views of it, and the reduce-scatter reads it as is;
-- the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
-  it; the sharded gradients are views of it, so it lives as long as they do.
-
-Sharded parameters and their gradients are :class:`~raggedfsdp.tensor.RaggedTensor` DTensors
-whose local tensors are these views ([Note: ragged shards as DTensors]). A bucket of parameters
-on the meta device keeps ``local`` on meta too, until ``to_empty`` gives it memory
-(``FSDPParamGroup.adopt``); nothing runs on it before then.
-
-So neither collective needs a copy-in or a copy-out.
-
-[Note: freeing unsharded storage] Unsharded parameters are persistent views, because autograd
-saves them, and views of them (``weight.t()`` in a linear), for backward. Freeing must keep every
-such view valid for the re-unshard before backward, so the *storage* is resized to zero and back
-(as FSDP2 does) rather than replaced. A :class:`FlatStorage` puts several 1-D buffers in one
-storage: with ``group_level=True`` all buckets of a unit share one, so a unit's unshard is one
-allocation (and one free) however many buckets it has.
+A bucket's :class:`~raggedfsdp.planner.ShardPlan` places every parameter in a global buffer of ``W *
+S`` elements; rank ``r`` owns ``[r*S, (r+1)*S)``. A :class:`DBuffer` holds the buffers the
+collectives read and write as they are (its comment says which), so neither needs a copy-in or a
+copy-out; a :class:`FlatStorage` holds a unit's unsharded buffers in one storage, freed by resizing
+([Note: freeing unsharded storage] at :class:`FlatStorage`).
 """
 
 from __future__ import annotations
@@ -67,6 +44,12 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _STORAGE_ALIGN) * _STORAGE_ALIGN
 
 
+# [Note: freeing unsharded storage] Unsharded parameters are persistent views, because autograd
+# saves them, and views of them (``weight.t()`` in a linear), for backward. Freeing must keep every
+# such view valid for the re-unshard before backward, so the *storage* is resized to zero and back
+# (as FSDP2 does) rather than replaced. A :class:`FlatStorage` puts several 1-D buffers in one
+# storage: with ``group_level=True`` all buckets of a unit share one, so a unit's unshard is one
+# allocation (and one free) however many buckets it has.
 class FlatStorage:
     """Several 1-D buffers in one storage that is allocated and freed as a whole.
 
@@ -95,6 +78,26 @@ class FlatStorage:
         self._bytes.untyped_storage().resize_(0)
 
 
+# What a DBuffer holds:
+#
+# - ``local``      ``[S]`` master dtype, persistent: the sharded parameters are views of it, so the
+#   optimizer updates it in place (on the host under CPU offload, ``_offload.py``);
+# - ``full``       ``[W*S]`` communication dtype, storage alive from unshard to reshard: the
+#   all-gather writes straight into it and the unsharded parameters are views of it (those this rank
+#   holds whole are views of ``local`` instead: nothing needs placing for them);
+# - ``full_grad``  ``[W*S]`` communication dtype, bound from the unit's first gradient in a backward
+#   to its reduce-scatter's completion (a block of the model's :class:`~._pool.BufferPool`):
+#   autograd accumulates the unsharded gradients into views of it, and the reduce-scatter reads it
+#   as is;
+# - the local gradient ``[S]`` master dtype, a fresh buffer per reduce-scatter, which writes into
+#   it; the sharded gradients are views of it, so it lives as long as they do.
+#
+# Sharded parameters and their gradients are :class:`~raggedfsdp.tensor.RaggedTensor` DTensors whose
+# local tensors are these views ([Note: ragged shards as DTensors] in tensor/_ragged_tensor.py). A
+# bucket of parameters on the meta device keeps ``local`` on meta too, until ``to_empty`` gives it
+# memory (``FSDPParamGroup.adopt``); nothing runs on it before then.
+#
+# So neither collective needs a copy-in or a copy-out.
 class DBuffer:
     """The buffers of one bucket and the views that make parameters and gradients out of them.
 

@@ -1,12 +1,10 @@
 """The methods of a ``fully_shard``-ed module: :class:`FSDPModule`, a subclass of torch's.
 
-``fully_shard`` extends a module's class with :class:`FSDPModule` (``FSDP<Class>``), as FSDP2
-does, so ``state_dict()`` keys are unchanged and ``isinstance(module,
-torch.distributed.fsdp.FSDPModule)`` is true: frameworks that switch behaviour on it
-(torchtitan turns gradient division off that way) see raggedfsdp's units as FSDP2's. Every
-method of torch's class is defined here -- FSDP2's meaning where it has one, a
-``NotImplementedError`` saying why where it has none (:data:`_NOT_SUPPORTED`, and any method a
-later torch adds) -- so none of torch's FSDP2 internals ever runs on a raggedfsdp module.
+``fully_shard`` extends a module's class with it (``FSDP<Class>``), as FSDP2 does, so
+``state_dict()`` keys are unchanged and ``isinstance(module, torch.distributed.fsdp.FSDPModule)``
+holds (torchtitan turns gradient division off that way). Every method of torch's class is defined
+here -- FSDP2's meaning, or a ``NotImplementedError`` saying why (:data:`_NOT_SUPPORTED`, and any
+method a later torch adds) -- so none of torch's FSDP2 internals runs on a raggedfsdp module.
 """
 
 from __future__ import annotations

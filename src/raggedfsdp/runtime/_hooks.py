@@ -1,25 +1,8 @@
 """The hooks of a ``fully_shard``-ed module, and what the units under one root share.
 
-[Note: the life of a step]
-- Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's
-  name, the data-parallel ranks gradients are averaged over, shared stats, reduce queue and
-  scratch pool, plan check across ranks). The unit issues
-  its all-gather if not prefetched, prefetches the next unit's (order recorded in the first
-  iteration), then waits for its own.
-- Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
-  ran forward last when gradients are on: its backward comes first), and hook the outputs so
-  that the first gradient flowing into them unshards the unit again (pre-backward; the root's
-  prefetches the unit whose backward follows its own). Inputs that require grad are routed
-  through :class:`_PostBackward`, whose backward runs when the unit's whole backward is done
-  (post-backward: reduce-scatter, reshard). A unit's gradient block is taken from the pool when
-  its first gradient arrives.
-- The first pre-backward queues an end-of-backward callback: it finishes units whose inputs had no
-  gradient (the root), waits for every reduce-scatter and leaves all units sharded and idle.
-- Under activation checkpointing a unit may run forward again *during* backward; the hooks then
-  only unshard.
-
 Hooks are bound methods of :class:`FSDPState`, registered once, that decide *when*; the unit's
-:class:`~._param_group.FSDPParamGroup` does the work.
+:class:`~._param_group.FSDPParamGroup` does the work. When each runs, forward to the end of
+backward: [Note: the life of a step] at :class:`FSDPState`.
 """
 
 from __future__ import annotations
@@ -146,6 +129,22 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+# [Note: the life of a step]
+# - Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's name,
+#   the data-parallel ranks gradients are averaged over, shared stats, reduce queue and scratch
+#   pool, plan check across ranks). The unit issues its all-gather if not prefetched, prefetches the
+#   next unit's (order recorded in the first iteration), then waits for its own.
+# - Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
+#   ran forward last when gradients are on: its backward comes first), and hook the outputs so that
+#   the first gradient flowing into them unshards the unit again (pre-backward; the root's
+#   prefetches the unit whose backward follows its own). Inputs that require grad are routed through
+#   :class:`_PostBackward`, whose backward runs when the unit's whole backward is done
+#   (post-backward: reduce-scatter, reshard). A unit's gradient block is taken from the pool when
+#   its first gradient arrives.
+# - The first pre-backward queues an end-of-backward callback: it finishes units whose inputs had no
+#   gradient (the root), waits for every reduce-scatter and leaves all units sharded and idle.
+# - Under activation checkpointing a unit may run forward again *during* backward; the hooks then
+#   only unshard.
 class FSDPState:
     """The hooks of one ``fully_shard``-ed unit -- a module, or several sharing one parameter
     group (FSDP2's ``fully_shard([a, b])``) -- which delegate to its parameter group. A unit of

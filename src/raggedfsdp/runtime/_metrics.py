@@ -1,19 +1,10 @@
-"""What the runtime measures about itself: bytes moved, time waiting, copies made, memory, and
-(for tests and benchmarks) the host synchronisations it makes.
+"""What the runtime measures about itself: bytes moved, time waiting, copies made, memory, syncs.
 
-One :class:`RuntimeStats` is shared by every unit of a model (the root creates it); the
-collectives and the copy sites add to it. ``model.stats()`` returns a snapshot as a plain dict and
-``model.reset_stats()`` starts a new window (typically one optimizer step).
-
-[Note: timing waits on an accelerator] On the CPU (Gloo) ``Work.wait()`` blocks the compute
-thread until the transfer is done, so ``perf_counter`` around it is the exposed communication.
-On a GPU (NCCL) ``wait()`` only makes the compute stream wait for the collective's stream and
-returns at once: timed on the host it would read ~0 and the compute would absorb all the
-communication. There the wait is timed on the device: an event recorded on the compute stream
-before ``wait()`` and one after, with nothing queued between them, so their distance is how long
-the compute stream stalled on the collective. Reading an event's time needs it to have happened,
-which would make the host wait for the device at every ``wait()``; the pairs are kept and read
-when the stats are (``snapshot``), where the step has synchronised anyway.
+One :class:`RuntimeStats` is shared by every unit of a model (the root creates it); the collectives
+and the copy sites add to it. ``model.stats()`` returns a snapshot as a plain dict and
+``model.reset_stats()`` starts a new window (typically one optimizer step). :class:`HostSyncCounter`
+counts host synchronisations, for tests and benchmarks. Waits on an accelerator are timed as
+:class:`_EventTimes` says ([Note: timing waits on an accelerator]).
 """
 
 from __future__ import annotations
@@ -31,6 +22,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["HostSyncCounter", "RuntimeStats"]
 
 
+# [Note: timing waits on an accelerator] On the CPU (Gloo) ``Work.wait()`` blocks the compute thread
+# until the transfer is done, so ``perf_counter`` around it is the exposed communication. On a GPU
+# (NCCL) ``wait()`` only makes the compute stream wait for the collective's stream and returns at
+# once: timed on the host it would read ~0 and the compute would absorb all the communication. There
+# the wait is timed on the device: an event recorded on the compute stream before ``wait()`` and one
+# after, with nothing queued between them, so their distance is how long the compute stream stalled
+# on the collective. Reading an event's time needs it to have happened, which would make the host
+# wait for the device at every ``wait()``; the pairs are kept and read when the stats are
+# (``snapshot``), where the step has synchronised anyway.
 class _EventTimes:
     """Waits timed by events on an accelerator's current stream, resolved only when read
     ([Note: timing waits on an accelerator])."""

@@ -1,31 +1,10 @@
 """CPU offload (FSDP2's ``CPUOffloadPolicy``): shards, gradients and optimizer state on the host.
 
-With a :class:`HostOffload` a bucket's ``local`` shard lives on the host (pinned when asked and
-an accelerator is present), so the sharded parameters, their gradients and the optimizer's state
-(made like the parameters) are host tensors and the optimizer steps there; the compute device
-holds only unsharded buffers. Around the collectives, which run on the compute device:
-
-- unshard: the host shard is copied into this rank's slot of the device ``full`` buffer (cast to
-  ``param_dtype`` on the device, after the copy), then the all-gather runs in place as without
-  offload; a parameter this rank holds whole is a view of ``full`` too, never of host memory;
-- reduce: the reduced gradient shard (cast to the master dtype on the device) is copied into a
-  fresh host buffer, and the sharded gradients are views of it.
-
-The path is written against a compute device and the host only, so it runs on a CPU device too:
-``DBufferConfig(host_copies_on_cpu=True)`` makes a CPU unit take it, with separate host buffers
-and the same copies, which is how it is tested without an accelerator.
-
-[Note: non-blocking offload copies] From and to *pinned* host memory, copies are issued with
-``non_blocking=True``: stream order already makes the device side safe (the copy to the device
-runs on the all-gather copy-in stream, which the all-gather and then compute wait for; the copy
-to the host on the reduce-scatter or all-reduce stream, which compute waits for at the end of
-backward: [Note: streams and events] in ``_streams.py``). What it does not cover is the host: it
-must not read a gradient the device is still writing, nor write a shard (optimizer step, load) the
-device is still reading. So every such copy records an event, and :meth:`HostOffload.wait`
-blocks on them before the host touches those buffers: at reshard and at the end of the
-iteration (before any optimizer step), and before adding a new gradient to one still held.
-Pageable memory gets blocking copies (a non-blocking copy to pageable memory is not
-asynchronous anyway, and from it would be unsafe).
+With a :class:`HostOffload` a bucket's ``local`` shard lives on the host (pinned when asked and an
+accelerator is present), so the sharded parameters, their gradients and the optimizer's state are
+host tensors and the optimizer steps there; the compute device holds only unsharded buffers. The
+copies around the collectives, and why they are safe ([Note: non-blocking offload copies]): the
+comments at :class:`HostOffload`.
 """
 
 from __future__ import annotations
@@ -76,6 +55,29 @@ def check_host_backend(groups: list[dist.ProcessGroup]) -> None:
             )
 
 
+# The copies around the collectives, which run on the compute device:
+#
+# - unshard: the host shard is copied into this rank's slot of the device ``full`` buffer (cast to
+#   ``param_dtype`` on the device, after the copy), then the all-gather runs in place as without
+#   offload; a parameter this rank holds whole is a view of ``full`` too, never of host memory;
+# - reduce: the reduced gradient shard (cast to the master dtype on the device) is copied into a
+#   fresh host buffer, and the sharded gradients are views of it.
+#
+# The path is written against a compute device and the host only, so it runs on a CPU device too:
+# ``DBufferConfig(host_copies_on_cpu=True)`` makes a CPU unit take it, with separate host buffers
+# and the same copies, which is how it is tested without an accelerator.
+#
+# [Note: non-blocking offload copies] From and to *pinned* host memory, copies are issued with
+# ``non_blocking=True``: stream order already makes the device side safe (the copy to the device
+# runs on the all-gather copy-in stream, which the all-gather and then compute wait for; the copy to
+# the host on the reduce-scatter or all-reduce stream, which compute waits for at the end of
+# backward: [Note: streams and events] in ``_streams.py``). What it does not cover is the host: it
+# must not read a gradient the device is still writing, nor write a shard (optimizer step, load) the
+# device is still reading. So every such copy records an event, and :meth:`HostOffload.wait` blocks
+# on them before the host touches those buffers: at reshard and at the end of the iteration (before
+# any optimizer step), and before adding a new gradient to one still held. Pageable memory gets
+# blocking copies (a non-blocking copy to pageable memory is not asynchronous anyway, and from it
+# would be unsafe).
 class HostOffload:
     """The host side of one unit under CPU offload, and the copies to and from its device."""
 

@@ -1,18 +1,10 @@
-"""How a unit's parameter is placed beside its ragged shard: one object per parameter, chosen once
-where the unit is built (``fully_shard``'s ``_unit_mesh``), carrying all that differs by form.
+"""How a unit's parameter is placed beside its ragged shard: one object per parameter, chosen once.
 
-- :class:`Plain`: a plain tensor, sharded over the data-parallel mesh; forward computes with a
-  plain tensor.
-- :class:`SubMesh`: a DTensor split by tensor or expert parallelism over a sibling of the
-  data-parallel mesh (``fully_shard(mesh=mesh["dp"])``): the unit shards its local tensor, the
-  sharded parameter lives on both meshes joined, forward computes with a DTensor of the split.
-- :class:`FullMesh`: FSDP2's full-SPMD-mesh form (``dp_mesh_dims``, ``_spmd.py``): what the
-  sub-mesh form (or the plain one, where the mesh has only data-parallel dims) makes of it, but
-  forward computes with a DTensor on the caller's whole mesh, whose gradient is relabelled before
-  autograd accumulates it.
-
-The runtime asks its parameter's placement and never branches on the form; a new form (a
-pipeline stage's, a tensor subclass's) is a new subclass.
+Chosen where the unit is built (``fully_shard``'s ``_unit_mesh``), it carries all that differs by
+form: :class:`Plain` (a plain tensor), :class:`SubMesh` (a DTensor split by tensor or expert
+parallelism over a sibling of the data-parallel mesh), :class:`FullMesh` (FSDP2's full-SPMD-mesh
+form, ``_spmd.py``). The runtime asks its parameter's placement and never branches on the form; a
+new form (a pipeline stage's, a tensor subclass's) is a new subclass.
 """
 
 from __future__ import annotations

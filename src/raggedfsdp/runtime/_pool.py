@@ -1,23 +1,8 @@
 """Scratch memory reused from one unit to the next within a backward pass.
 
-Each unit's backward needs an unsharded gradient buffer, and on Gloo a receive buffer for its
-reduce-scatter; consecutive units of a model are mostly the same size. Allocating each afresh
-hands the memory back to the OS and faults it in again page by page (on CPU a 12 MiB buffer is
-3,000 page faults, each zeroing a page the runtime then zeroes or overwrites anyway). A
-:class:`BufferPool` keeps released blocks and hands them to the next request of the same size.
-
-Only memory that nothing outside the runtime keeps a reference to is pooled: the unsharded
-*parameters* cannot be, because autograd saves views of them whose storage must stay the same
-object from forward to backward (see [Note: freeing unsharded storage] in ``_dbuffer.py``). The
-pool is emptied at the end of every backward, so it holds nothing through forward, where the
-memory peak (the start of backward) is reached.
-
-With communication streams ([Note: streams and events] in ``_streams.py``) a block may be given
-back while a stream still reads it (the all-gather stream dequantizing from it, the
-reduce-scatter stream summing from it). So the pool records an event on the stream that gives
-it back (the last reader), and the next taker's stream waits for that event before it writes;
-a block leaves the pool for the allocator only once the stream it was allocated on, whose
-allocations may reuse its memory at once, has waited for it too.
+A :class:`BufferPool` keeps the unsharded gradient buffers (and Gloo's receive buffers) units
+release and hands them to the next request of the same size, instead of faulting fresh memory in
+page by page; why only these, and how streams share them, is the comment at :class:`BufferPool`.
 """
 
 from __future__ import annotations
@@ -37,6 +22,23 @@ _Key = tuple[int, torch.dtype, torch.device]
 _Entry = tuple[torch.Tensor, Any, Any]
 
 
+# Each unit's backward needs an unsharded gradient buffer, and on Gloo a receive buffer for its
+# reduce-scatter; consecutive units of a model are mostly the same size. Allocating each afresh
+# hands the memory back to the OS and faults it in again page by page (on CPU a 12 MiB buffer is
+# 3,000 page faults, each zeroing a page the runtime then zeroes or overwrites anyway).
+#
+# Only memory that nothing outside the runtime keeps a reference to is pooled: the unsharded
+# *parameters* cannot be, because autograd saves views of them whose storage must stay the same
+# object from forward to backward (see [Note: freeing unsharded storage] in ``_dbuffer.py``). The
+# pool is emptied at the end of every backward, so it holds nothing through forward, where the
+# memory peak (the start of backward) is reached.
+#
+# With communication streams ([Note: streams and events] in ``_streams.py``) a block may be given
+# back while a stream still reads it (the all-gather stream dequantizing from it, the reduce-scatter
+# stream summing from it). So the pool records an event on the stream that gives it back (the last
+# reader), and the next taker's stream waits for that event before it writes; a block leaves the
+# pool for the allocator only once the stream it was allocated on, whose allocations may reuse its
+# memory at once, has waited for it too.
 class BufferPool:
     """Released 1-D blocks, by exact ``(numel, dtype, device)``; their bytes are counted as held
     unsharded memory in ``stats`` from allocation until :meth:`clear`. With ``retain=False``

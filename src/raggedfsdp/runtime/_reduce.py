@@ -1,13 +1,11 @@
 """Gradient reductions in flight, and the order in which they are finished.
 
-A unit issues the reduce-scatters of all its buckets together (``_comm.BucketReduce`` holds one
-bucket's); the unit's parameter group owns them and finishes them. The :class:`ReduceQueue`,
-shared by every unit of a model, only decides *when*: before a unit issues its own, those of
-earlier units are finished (oldest first) until fewer than ``depth`` units have any in flight,
-so their gradient blocks and receive buffers are back in the pool for this unit to reuse rather
-than held beside its own. By then they have had a whole unit's backward to complete. Under HSDP
-a finished reduce-scatter issues the all-reduce of its shard over the replicas, which likewise
-stays in flight through the next unit's backward.
+A unit issues the reduce-scatters of all its buckets together; its parameter group owns and finishes
+them. The :class:`ReduceQueue`, shared by every unit of a model, only decides *when*: before a unit
+issues its own, earlier units' are finished (oldest first) until fewer than ``depth`` units have any
+in flight, so their buffers are back in the pool for this unit to reuse. By then they have had a
+whole unit's backward to complete (under HSDP, so has the replicas' all-reduce a finished
+reduce-scatter issues).
 """
 
 from __future__ import annotations

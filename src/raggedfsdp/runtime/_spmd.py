@@ -1,30 +1,11 @@
 """FSDP2's full-SPMD-mesh form: ``fully_shard(module, mesh=mesh, dp_mesh_dims=...)``.
 
-Here ``mesh`` is the whole mesh of the job (``("dp", "tp")``, ``("dp_replicate", "dp_shard",
-"tp")``), every parameter is already a DTensor on it -- ``Replicate()`` over the data-parallel dims,
-split by tensor or expert parallelism over the others -- and ``dp_mesh_dims`` names the
-data-parallel dims (FSDP2's :class:`DataParallelMeshDims`, which torch 2.13 has; on an older torch,
-this module's equivalent). The unit is then what the sub-mesh form makes of it (``mesh=mesh["dp"]``
-over parameters on ``mesh["tp"]``): the ragged shard is cut from each parameter's local tensor over
-the data-parallel dims (several shard dims flattened into one, as FSDP2 flattens them), and the
-placements over the other dims are kept. Two things differ, both because the caller's program is
-written against the whole mesh:
-
-- the unsharded parameter forward computes with is a DTensor on the whole mesh (``Replicate()``
-  over the data-parallel dims), and the sharded one lives on that very mesh object when no dims
-  were flattened;
-- its gradient arrives as a DTensor on the whole mesh, ``Partial`` over the data-parallel dims
-  when the batch is sharded over them (``Replicate()`` when the caller's program says each rank
-  holds the same value). Either way each rank's local tensor is its contribution, summed and
-  divided by the reduce-scatter (the mean over data-parallel ranks, as FSDP2 makes it), so the
-  gradient is relabelled ``Partial`` over those dims before autograd accumulates it: letting
-  DTensor add a ``Partial`` gradient into a ``Replicate`` one would all-reduce it over the
-  data-parallel dims first, and the reduce-scatter would then count it ``dp`` times. Over the
-  other dims it is redistributed to the parameter's placements (a sequence-parallel norm's
-  ``Partial`` gradient is all-reduced over tp), as FSDP2 does.
-
-Only the layout torchtitan and FSDP2's examples use is taken: the data-parallel dims lead the
-mesh, replicate dims before shard dims. Anything else is one clear error before any collective.
+``mesh`` is the job's whole mesh, every parameter already a DTensor on it (``Replicate()`` over the
+data-parallel dims ``dp_mesh_dims`` names), and the unit is what the sub-mesh form makes of it,
+except that forward's parameters and their gradients are DTensors on the whole mesh (the comment at
+:class:`SpmdParam` says how the gradient is relabelled, and why). Only the layout torchtitan and
+FSDP2's examples use is taken: the data-parallel dims lead the mesh, replicate before shard;
+anything else is one clear error before any collective.
 """
 
 from __future__ import annotations
@@ -144,6 +125,28 @@ def _flattened(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names]._flatten("_".join(names))
 
 
+# Here ``mesh`` is the whole mesh of the job (``("dp", "tp")``, ``("dp_replicate", "dp_shard",
+# "tp")``), every parameter is already a DTensor on it -- ``Replicate()`` over the data-parallel
+# dims, split by tensor or expert parallelism over the others -- and ``dp_mesh_dims`` names the
+# data-parallel dims (FSDP2's :class:`DataParallelMeshDims`, which torch 2.13 has; on an older
+# torch, this module's equivalent). The unit is then what the sub-mesh form makes of it
+# (``mesh=mesh["dp"]`` over parameters on ``mesh["tp"]``): the ragged shard is cut from each
+# parameter's local tensor over the data-parallel dims (several shard dims flattened into one, as
+# FSDP2 flattens them), and the placements over the other dims are kept. Two things differ, both
+# because the caller's program is written against the whole mesh:
+#
+# - the unsharded parameter forward computes with is a DTensor on the whole mesh (``Replicate()``
+#   over the data-parallel dims), and the sharded one lives on that very mesh object when no dims
+#   were flattened;
+# - its gradient arrives as a DTensor on the whole mesh, ``Partial`` over the data-parallel dims
+#   when the batch is sharded over them (``Replicate()`` when the caller's program says each rank
+#   holds the same value). Either way each rank's local tensor is its contribution, summed and
+#   divided by the reduce-scatter (the mean over data-parallel ranks, as FSDP2 makes it), so the
+#   gradient is relabelled ``Partial`` over those dims before autograd accumulates it: letting
+#   DTensor add a ``Partial`` gradient into a ``Replicate`` one would all-reduce it over the
+#   data-parallel dims first, and the reduce-scatter would then count it ``dp`` times. Over the
+#   other dims it is redistributed to the parameter's placements (a sequence-parallel norm's
+#   ``Partial`` gradient is all-reduced over tp), as FSDP2 does.
 @dataclass(frozen=True)
 class SpmdParam:
     """One parameter of a unit sharded by the full-mesh form: its DTensor spec on the whole mesh

@@ -1,12 +1,10 @@
 """The runtime's state machines, and the one check that every transition goes through.
 
-A unit (one ``fully_shard``-ed module) is in one :class:`ShardedState` and one
-:class:`TrainingState`; the root of a model is in one :class:`RootPhase`. Training states and
-root phases move only through :func:`check_state`, which turns an impossible transition into an
-error that names the rank, the unit and the state, instead of a wrong collective later. Sharded
-states need no check: ``unshard`` and ``reshard`` are idempotent by design (a prefetch may have
-issued the all-gather already; a reshard may find the unit resharded), and each moves one step
-along SHARDED -> UNSHARDING -> UNSHARDED -> SHARDED.
+A unit is in one :class:`ShardedState` and one :class:`TrainingState`; the root of a model is in one
+:class:`RootPhase`. Training states and root phases move only through :func:`check_state`, which
+turns an impossible transition into an error naming the rank, the unit and the state. Sharded states
+need no check: ``unshard`` and ``reshard`` are idempotent by design (a prefetch may have issued the
+all-gather already), each one step along SHARDED -> UNSHARDING -> UNSHARDED.
 """
 
 from __future__ import annotations

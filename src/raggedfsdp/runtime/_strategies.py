@@ -1,6 +1,8 @@
-"""Which all-gather and reduce-scatter a bucket carries, chosen once when the bucket is built
-(and again when its shard moves to another dtype or device): [Note: one strategy per bucket]
-in ``_comm.py``."""
+"""Which all-gather and reduce-scatter a bucket carries, chosen once when the bucket is built.
+
+And again when its shard moves to another dtype or device: [Note: one strategy per bucket] in
+``_comm.py``.
+"""
 
 from __future__ import annotations
 

@@ -1,39 +1,9 @@
 """The streams a unit tree communicates on, and the events that order them against compute.
 
-[Note: streams and events] As FSDP2 (``_fsdp_param_group.py``, ``_fsdp_collectives.py``), the
-root makes four streams for its device at lazy init, shared by every unit under it, beside the
-*compute* stream (whichever stream is current when the hooks run):
-
-- **all-gather copy-in**: a bucket's unsharded storage is allocated here and what this rank
-  sends is made here (the cast of the master shard into its slot, the host shard's copy under
-  offload, the quantized message, the copy of ``zero_copy=False``);
-- **all-gather**: waits for the copy-in, issues the collective; when the unit waits for its
-  parameters (``wait_for_unshard``), this stream waits for the collective's work and runs what
-  follows it (the dequantize of a compressed all-gather), then records an event, and the
-  compute stream waits for that event before the unit's forward or backward reads them;
-- **reduce-scatter**: waits for the compute stream at the unit's post-backward (its unsharded
-  gradients are written), casts them to ``reduce_dtype``, issues the collective; finishing it
-  (the Gloo sum, the dequantize-sum, the division and the attaching of the sharded gradients)
-  runs here too;
-- **all-reduce** (HSDP): waits for the reduce-scatter stream, adds what earlier backwards kept
-  and all-reduces over the replicas; the reduced shards are attached here.
-
-Before an unshard issues, both all-gather streams wait for the compute stream: the optimizer
-may have written the shards, and memory a resharded unit freed may still be read by compute
-(:meth:`Streams.order_gathers`; once until compute moves on, :meth:`Streams.compute_moved`). An
-event given by ``FSDPModule.set_post_optim_event`` replaces that wait once, as in FSDP2: the
-next all-gathers wait for the optimizer step only, not for whatever the compute stream queued
-after it. At the end of backward the compute stream waits for each unit's post-reduce event
-before the optimizer reads the gradients.
-
-Memory shared between streams is kept alive until an event says its last reader is done,
-never with ``record_stream``: a block handed back to the :class:`~._pool.BufferPool` carries an
-event recorded on the stream that gave it back, and the stream that takes it next waits for
-that event (:meth:`Streams.record`, :meth:`Streams.wait`).
-
-On the CPU there are no streams: a stand-in takes the same calls, orders nothing (every op runs
-in program order) and, when :attr:`Streams.log` is set, records each event and wait, so that
-tests check on this machine the order a GPU would run in (``tests/distributed/test_streams.py``).
+The root makes four communication streams for its device at lazy init, shared by every unit under
+it, beside the compute stream; memory shared between streams lives until an event says its last
+reader is done. On the CPU a stand-in takes the same calls and can log them, so tests check the
+order a GPU would run in. The design: [Note: streams and events] at :class:`Streams`.
 """
 
 from __future__ import annotations
@@ -83,6 +53,40 @@ class HostEvent:
         return f"HostEvent({self.id}, {self.stream}, {self.label})"
 
 
+# [Note: streams and events] As FSDP2 (``_fsdp_param_group.py``, ``_fsdp_collectives.py``), the root
+# makes four streams for its device at lazy init, shared by every unit under it, beside the
+# *compute* stream (whichever stream is current when the hooks run):
+#
+# - **all-gather copy-in**: a bucket's unsharded storage is allocated here and what this rank sends
+#   is made here (the cast of the master shard into its slot, the host shard's copy under offload,
+#   the quantized message, the copy of ``zero_copy=False``);
+# - **all-gather**: waits for the copy-in, issues the collective; when the unit waits for its
+#   parameters (``wait_for_unshard``), this stream waits for the collective's work and runs what
+#   follows it (the dequantize of a compressed all-gather), then records an event, and the compute
+#   stream waits for that event before the unit's forward or backward reads them;
+# - **reduce-scatter**: waits for the compute stream at the unit's post-backward (its unsharded
+#   gradients are written), casts them to ``reduce_dtype``, issues the collective; finishing it (the
+#   Gloo sum, the dequantize-sum, the division and the attaching of the sharded gradients) runs here
+#   too;
+# - **all-reduce** (HSDP): waits for the reduce-scatter stream, adds what earlier backwards kept and
+#   all-reduces over the replicas; the reduced shards are attached here.
+#
+# Before an unshard issues, both all-gather streams wait for the compute stream: the optimizer may
+# have written the shards, and memory a resharded unit freed may still be read by compute
+# (:meth:`Streams.order_gathers`; once until compute moves on, :meth:`Streams.compute_moved`). An
+# event given by ``FSDPModule.set_post_optim_event`` replaces that wait once, as in FSDP2: the next
+# all-gathers wait for the optimizer step only, not for whatever the compute stream queued after it.
+# At the end of backward the compute stream waits for each unit's post-reduce event before the
+# optimizer reads the gradients.
+#
+# Memory shared between streams is kept alive until an event says its last reader is done, never
+# with ``record_stream``: a block handed back to the :class:`~._pool.BufferPool` carries an event
+# recorded on the stream that gave it back, and the stream that takes it next waits for that event
+# (:meth:`Streams.record`, :meth:`Streams.wait`).
+#
+# On the CPU there are no streams: a stand-in takes the same calls, orders nothing (every op runs in
+# program order) and, when :attr:`Streams.log` is set, records each event and wait, so that tests
+# check on this machine the order a GPU would run in (``tests/distributed/test_streams.py``).
 class Streams:
     """The compute stream and the four communication streams of one root's units ([Note:
     streams and events]). With ``separate=False`` every side stream is the compute stream and

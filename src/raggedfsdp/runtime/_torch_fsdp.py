@@ -1,6 +1,8 @@
-"""``register_fsdp_forward_method`` for raggedfsdp's sharded modules, and torch's own routed to
-it: :func:`adapt_torch`, run by the first ``fully_shard`` (never at import), with the sharded
-tensor's adaptations (:func:`raggedfsdp.tensor.adapt_torch`)."""
+"""``register_fsdp_forward_method`` for raggedfsdp's sharded modules, and torch's own routed to it.
+
+:func:`adapt_torch` routes it, run by the first ``fully_shard`` (never at import), with the sharded
+tensor's adaptations (:func:`raggedfsdp.tensor.adapt_torch`).
+"""
 
 from __future__ import annotations
 

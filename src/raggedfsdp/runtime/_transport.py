@@ -1,20 +1,11 @@
 """How bytes travel between the ranks of a group, for the plain and the quantized collectives.
 
-NCCL runs torch's own collectives (:func:`all_gather_tensor`, :func:`reduce_scatter_tensor`).
-On Gloo the runtime posts point-to-point transfers instead (:func:`exchange`), which write
-straight into their destinations where Gloo's collectives would stage through buffers of their
-own ([Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo] in ``_collectives.py``),
-unless ``DBufferConfig(gloo_point_to_point=False)`` asks for the calls NCCL gets on Gloo too
-(:func:`point_to_point`): that is how the NCCL branch runs without a GPU.
-Everything here is shared by ``_collectives.py`` and ``compression/``, so each transfer has one
-tag namespace (:class:`Tag`) and one notion of a rank's peers.
-
-[Note: torch's collectives looked up per call] Every process-group call the runtime's bucket
-collectives make (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``,
-``all_reduce``, ``isend``, ``irecv``) finds torch's function on ``torch.distributed`` when it is
-made, never through a name bound at import, so a wrapper of torch's functions sees all of them:
-the tests' emulation of NCCL's asynchrony and their recorder of the collectives each rank
-issues (``tests/support/collective_wrap.py``).
+NCCL runs torch's own collectives (:func:`all_gather_tensor`, :func:`reduce_scatter_tensor`). On
+Gloo the runtime posts point-to-point transfers (:func:`exchange`), which write straight into their
+destinations ([Note: all-gather on Gloo] and [Note: reduce-scatter on Gloo] in ``_collectives.py``),
+unless ``DBufferConfig(gloo_point_to_point=False)`` asks for NCCL's calls on Gloo too
+(:func:`point_to_point`): how the NCCL branch runs without a GPU. Shared by ``_collectives.py`` and
+``compression/``: one tag namespace (:class:`Tag`), one notion of peers.
 """
 
 from __future__ import annotations
@@ -39,6 +30,12 @@ __all__ = [
 ]
 
 
+# [Note: torch's collectives looked up per call] Every process-group call the runtime's bucket
+# collectives make (``all_gather_single``, ``reduce_scatter_single``, ``all_to_all_single``,
+# ``all_reduce``, ``isend``, ``irecv``) finds torch's function on ``torch.distributed`` when it is
+# made, never through a name bound at import, so a wrapper of torch's functions sees all of them:
+# the tests' emulation of NCCL's asynchrony and their recorder of the collectives each rank issues
+# (``tests/support/collective_wrap.py``).
 def all_gather_tensor(
     output_tensor: torch.Tensor,
     input_tensor: torch.Tensor,

@@ -1,14 +1,8 @@
-"""Which parameters any rank used: a parameter no data-parallel rank used keeps ``.grad`` as one
-process would leave it (``None``), so torch's optimizers skip it rather than decay it.
+"""Which parameters any rank used, so that one no rank used keeps ``.grad`` ``None``.
 
-Every rank joins every reduce-scatter, so a parameter that some rank did not use gets that rank's
-zeros, which is right, and a parameter that no rank used gets zeros everywhere, which is not: one
-process would leave its ``.grad`` ``None``. Each unit records, per parameter, whether a gradient
-arrived on this rank since its last synchronised backward; at the end of such a backward the
-records are OR-ed over the data-parallel ranks by one small all-reduce per distinct mesh (one for
-FSDP, one per mesh beside expert parallelism; over both dims for HSDP), read on the host once by a
-rank that did not use some parameter itself, and not at all by the others (a static graph costs
-the all-reduces, never a host sync).
+As one process would leave it, so torch's optimizers skip it rather than decay it. Each unit records
+which parameters got a gradient on this rank; :func:`agree_on_usage` ORs the records over the
+data-parallel ranks (why, and what it costs: the comment there).
 """
 
 from __future__ import annotations
@@ -27,6 +21,14 @@ if TYPE_CHECKING:
 __all__ = ["agree_on_usage"]
 
 
+# Every rank joins every reduce-scatter, so a parameter that some rank did not use gets that rank's
+# zeros, which is right, and a parameter that no rank used gets zeros everywhere, which is not: one
+# process would leave its ``.grad`` ``None``. Each unit records, per parameter, whether a gradient
+# arrived on this rank since its last synchronised backward; at the end of such a backward the
+# records are OR-ed over the data-parallel ranks by one small all-reduce per distinct mesh (one for
+# FSDP, one per mesh beside expert parallelism; over both dims for HSDP), read on the host once by a
+# rank that did not use some parameter itself, and not at all by the others (a static graph costs
+# the all-reduces, never a host sync).
 def agree_on_usage(groups: list[FSDPParamGroup], stats: RuntimeStats) -> None:
     """End of a backward: OR the units' usage records over their data-parallel ranks and let
     each unit clear the gradients of the parameters no rank used (every rank calls it, with the

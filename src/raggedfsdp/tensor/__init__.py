@@ -1,18 +1,11 @@
-"""The sharded tensor: :class:`RaggedTensor`, a DTensor whose placement on one mesh dimension is a
-:class:`RaggedShardPlacement` (this rank holds a run of whole units of the row-major
-flattening, [Note: ragged shards as DTensors]), with everything that makes, places and reads it.
+"""The sharded tensor: :class:`RaggedTensor`, a DTensor placed by a :class:`RaggedShardPlacement`.
 
-Offers the tensor and its placement; :class:`ShardInfo` and the readers of a tensor
-(:func:`shard_info`, :func:`layout_of`, :func:`local_piece`, :func:`global_shape`,
-:func:`local_range`, :func:`comm_group`: a plain tensor is held whole by this process); the
-makers (:func:`distribute`, torch's ``distribute_tensor`` for a ragged placement;
-:func:`placed_like`, :func:`to_ragged_tensor`) and :func:`gather_full` / :func:`local_flat`;
-:func:`adapt_torch`, what torch needs to take them, run on first use ([Note: torch adapted on
-first use]). Below the runtime, the optimizers, the checkpoint and clipping, which all take
-sharded tensors; it imports none of them. The policy and the geometry of a layout
-(``RaggedShard``, ``ShardLayout``) are in :mod:`raggedfsdp.layout`, which needs no process group.
-Private: the placement (``_placement``), the ops the tensor runs (``_ops``), the readers
-(``_info``), torch's adaptations (``_adapt``, DSD's loads in ``_torch_dsd``).
+This rank holds a run of whole units of the row-major flattening ([Note: ragged shards as
+DTensors]). Offers the tensor and its placement, :class:`ShardInfo` and the readers of a tensor (a
+plain tensor is held whole by this process), the makers (:func:`distribute`, :func:`placed_like`,
+:func:`to_ragged_tensor`), :func:`gather_full` / :func:`local_flat`, and :func:`adapt_torch`, run on
+first use ([Note: torch adapted on first use]). Below the runtime, the optimizers, the checkpoint
+and clipping, and imports none of them; a layout's geometry is :mod:`raggedfsdp.layout`'s.
 """
 
 from ._adapt import adapt_torch

@@ -1,7 +1,9 @@
-"""What torch needs to take ragged placements and RaggedTensors as its own: :func:`adapt_torch`,
-run by the first ragged placement or RaggedTensor made ([Note: torch adapted on first use] in
+"""What torch needs to take ragged placements and RaggedTensors as its own: :func:`adapt_torch`.
+
+Run by the first ragged placement or RaggedTensor made ([Note: torch adapted on first use] in
 ``_placement.py``) and by the first ``fully_shard``; never at import. Each change is contained:
-torch behaves as before for whatever is not a ragged shard."""
+torch behaves as before for whatever is not a ragged shard.
+"""
 
 from __future__ import annotations
 

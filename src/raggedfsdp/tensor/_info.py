@@ -1,5 +1,8 @@
-"""What a tensor says about where it lies: read from a :class:`~._ragged_tensor.RaggedTensor`'s
-ragged placement; a plain tensor is held whole by this process (single device, or replicated)."""
+"""What a tensor says about where it lies.
+
+Read from a :class:`~._ragged_tensor.RaggedTensor`'s ragged placement; a plain tensor is held whole
+by this process (single device, or replicated).
+"""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The ops a :class:`~._ragged_tensor.RaggedTensor` runs, each on its local pieces ([Note: ragged
-shards as DTensors] says which and why): :func:`handler` picks one per op overload."""
+"""The ops a :class:`~._ragged_tensor.RaggedTensor` runs, each on its local pieces.
+
+Which and why: [Note: ragged shards as DTensors]; :func:`handler` picks one per op overload.
+"""
 
 from __future__ import annotations
 

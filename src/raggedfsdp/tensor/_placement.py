@@ -1,14 +1,7 @@
-"""The DTensor placement of a ragged shard, :class:`RaggedShardPlacement`, and what a sharded
-tensor knows about itself, :class:`ShardInfo`.
+"""The DTensor placement of a ragged shard, :class:`RaggedShardPlacement`, and :class:`ShardInfo`.
 
-[Note: torch adapted on first use]
-``import raggedfsdp`` changes nothing in torch. The first ragged placement made runs
-:func:`first_use`, which adapts torch to ragged shards once (``_adapt.py``: foreach types,
-``distribute_tensor``, DSD's broadcast loads); later calls cost one check of an empty list. A
-RaggedTensor's placements hold one, so the first RaggedTensor comes after it (copies and
-unpickled placements are made by ``__init__`` too, ``__reduce__``). The adaptations import these
-classes, so the classes cannot import them: ``_adapt.py`` hands itself in through
-:func:`on_first_use` when the room is imported, which is always before anything here is made.
+:class:`ShardInfo` is what a sharded tensor knows about itself. The first ragged placement made
+adapts torch to ragged shards, once ([Note: torch adapted on first use] at :func:`on_first_use`).
 """
 
 from __future__ import annotations
@@ -28,6 +21,14 @@ __all__ = ["RaggedShardPlacement", "ShardInfo", "first_use", "on_first_use", "ra
 _pending: list[Callable[[], None]] = []
 
 
+# [Note: torch adapted on first use] ``import raggedfsdp`` changes nothing in torch. The first
+# ragged placement made runs :func:`first_use`, which adapts torch to ragged shards once
+# (``_adapt.py``: foreach types, ``distribute_tensor``, DSD's broadcast loads); later calls cost one
+# check of an empty list. A RaggedTensor's placements hold one, so the first RaggedTensor comes
+# after it (copies and unpickled placements are made by ``__init__`` too, ``__reduce__``). The
+# adaptations import these classes, so the classes cannot import them: ``_adapt.py`` hands itself in
+# through :func:`on_first_use` when the room is imported, which is always before anything here is
+# made.
 def on_first_use(adapt: Callable[[], None]) -> None:
     """Have the first ragged placement or tensor made run ``adapt`` (once)."""
     _pending.append(adapt)

@@ -1,45 +1,10 @@
 """Sharded tensors as DTensors: :class:`RaggedTensor`.
 
-[Note: ragged shards as DTensors]
-The ecosystem recognises FSDP's sharded parameters by their type: torchtitan, Lightning,
-accelerate, DCP and DSD ask ``isinstance(p, DTensor)`` and then read ``p.placements``,
-``p.device_mesh``, ``p.to_local()`` or ``p.full_tensor()``. A rank's piece of a ragged shard is a
-contiguous run of whole units of the row-major flattening, which no torch placement describes, so
-a sharded tensor here is a DTensor of its own class, :class:`RaggedTensor`, whose placement on
-the data-parallel mesh dimension is a :class:`~raggedfsdp.tensor.RaggedShardPlacement` (the
-tensor's :class:`~raggedfsdp.layout.ShardLayout`; ``Replicate()`` on HSDP's replica dimension).
-Its local tensor is this rank's piece (N-D when it is whole rows, else 1-D); a sharded
-parameter's is a view of its bucket's shard buffer, so what the optimizer updates in place is
-what the next all-gather sends.
-
-Why a subclass that runs ops itself, rather than DTensor's sharding propagation with a new
-placement: DTensor's propagation builds the output placements from its own rules (a pointwise
-op of ``Shard(0)`` inputs yields a new ``Shard(0)``), so a placement it does not know would be
-dropped or misread, and its op strategies are private tables that change with every release
-(torch 2.13 moved dispatch to C++). What sharded parameters meet is small and known: optimizers
-(pointwise, ``_foreach_*`` and ``_fused_*`` ops, ``*_like``), norms (gradient clipping),
-initialisation (random fills, pointwise math), copies (checkpoint loads) and DCP.
-:meth:`RaggedTensor.__torch_dispatch__` runs those on the local pieces and wraps the results with
-the same placement -- no collective, one Python call per op (per list for ``_foreach_*``) -- and
-turns full reductions into standard DTensors with ``Partial`` placements, so that torch's own
-``clip_grad_norm_`` reduces them as it does FSDP2's. Anything else is refused with an error that
-names the op: nothing is ever computed on a piece as if it were the whole tensor (Newton-Schulz
-on a range of rows, say).
-
-Random fills (``uniform_``, ``normal_``, ... as ``nn.init`` and ``reset_parameters()`` call them)
-draw the whole tensor on every rank and keep this rank's piece, so a model initialised after
-sharding holds exactly what one process initialising it with the same seed would hold, at any
-world size and with any plan. That costs one whole parameter of memory and of generator work per
-fill, once, at initialisation.
-
-For DCP a RaggedTensor is its own ``_Checkpointable``: :meth:`ShardLayout.boxes` cuts the piece
-into at most ``2*ndim-1`` rectangles, one write item each, views of the piece, so saving copies
-nothing and ``dcp.load`` writes straight into the parameter. DCP's metadata holds the global
-shape and these chunks, so a checkpoint reshards across world sizes and plans and loads into
-FSDP2 or one process.
-
-``full_tensor`` is one list-form ``all_gather`` of the pieces padded to the largest: every backend
-has it, and a whole tensor is no hot path, so no runtime collective is needed (nor imported).
+A rank's piece of a ragged shard is a run of whole units of the row-major flattening, which no torch
+placement describes, so a sharded tensor is a DTensor of its own class that runs the ops sharded
+parameters meet on its local piece and refuses the rest; also its DCP checkpointable form,
+``full_tensor``, and the makers. Why, and what it runs: [Note: ragged shards as DTensors] at
+:class:`RaggedTensor`.
 """
 
 from __future__ import annotations
@@ -86,6 +51,46 @@ __all__ = [
 _aten = torch.ops.aten
 
 
+# [Note: ragged shards as DTensors] The ecosystem recognises FSDP's sharded parameters by their
+# type: torchtitan, Lightning, accelerate, DCP and DSD ask ``isinstance(p, DTensor)`` and then read
+# ``p.placements``, ``p.device_mesh``, ``p.to_local()`` or ``p.full_tensor()``. A rank's piece of a
+# ragged shard is a contiguous run of whole units of the row-major flattening, which no torch
+# placement describes, so a sharded tensor here is a DTensor of its own class,
+# :class:`RaggedTensor`, whose placement on the data-parallel mesh dimension is a
+# :class:`~raggedfsdp.tensor.RaggedShardPlacement` (the tensor's
+# :class:`~raggedfsdp.layout.ShardLayout`; ``Replicate()`` on HSDP's replica dimension). Its local
+# tensor is this rank's piece (N-D when it is whole rows, else 1-D); a sharded parameter's is a view
+# of its bucket's shard buffer, so what the optimizer updates in place is what the next all-gather
+# sends.
+#
+# Why a subclass that runs ops itself, rather than DTensor's sharding propagation with a new
+# placement: DTensor's propagation builds the output placements from its own rules (a pointwise op
+# of ``Shard(0)`` inputs yields a new ``Shard(0)``), so a placement it does not know would be
+# dropped or misread, and its op strategies are private tables that change with every release (torch
+# 2.13 moved dispatch to C++). What sharded parameters meet is small and known: optimizers
+# (pointwise, ``_foreach_*`` and ``_fused_*`` ops, ``*_like``), norms (gradient clipping),
+# initialisation (random fills, pointwise math), copies (checkpoint loads) and DCP.
+# :meth:`RaggedTensor.__torch_dispatch__` runs those on the local pieces and wraps the results with
+# the same placement -- no collective, one Python call per op (per list for ``_foreach_*``) -- and
+# turns full reductions into standard DTensors with ``Partial`` placements, so that torch's own
+# ``clip_grad_norm_`` reduces them as it does FSDP2's. Anything else is refused with an error that
+# names the op: nothing is ever computed on a piece as if it were the whole tensor (Newton-Schulz on
+# a range of rows, say).
+#
+# Random fills (``uniform_``, ``normal_``, ... as ``nn.init`` and ``reset_parameters()`` call them)
+# draw the whole tensor on every rank and keep this rank's piece, so a model initialised after
+# sharding holds exactly what one process initialising it with the same seed would hold, at any
+# world size and with any plan. That costs one whole parameter of memory and of generator work per
+# fill, once, at initialisation.
+#
+# For DCP a RaggedTensor is its own ``_Checkpointable``: :meth:`ShardLayout.boxes` cuts the piece
+# into at most ``2*ndim-1`` rectangles, one write item each, views of the piece, so saving copies
+# nothing and ``dcp.load`` writes straight into the parameter. DCP's metadata holds the global shape
+# and these chunks, so a checkpoint reshards across world sizes and plans and loads into FSDP2 or
+# one process.
+#
+# ``full_tensor`` is one list-form ``all_gather`` of the pieces padded to the largest: every backend
+# has it, and a whole tensor is no hot path, so no runtime collective is needed (nor imported).
 class RaggedTensor(DTensor):
     """A DTensor whose placement on one mesh dimension is a
     :class:`~raggedfsdp.tensor.RaggedShardPlacement` (and ``Replicate()`` on the others).

@@ -1,21 +1,8 @@
 """torch's own checkpoint utilities over ragged shards: ``torch.distributed.checkpoint.state_dict``.
 
-[Note: torch.distributed.checkpoint.state_dict over ragged shards]
-Sharded parameters are DTensors (RaggedTensor, [Note: ragged shards as DTensors]), and so is the
-state of optimizers over them: torch's make it with ``zeros_like(param)``, raggedfsdp's keep it
-as RaggedTensors ([Note: optimizer state across world sizes]). So DSD's
-``get_model_state_dict`` / ``get_optimizer_state_dict`` take them as FSDP2's: for
-``full_state_dict=True`` they gather through ``redistribute(Replicate())``, DCP reshards them,
-and ``set_optimizer_state_dict`` places whole tensors through ``distribute_tensor`` (routed to
-:func:`raggedfsdp.tensor.distribute`, ``_adapt.py``) and hands
-``optimizer.load_state_dict`` the rest, which raggedfsdp's optimizers take as they are.
-
-One step of DSD needs help: with ``broadcast_from_rank0=True``, ``_distribute_tensors`` cuts
-each rank's chunk out of the broadcast whole tensor by torch's placements, which a ragged piece
-is not; :func:`route_distribute_tensors` wraps it so that RaggedTensors take their piece through
-``copy_``. It is contained: other tensors go to torch's function unchanged. If a torch release
-moves the wrapped function, the check there (at the first ragged placement or tensor, [Note:
-torch adapted on first use]) raises rather than letting a state dict be wrong.
+DSD takes RaggedTensors as FSDP2's DTensors but for one step, the broadcast load's cut of each
+rank's chunk, which :func:`route_distribute_tensors` routes through ``copy_`` ([Note:
+torch.distributed.checkpoint.state_dict over ragged shards] at :func:`route_distribute_tensors`).
 """
 
 from __future__ import annotations
@@ -33,6 +20,22 @@ from ._ragged_tensor import distribute as distribute_ragged
 __all__ = ["route_distribute_tensors"]
 
 
+# [Note: torch.distributed.checkpoint.state_dict over ragged shards] Sharded parameters are DTensors
+# (RaggedTensor, [Note: ragged shards as DTensors]), and so is the state of optimizers over them:
+# torch's make it with ``zeros_like(param)``, raggedfsdp's keep it as RaggedTensors ([Note:
+# optimizer state across world sizes]). So DSD's ``get_model_state_dict`` /
+# ``get_optimizer_state_dict`` take them as FSDP2's: for ``full_state_dict=True`` they gather
+# through ``redistribute(Replicate())``, DCP reshards them, and ``set_optimizer_state_dict`` places
+# whole tensors through ``distribute_tensor`` (routed to :func:`raggedfsdp.tensor.distribute`,
+# ``_adapt.py``) and hands ``optimizer.load_state_dict`` the rest, which raggedfsdp's optimizers
+# take as they are.
+#
+# One step of DSD needs help: with ``broadcast_from_rank0=True``, ``_distribute_tensors`` cuts each
+# rank's chunk out of the broadcast whole tensor by torch's placements, which a ragged piece is not;
+# :func:`route_distribute_tensors` wraps it so that RaggedTensors take their piece through
+# ``copy_``. It is contained: other tensors go to torch's function unchanged. If a torch release
+# moves the wrapped function, the check there (at the first ragged placement or tensor, [Note: torch
+# adapted on first use]) raises rather than letting a state dict be wrong.
 def route_distribute_tensors() -> None:
     """Make DSD's ``broadcast_from_rank0`` loads place RaggedTensors. Idempotent."""
     torch_tensors = _torch_function(state_dict_utils, "_distribute_tensors")

@@ -1,14 +1,9 @@
 """The training job: the worker that torchrun starts, and the launch behind ``raggedfsdp train``.
 
-``python -m raggedfsdp.train`` (what torchrun runs) is :func:`main`. The worker side is
-``config`` (options), ``build`` (model, planner, optimizer), ``job`` (the loop), ``step``
-(:func:`train_step`, one optimizer step), ``checkpoints`` and ``run_dir`` (what it saves and
-where), ``monitor`` (metrics and reports), ``health`` (timeouts, watchdog, NaN handling) and
-``preemption`` (SIGTERM). The launcher side is ``launch`` (torchrun's agent for this node's
-workers), ``rendezvous`` (a rendezvous store that outlives the nodes) and ``preflight`` (what
-is checked before workers start). The commands around them (flags, printing, exit statuses)
-are :mod:`raggedfsdp.cli`, which nothing here imports; the worker side never imports the
-launcher, the bench or the plan report either.
+``python -m raggedfsdp.train`` (what torchrun runs) is :func:`main`. The worker side (options,
+build, the loop, checkpoints, monitoring, health, preemption) never imports the launcher side
+(``launch``, ``rendezvous``, ``preflight``), the bench or the plan report; the commands around them
+are :mod:`raggedfsdp.cli`, which nothing here imports.
 """
 
 from .build import build_model, build_optimizer, build_planner, lr_factor

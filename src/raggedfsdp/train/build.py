@@ -1,5 +1,8 @@
-"""What a training run is made of, from its config: the planner, the sharded model, the optimizer,
-the learning-rate schedule. Used by the job, by ``--dry-run`` and by the tests."""
+"""What a training run is made of, from its config.
+
+The planner, the sharded model, the optimizer, the learning-rate schedule. Used by the job, by
+``--dry-run`` and by the tests.
+"""
 
 from __future__ import annotations
 

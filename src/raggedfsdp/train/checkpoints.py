@@ -1,20 +1,9 @@
-"""Checkpoints of a training run with ``torch.distributed.checkpoint`` (DCP): atomic, resumable at
-any world size and shard policy, exportable to a plain ``state_dict``.
+"""Checkpoints of a training run with DCP: atomic, resumable at any world size, exportable.
 
-[Note: the life of a checkpoint]
-``save_checkpoint`` writes into ``OUT/checkpoints/step_000123.tmp/``: DCP's files (model and
-optimizer, one file per rank plus ``.metadata``), one ``rng/rank_00000.pt`` per rank and, under
-compression with error feedback, one ``residuals/rank_00000.pt`` per rank. After a
-barrier (every rank has written), rank 0 writes ``COMPLETE.json`` (step, world size, config, data
-position, and the size and sha256 of every other file of the folder: the files of all ranks are
-on a shared file system, so rank 0 reads them), then renames the folder to ``step_000123/`` and
-fsyncs the parent. A rename is atomic, so a crash at any point leaves either a complete
-checkpoint or a ``.tmp`` folder, which :func:`latest_checkpoint` ignores and
-:func:`remove_partial` deletes. ``--resume`` loads the newest complete one that verifies (its
-files are still what ``COMPLETE.json`` recorded: [Note: checkpoints verify themselves] in
-:mod:`.run_dir`), and names what it skipped; ``--strict-resume`` refuses instead of skipping.
-How optimizer state reshards is in :mod:`raggedfsdp.checkpoint` ([Note: optimizer state across
-world sizes]).
+Saved with ``torch.distributed.checkpoint``, resumable at any world size and shard policy,
+exportable to a plain ``state_dict`` ([Note: the life of a checkpoint] at :func:`save_checkpoint`).
+How optimizer state reshards is in :mod:`raggedfsdp.checkpoint` ([Note: optimizer state across world
+sizes]).
 """
 
 from __future__ import annotations
@@ -218,6 +207,18 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# [Note: the life of a checkpoint] ``save_checkpoint`` writes into
+# ``OUT/checkpoints/step_000123.tmp/``: DCP's files (model and optimizer, one file per rank plus
+# ``.metadata``), one ``rng/rank_00000.pt`` per rank and, under compression with error feedback, one
+# ``residuals/rank_00000.pt`` per rank. After a barrier (every rank has written), rank 0 writes
+# ``COMPLETE.json`` (step, world size, config, data position, and the size and sha256 of every other
+# file of the folder: the files of all ranks are on a shared file system, so rank 0 reads them),
+# then renames the folder to ``step_000123/`` and fsyncs the parent. A rename is atomic, so a crash
+# at any point leaves either a complete checkpoint or a ``.tmp`` folder, which
+# :func:`latest_checkpoint` ignores and :func:`remove_partial` deletes. ``--resume`` loads the
+# newest complete one that verifies (its files are still what ``COMPLETE.json`` recorded: [Note:
+# checkpoints verify themselves] in :mod:`.run_dir`), and names what it skipped; ``--strict-resume``
+# refuses instead of skipping.
 def save_checkpoint(
     out: str | Path,
     step: int,

@@ -1,15 +1,8 @@
 """Reading a checkpoint folder with DCP without running code that the folder holds.
 
-[Note: checkpoints load no code]
-DCP's ``.metadata`` is a pickle, and ``FileSystemReader.read_metadata`` unpickles it: a
-checkpoint copied from elsewhere could run any code in the process that reads it (the launcher's
-preflight, ``raggedfsdp export``, every worker's resume). :class:`SafeReader` is DCP's reader
-with one change, an unpickler whose ``find_class`` admits only the types DCP's metadata holds
-(:data:`ALLOWED`, listed from torch 2.13's ``torch/distributed/checkpoint/metadata.py`` and what
-its ``FileSystemWriter`` stores beside them), so a crafted file is refused with a
-:class:`ValueError` naming the file and the type, before anything in it runs. Every read of a
-checkpoint in raggedfsdp goes through it (``dcp.load(..., storage_reader=SafeReader(path))``);
-the other files of a checkpoint are read with ``torch.load(..., weights_only=True)``.
+:class:`SafeReader` is DCP's reader whose unpickler admits only the types DCP's metadata holds, so a
+crafted file is refused before anything in it runs ([Note: checkpoints load no code] at
+:class:`SafeReader`).
 """
 
 from __future__ import annotations
@@ -87,6 +80,16 @@ def _unpickle_metadata(file: Path) -> Metadata:
     return metadata
 
 
+# [Note: checkpoints load no code] DCP's ``.metadata`` is a pickle, and
+# ``FileSystemReader.read_metadata`` unpickles it: a checkpoint copied from elsewhere could run any
+# code in the process that reads it (the launcher's preflight, ``raggedfsdp export``, every worker's
+# resume). :class:`SafeReader` is DCP's reader with one change, an unpickler whose ``find_class``
+# admits only the types DCP's metadata holds (:data:`ALLOWED`, listed from torch 2.13's
+# ``torch/distributed/checkpoint/metadata.py`` and what its ``FileSystemWriter`` stores beside
+# them), so a crafted file is refused with a :class:`ValueError` naming the file and the type,
+# before anything in it runs. Every read of a checkpoint in raggedfsdp goes through it
+# (``dcp.load(..., storage_reader=SafeReader(path))``); the other files of a checkpoint are read
+# with ``torch.load(..., weights_only=True)``.
 class SafeReader(FileSystemReader):
     """DCP's ``FileSystemReader`` whose ``read_metadata`` runs no code of the checkpoint (module
     Note); pass it as ``storage_reader`` to ``dcp.load``."""

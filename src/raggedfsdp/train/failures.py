@@ -1,12 +1,10 @@
-"""How a worker ends in error: one line on stderr naming the cause, an exit status, and the
-cause in torchrun's error file, whence the launcher names the rank that failed first.
+"""How a worker ends in error: one line naming the cause, an exit status, torchrun's error file.
 
-- A user error (a ``ValueError``: bad option, data, checkpoint) and a run that gave up on
-  non-finite losses (:class:`~.health.NonFiniteLossError`) meet every rank alike: rank 0 says
-  it, and exits with status 2 (user error) or 1; another rank says only what rank 0 did not
-  (:func:`report_error`).
-- Anything else (a full disk, a lost peer, a bug) is one line per rank naming the cause, status
-  1, and its traceback in ``OUT/logs/rank_N.log`` (:func:`report_failure`).
+From the error file the launcher names the rank that failed first. A user error (a ``ValueError``)
+and a run that gave up on non-finite losses meet every rank alike: rank 0 says it and exits with
+status 2 (user error) or 1; another rank says only what rank 0 did not (:func:`report_error`).
+Anything else (a full disk, a lost peer, a bug) is one line per rank, status 1, and its traceback in
+``OUT/logs/rank_N.log`` (:func:`report_failure`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Fault tolerance of a training job: collective timeouts, a step watchdog, non-finite losses.
 
-- A collective that waits on a dead or stuck peer fails after the process group's timeout
-  (``--comm-timeout-s``, given to :func:`init_process_group`) instead of hanging forever; and
-  the workers of a restart meet in a store of their own attempt (:func:`attempt_store`), named
-  by something every node agrees on.
-- A start-up that never ends (a peer that never arrives) or a step that hangs somewhere else (a
-  deadlock, a stuck file system, a collective the timeout does not cover) is caught by
-  :class:`StepWatchdog`: a daemon thread per rank that ends the process
-  with :data:`WATCHDOG_EXIT_CODE` and one line on stderr. ``os._exit`` is deliberate: the main
-  thread may be blocked in C++ where no Python exception can reach it. torchrun's elastic agent
-  then sees a failed worker and stops the job, or restarts it from the last checkpoint when
-  ``--max-restarts`` allows.
-- A NaN or Inf loss is judged *globally* (:func:`global_loss`): one all-reduce per step carries
-  the loss and a non-finite flag, so every rank takes the same decision (skip the step or stop)
-  and no rank is left waiting in a collective the others skipped.
+A collective waiting on a dead peer fails after the process group's timeout
+(:func:`init_process_group`), a start-up or step that hangs is ended by :class:`StepWatchdog`, and a
+NaN or Inf loss is judged globally (:func:`global_loss`), so every rank decides alike. Each one's
+why is the comment at its code.
 """
 
 from __future__ import annotations
@@ -56,6 +46,10 @@ class NonFiniteLossError(RuntimeError):
     """The loss (or gradient norm) was NaN or Inf under ``--on-nan stop``."""
 
 
+# A collective that waits on a dead or stuck peer fails after the process group's timeout
+# (``--comm-timeout-s``, given to :func:`init_process_group`) instead of hanging forever; and the
+# workers of a restart meet in a store of their own attempt (:func:`attempt_store`), named by
+# something every node agrees on.
 def init_process_group(backend: str, *, timeout_s: float, device: torch.device) -> str:
     """The default process group, with every collective timing out after ``timeout_s``; the
     name of the store this attempt's ranks met in (for messages).
@@ -144,6 +138,13 @@ def die_with_agent() -> None:
         _lifeline.hold(os.getppid())
 
 
+# A start-up that never ends (a peer that never arrives) or a step that hangs somewhere else (a
+# deadlock, a stuck file system, a collective the timeout does not cover) is caught by
+# :class:`StepWatchdog`: a daemon thread per rank that ends the process with
+# :data:`WATCHDOG_EXIT_CODE` and one line on stderr. ``os._exit`` is deliberate: the main thread may
+# be blocked in C++ where no Python exception can reach it. torchrun's elastic agent then sees a
+# failed worker and stops the job, or restarts it from the last checkpoint when ``--max-restarts``
+# allows.
 class StepWatchdog:
     """Ends this process when start-up or one step runs too long (a hang anywhere: a peer that
     never arrives, a deadlock, a stuck file system, a collective the timeout does not cover).
@@ -225,6 +226,9 @@ def all_finite(tensors: Iterable[torch.Tensor], group: dist.ProcessGroup | None 
     return bool(flag.item())
 
 
+# A NaN or Inf loss is judged *globally* (:func:`global_loss`): one all-reduce per step carries the
+# loss and a non-finite flag, so every rank takes the same decision (skip the step or stop) and no
+# rank is left waiting in a collective the others skipped.
 def global_loss(local_loss: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
     """The mean of every rank's loss, with a NaN/Inf anywhere making it non-finite everywhere.
 

@@ -1,30 +1,10 @@
-"""Train a GPT (or a Hugging Face causal LM, ``--hf-config``) with raggedfsdp: the job one worker
-runs.
+"""The job one worker runs: train a GPT (or a Hugging Face causal LM) with raggedfsdp.
 
-Launch it with ``raggedfsdp train`` (which starts the workers through torchrun's own code path),
-or with torchrun directly::
-
-    torchrun --standalone --nproc-per-node 2 -m raggedfsdp.train --model gpt-tiny --steps 50
-
-Every option is a :class:`~raggedfsdp.train.config.TrainConfig` field (``--help`` lists them).
-:func:`train` reads top to bottom: set-up, output folder and resume point, data, model, optimizer,
-resume, monitoring, the training loop, the end - one or two helpers per section, defined above
-it; :func:`train_step` is one optimizer step. Helpers from elsewhere live in ``config``
-(options), ``build`` (model, optimizer, schedule), ``checkpoints`` and ``run_dir``
-(checkpoints), ``monitor`` (metrics and reports) and ``health`` (timeouts, watchdog, NaN
-handling).
-
-Reproducibility: every rank builds the same model from ``--seed``, and the global batch of step
-``k`` depends only on ``(seed, k)``, so a run resumed from a checkpoint - at the same or another
-world size - sees the same batches as an uninterrupted one (at the same world size the result is
-bit for bit the same).
-
-Errors: a user error (bad option, missing data, incompatible checkpoint, ...) is a ``ValueError``;
-every rank meets it alike, so rank 0 reports it, in one line, and exits with status 2 (``--debug``
-shows the traceback); another rank reports only an error rank 0 did not have. Any other failure
-(a full disk, a lost peer, a bug) is one line per rank naming the cause, status 1, its traceback
-in ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher
-(:mod:`.failures`).
+Launch it with ``raggedfsdp train`` or ``torchrun ... -m raggedfsdp.train``; every option is a
+:class:`~raggedfsdp.train.config.TrainConfig` field. :func:`train` reads top to bottom (set-up,
+output folder and resume point, data, model, optimizer, resume, monitoring, the loop, the end), one
+or two helpers per section defined above it; :func:`train_step` is one optimizer step. How a run
+stays reproducible and how it reports errors: the comment at :func:`train`.
 """
 
 from __future__ import annotations
@@ -447,6 +427,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Reproducibility: every rank builds the same model from ``--seed``, and the global batch of step
+# ``k`` depends only on ``(seed, k)``, so a run resumed from a checkpoint - at the same or another
+# world size - sees the same batches as an uninterrupted one (at the same world size the result is
+# bit for bit the same).
+#
+# Errors: a user error (bad option, missing data, incompatible checkpoint, ...) is a ``ValueError``;
+# every rank meets it alike, so rank 0 reports it, in one line, and exits with status 2 (``--debug``
+# shows the traceback); another rank reports only an error rank 0 did not have. Any other failure (a
+# full disk, a lost peer, a bug) is one line per rank naming the cause, status 1, its traceback in
+# ``OUT/logs/rank_N.log`` and the line in torchrun's error file, for the launcher
+# (:mod:`.failures`).
 def train(cfg: TrainConfig) -> None:
     """Run the job described by ``cfg`` on the process group that torchrun set up (or on one
     process without torchrun). Reads top to bottom in the job's order (set-up here, the rest in
@@ -462,7 +453,7 @@ def train(cfg: TrainConfig) -> None:
             print(dry_run_report(cfg, world.size))
         return
     health.die_with_agent()
-    # From here a SIGTERM ends the job after a checkpoint (it used to end it at once).
+    # From here a SIGTERM ends the job after a checkpoint (before here, at once).
     preemption = Preemption(cfg.preempt_grace_s, rank=world.rank)
     # Start-up is watched too: a peer that never arrives must end the job, not hang it.
     watchdog = health.StepWatchdog(

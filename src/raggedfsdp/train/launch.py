@@ -1,21 +1,10 @@
-"""Starting the workers of ``raggedfsdp train`` through torchrun's own code path
-(``torch.distributed.run``: the elastic agent, c10d rendezvous, restarts), each running the
-module :mod:`raggedfsdp.train` with the same options; the command around it (its flags, what it
-prints, its exit statuses) is :mod:`raggedfsdp.cli.train`.
+"""Starting the workers of ``raggedfsdp train`` through torchrun's own code path.
 
-One machine (default: 2 worker processes on CPU, one per GPU with CUDA)::
-
-    raggedfsdp train --model gpt-tiny --steps 200
-
-Several machines (run on each; the first to reach the endpoint hosts the rendezvous, unless
-``raggedfsdp rendezvous`` hosts it there: :mod:`.rendezvous`)::
-
-    raggedfsdp train --nnodes 2 --node-rank 0 --rdzv-endpoint host0:29400 --nproc 8 ...
-
-With ``--max-restarts K`` the agent restarts all workers after a failure, up to K times; they
-continue from the newest complete checkpoint (as with ``--resume``). A node lost from such a job
-is replaced by starting its command on another machine; with ``--nnodes MIN:MAX`` the job also
-goes on with fewer nodes and takes in more as they come (docs/operations.md, "Membership").
+``torch.distributed.run`` (the elastic agent, c10d rendezvous, restarts) starts each worker running
+:mod:`raggedfsdp.train` with the same options, on one machine or several, restarted from the newest
+complete checkpoint with ``--max-restarts`` and elastic with ``--nnodes MIN:MAX``
+(docs/operations.md). The command around it (its flags, what it prints, its exit statuses) is
+:mod:`raggedfsdp.cli.train`.
 """
 
 from __future__ import annotations

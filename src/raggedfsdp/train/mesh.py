@@ -1,19 +1,8 @@
-"""The job's ranks as a mesh: FSDP over the data-parallel ranks, beside tensor parallelism
-(``--tp``) or expert parallelism (``--ep``), as torchtitan lays them out.
+"""The job's ranks as a mesh: FSDP over data parallelism, beside tensor or expert parallelism.
 
-- ``--tp N``: a ``(dp, tp)`` mesh, tp innermost (consecutive ranks form a tensor-parallel group,
-  the ranks that share a node's fastest links). The blocks' projections, the embedding and the
-  head are split over tp (:mod:`raggedfsdp.models.tensor_parallel`), then every unit is sharded
-  over dp. The ``tp`` ranks of a group compute on the same sequences: there are ``dp`` data
-  ranks.
-- ``--ep N``: a ``(dp, ep)`` mesh. Expert parallelism borrows its ranks from data parallelism
-  (every rank reads its own sequences, so all ``world`` ranks are data ranks): each experts
-  module's experts are split over ep (:mod:`raggedfsdp.models.expert_parallel`; tokens travel
-  to their expert and back by all-to-all) and sharded over dp; every other parameter is sharded
-  over dp and ep flattened. Gradients are averaged over all data ranks, the experts' too.
-
-Every rank builds the same model from ``--seed`` and keeps its slices, so the trained numbers
-are those of FSDP alone on the same global batch, up to the order of float sums.
+``--tp`` or ``--ep``, as torchtitan lays them out (each mesh: the comment at :class:`JobMesh`).
+Every rank builds the same model from ``--seed`` and keeps its slices, so the trained numbers are
+those of FSDP alone on the same global batch, up to the order of float sums.
 """
 
 from __future__ import annotations
@@ -33,6 +22,15 @@ from ..runtime import FSDPBackend, fully_shard
 __all__ = ["JobMesh", "check_model", "degrees_text", "shard_model"]
 
 
+# - ``--tp N``: a ``(dp, tp)`` mesh, tp innermost (consecutive ranks form a tensor-parallel group,
+#   the ranks that share a node's fastest links). The blocks' projections, the embedding and the
+#   head are split over tp (:mod:`raggedfsdp.models.tensor_parallel`), then every unit is sharded
+#   over dp. The ``tp`` ranks of a group compute on the same sequences: there are ``dp`` data ranks.
+# - ``--ep N``: a ``(dp, ep)`` mesh. Expert parallelism borrows its ranks from data parallelism
+#   (every rank reads its own sequences, so all ``world`` ranks are data ranks): each experts
+#   module's experts are split over ep (:mod:`raggedfsdp.models.expert_parallel`; tokens travel to
+#   their expert and back by all-to-all) and sharded over dp; every other parameter is sharded over
+#   dp and ep flattened. Gradients are averaged over all data ranks, the experts' too.
 @dataclass(frozen=True, init=False)
 class JobMesh:
     """Where one rank sits among ``world`` ranks split ``tp`` and ``ep`` ways.

@@ -1,31 +1,9 @@
-"""What a training run reports: a progress bar, log lines, ``metrics.jsonl``, TensorBoard, a
-summary table and ``report.png``.
+"""What a training run reports: progress, log lines, ``metrics.jsonl``, TensorBoard, a summary.
 
-Every rank calls :meth:`Monitor.step` after every step (it holds a collective at log steps: the
-peak memory is the maximum over ranks); only rank 0 prints and writes. A record of
-``metrics.jsonl`` averages the steps since the previous record:
-
-- ``kind``: ``"train"`` (step 1, every ``--log-every`` steps, the last step) or ``"eval"``
-  (``val_loss``; at step 0 of a fresh run, every ``--eval-every`` steps, the last step);
-- ``loss`` (mean over the window, global over ranks), ``lr``, ``grad_norm``, ``skipped_steps``;
-- ``tokens_per_s`` and ``samples_per_s`` (global: all ranks together), ``step_s``;
-- the step-time breakdown ``compute_s`` (forward and backward, minus waits), ``comm_exposed_s``
-  (time blocked on all-gathers and reduce-scatters: ``model.stats()["comm_wait_seconds"]``),
-  ``optimizer_s`` (clipping and the optimizer step), ``other_s``; ``comm_fraction`` =
-  ``comm_exposed_s / step_s``;
-- bytes this rank sent into collectives per step (``all_gather_bytes``,
-  ``reduce_scatter_bytes``, ``all_reduce_bytes``; compressed: codes and scales), their sum
-  ``wire_bytes``, ``compression_ratio`` (``wire_bytes`` over what the same collectives would move
-  uncompressed: 1 without compression), ``padding_ratio`` of the shard plan;
-- peak memory, maximum over ranks: ``peak_rss_bytes`` (the process), ``framework_bytes``
-  (sharded parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
-  ``cuda_peak_bytes`` on GPUs (the most the allocator held during the record's window:
-  ``reset_stats`` restarts the device's peak every step, and the window takes the largest);
-- ``comm_exposed_s`` is the compute's stall on collectives as ``model.stats()`` times it: on
-  the CPU the thread blocked in ``wait()``, on a GPU the compute stream between CUDA events
-  around it (``runtime/_metrics.py``, [Note: timing waits on an accelerator]).
-
-On resume, records after the resumed step are dropped, so the file (and the report) describe one
+Every rank calls :meth:`Monitor.step` after every step (it holds a collective at log steps: the peak
+memory is the maximum over ranks); only rank 0 prints and writes. A record of ``metrics.jsonl``
+averages the steps since the previous record (its fields: the comment at :class:`Monitor`); on
+resume, records after the resumed step are dropped, so the file (and the report) describe one
 trajectory.
 """
 
@@ -117,6 +95,27 @@ def window_peaks(
     ]
 
 
+# The fields of a record:
+#
+# - ``kind``: ``"train"`` (step 1, every ``--log-every`` steps, the last step) or ``"eval"``
+#   (``val_loss``; at step 0 of a fresh run, every ``--eval-every`` steps, the last step);
+# - ``loss`` (mean over the window, global over ranks), ``lr``, ``grad_norm``, ``skipped_steps``;
+# - ``tokens_per_s`` and ``samples_per_s`` (global: all ranks together), ``step_s``;
+# - the step-time breakdown ``compute_s`` (forward and backward, minus waits), ``comm_exposed_s``
+#   (time blocked on all-gathers and reduce-scatters: ``model.stats()["comm_wait_seconds"]``),
+#   ``optimizer_s`` (clipping and the optimizer step), ``other_s``; ``comm_fraction`` =
+#   ``comm_exposed_s / step_s``;
+# - bytes this rank sent into collectives per step (``all_gather_bytes``, ``reduce_scatter_bytes``,
+#   ``all_reduce_bytes``; compressed: codes and scales), their sum ``wire_bytes``,
+#   ``compression_ratio`` (``wire_bytes`` over what the same collectives would move uncompressed: 1
+#   without compression), ``padding_ratio`` of the shard plan;
+# - peak memory, maximum over ranks: ``peak_rss_bytes`` (the process), ``framework_bytes`` (sharded
+#   parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
+#   ``cuda_peak_bytes`` on GPUs (the most the allocator held during the record's window:
+#   ``reset_stats`` restarts the device's peak every step, and the window takes the largest);
+# - ``comm_exposed_s`` is the compute's stall on collectives as ``model.stats()`` times it: on the
+#   CPU the thread blocked in ``wait()``, on a GPU the compute stream between CUDA events around it
+#   (``runtime/_metrics.py``, [Note: timing waits on an accelerator]).
 class Monitor:
     """Collects step metrics on every rank and reports them from rank 0."""
 

@@ -1,14 +1,9 @@
 """Graceful preemption: SIGTERM ends the job with a checkpoint, within a grace period.
 
-Schedulers announce the end of an allocation with SIGTERM and a grace period before SIGKILL
-(Slurm's ``--signal`` / ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``); Slurm sends
-it to every task, Kubernetes to the container's first process (here the launcher, whose torchrun
-agent passes it on to the workers). A worker's :class:`Preemption` only notes the signal: the
-job asks, at the end of every step, whether any rank got one (:meth:`Preemption.requested`, one
-small all-reduce), so all ranks finish the same step, save the same checkpoint (atomic, as every
-save) and leave with :data:`PREEMPTED_EXIT_CODE`. Should the save not be done within
-``--preempt-grace-s`` of the signal, a timer thread ends the worker anyway: the unfinished save
-is only a ``.tmp`` folder, and the previous checkpoint stays the newest.
+A worker's :class:`Preemption` only notes the signal; at the end of every step the job asks whether
+any rank got one (one small all-reduce), so all ranks finish the same step, save the same checkpoint
+and leave with :data:`PREEMPTED_EXIT_CODE`. Who sends the signal, and what a late save leaves: the
+comment at :class:`Preemption`.
 """
 
 from __future__ import annotations
@@ -38,6 +33,12 @@ class Preempted(Exception):
         self.step = step
 
 
+# Schedulers announce the end of an allocation with SIGTERM and a grace period before SIGKILL
+# (Slurm's ``--signal`` / ``KillWait``, Kubernetes' ``terminationGracePeriodSeconds``); Slurm sends
+# it to every task, Kubernetes to the container's first process (here the launcher, whose torchrun
+# agent passes it on to the workers). Should the save not be done within ``--preempt-grace-s`` of
+# the signal, a timer thread ends the worker anyway: the unfinished save is only a ``.tmp`` folder,
+# and the previous checkpoint stays the newest.
 class Preemption:
     """Notes SIGTERM in this worker; :meth:`requested` makes every rank agree on it."""
 

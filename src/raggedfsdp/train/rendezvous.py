@@ -1,36 +1,11 @@
-"""A rendezvous store that outlives every training node (the ``raggedfsdp rendezvous``
-command, :mod:`raggedfsdp.cli.rendezvous`, runs it).
+"""A rendezvous store that outlives every training node (``raggedfsdp rendezvous`` runs it).
 
-torchrun's c10d rendezvous keeps its state (the rounds, who is in them, the nodes' heartbeats) in
-a TCP store. Without a store of its own the first launcher to reach ``--rdzv-endpoint`` hosts that
-store in its own process, so losing that node loses the rendezvous and the survivors end. Run
-the command on a machine that is not a training node (or in a process of its own that the job's
-failures do not take down), and point every node's ``--rdzv-endpoint`` at it: torchrun's agents
-then find the port taken and join it as clients (``_create_tcp_store`` falls back to a client
-when it cannot host), so any training node may be lost and replaced. One store serves several
-jobs, each with its own ``--rdzv-id``.
-
-[Note: the rendezvous store is not a trust boundary]
-A TCP store has no authentication: anyone who reaches its port may read and write every key
-(PyTorch's security policy says so too). So it belongs on a private network, and this module
-narrows what reaching it can do:
-
-- ``raggedfsdp rendezvous --host ADDR`` listens on that address alone (a socket bound here and
-  handed to the store: ``master_listen_fd``), as does a launcher that hosts the store of an
-  endpoint given as an IP address (a host name may resolve to another address here than on
-  the other nodes, 127.0.1.1 say, so one keeps torchrun's every address).
-- torchrun's c10d rendezvous keeps its state as a pickle under ``torch.rendezvous.JOB_ID``,
-  and ``dynamic_rendezvous`` unpickles whatever is there: a process that writes a crafted
-  pickle under a job's key runs code in every agent. raggedfsdp's launchers use torch's c10d
-  backend through :data:`BACKEND`, which reads that state with an unpickler admitting only its
-  three types (:data:`STATE_TYPES`) before torch does, and refuses anything else with a
-  ``RendezvousStateError`` naming the type. A valid state written by a stranger can still
-  disturb the job (join it, close it): that is what a private network is for.
-- A job's id defaults to a random one on one node; several nodes must name theirs
-  (``--rdzv-id``): a guessable default would let unrelated jobs, or a stranger, share its key.
-
-The workers' own store (the process group's, and :func:`~.health.attempt_store`) is torch's:
-on every address, at a free port, holding no pickles.
+torchrun's c10d rendezvous keeps its state in a TCP store, which the first launcher otherwise hosts
+in its own process, so losing that node loses the rendezvous. Run on a machine that is not a
+training node, with every node's ``--rdzv-endpoint`` pointed at it, any training node may be lost
+and replaced; one store serves several jobs, each with its own ``--rdzv-id``. What reaching the
+store can do, and how this module narrows it: [Note: the rendezvous store is not a trust boundary]
+at :func:`listening_socket`.
 """
 
 from __future__ import annotations
@@ -76,6 +51,26 @@ STATE_TYPES = frozenset(
 )
 
 
+# [Note: the rendezvous store is not a trust boundary] A TCP store has no authentication: anyone who
+# reaches its port may read and write every key (PyTorch's security policy says so too). So it
+# belongs on a private network, and this module narrows what reaching it can do:
+#
+# - ``raggedfsdp rendezvous --host ADDR`` listens on that address alone (a socket bound here and
+#   handed to the store: ``master_listen_fd``), as does a launcher that hosts the store of an
+#   endpoint given as an IP address (a host name may resolve to another address here than on the
+#   other nodes, 127.0.1.1 say, so one keeps torchrun's every address).
+# - torchrun's c10d rendezvous keeps its state as a pickle under ``torch.rendezvous.JOB_ID``, and
+#   ``dynamic_rendezvous`` unpickles whatever is there: a process that writes a crafted pickle under
+#   a job's key runs code in every agent. raggedfsdp's launchers use torch's c10d backend through
+#   :data:`BACKEND`, which reads that state with an unpickler admitting only its three types
+#   (:data:`STATE_TYPES`) before torch does, and refuses anything else with a
+#   ``RendezvousStateError`` naming the type. A valid state written by a stranger can still disturb
+#   the job (join it, close it): that is what a private network is for.
+# - A job's id defaults to a random one on one node; several nodes must name theirs (``--rdzv-id``):
+#   a guessable default would let unrelated jobs, or a stranger, share its key.
+#
+# The workers' own store (the process group's, and :func:`~.health.attempt_store`) is torch's: on
+# every address, at a free port, holding no pickles.
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host`` (an address of this machine, or a name of one) and
     ``port``, listening: what a store is handed to listen there alone. ``OSError`` when it

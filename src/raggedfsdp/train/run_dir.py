@@ -1,25 +1,10 @@
-"""The run's output folder (``--out``): what a run writes there, which checkpoints are complete
-and intact, and whether a new run may use the folder.
+"""The run's output folder (``--out``): what a run writes there, and which checkpoints are intact.
 
-[Note: checkpoints verify themselves]
-``COMPLETE.json`` records every other file of its checkpoint (DCP's ``.distcp`` files and
-``.metadata``, the ``rng/rank_*.pt`` files): its size in bytes and its sha256
-(:func:`checkpoint_files`). :func:`verify_checkpoint` checks them, sizes first (cheap: a torn
-copy or a truncated file shows there), then the checksums (a flipped bit of a file of the right
-size). Measured on a 50 MB file (a shared 2-core machine, so a range): sha256 39-77 ms, i.e.
-0.65-1.3 GB/s on one core; zlib's crc32 29-47 ms; reading it from the page cache 17-39 ms. A
-faster checksum would gain too little to give up one that ``sha256sum`` checks by hand. Files
-are hashed in up to 8 threads (hashlib releases the GIL): for many ranks' files on a network
-file system; on 2 busy cores it gained nothing.
-The checksums prove integrity, not authenticity: whoever can write the folder can rewrite
-``COMPLETE.json`` too. With a job secret in :data:`KEY_ENV`, rank 0 signs the record (an
-HMAC-SHA256 of all of it but the signature, in canonical JSON: :func:`sign_record`), and
-verification refuses a record without a signature that this secret makes (compared in
-constant time): a folder altered by someone without the secret no longer verifies. A record
-without ``files`` (format version 1, or stripped) verifies nothing, so it is refused unless
-:data:`UNRECORDED_ENV` is ``1``.
-:func:`verified_checkpoint` is the newest checkpoint that verifies, and which newer ones did
-not and why: what ``--resume`` and ``raggedfsdp export`` of a run folder use.
+What a run writes, which checkpoints are complete and verify (their files' sizes and sha256 in
+``COMPLETE.json``, signed with a job secret when one is given), and whether a new run may use the
+folder. :func:`verified_checkpoint` is the newest checkpoint that verifies, and which newer ones did
+not and why: what ``--resume`` and ``raggedfsdp export`` of a run folder use. The design: [Note:
+checkpoints verify themselves] at :func:`checkpoint_files`.
 """
 
 from __future__ import annotations
@@ -208,6 +193,21 @@ def _checksums(files: Sequence[Path]) -> list[str]:
         return list(pool.map(_checksum, files))
 
 
+# [Note: checkpoints verify themselves] ``COMPLETE.json`` records every other file of its checkpoint
+# (DCP's ``.distcp`` files and ``.metadata``, the ``rng/rank_*.pt`` files): its size in bytes and
+# its sha256 (:func:`checkpoint_files`). :func:`verify_checkpoint` checks them, sizes first (cheap:
+# a torn copy or a truncated file shows there), then the checksums (a flipped bit of a file of the
+# right size). Measured on a 50 MB file (a shared 2-core machine, so a range): sha256 39-77 ms, i.e.
+# 0.65-1.3 GB/s on one core; zlib's crc32 29-47 ms; reading it from the page cache 17-39 ms. A
+# faster checksum would gain too little to give up one that ``sha256sum`` checks by hand. Files are
+# hashed in up to 8 threads (hashlib releases the GIL): for many ranks' files on a network file
+# system; on 2 busy cores it gained nothing. The checksums prove integrity, not authenticity:
+# whoever can write the folder can rewrite ``COMPLETE.json`` too. With a job secret in
+# :data:`KEY_ENV`, rank 0 signs the record (an HMAC-SHA256 of all of it but the signature, in
+# canonical JSON: :func:`sign_record`), and verification refuses a record without a signature that
+# this secret makes (compared in constant time): a folder altered by someone without the secret no
+# longer verifies. A record without ``files`` (format version 1, or stripped) verifies nothing, so
+# it is refused unless :data:`UNRECORDED_ENV` is ``1``.
 def checkpoint_files(path: str | Path) -> dict[str, dict[str, Any]]:
     """``{name: {"bytes": size, "sha256": hex}}`` for every file of the checkpoint folder
     ``path`` but its ``COMPLETE.json``; names are POSIX paths relative to ``path``

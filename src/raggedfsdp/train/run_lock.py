@@ -1,28 +1,7 @@
-"""One job per run folder: the lock ``OUT/.lock`` that ``raggedfsdp train``'s launchers take
-before anything else touches ``--out`` and hold for the job's life.
+"""One job per run folder: the lock ``OUT/.lock`` that ``raggedfsdp train``'s launchers take.
 
-[Note: the run-folder lock]
-The lock is a file created exclusively (``O_CREAT | O_EXCL``: atomic on local file systems and
-on NFS v3 and later) that names its holder: a launcher's host, PID and process start time, when
-it took the lock, and the job's key.
-
-- **One job, several nodes.** The launchers of a multi-node job share ``--rdzv-endpoint`` and
-  ``--rdzv-id`` (that is what makes torchrun's agents one job): they are its key. The first
-  launcher to create the lock holds it; the others find their key in it and go on under that
-  holder, so all agree on one. A single node's job has no key to share: its launcher's own
-  identity is its key. A launcher of another key is refused in one line naming the holder.
-- **For the job's life.** The holder deletes the lock when its launcher ends, whatever ends it
-  short of SIGKILL (a finished run, an error, a preemption).
-- **A dead job's lock** is taken over, in one line naming it: its holder ran on this host and its
-  PID is gone, or belongs to another process now (its start time differs). A holder on another
-  host cannot be checked: the launcher refuses, naming host and PID and the file to delete once
-  that job is known to be gone.
-- **A refused start leaves nothing.** The launcher made ``--out`` (and its missing parents) to
-  hold the lock; :meth:`RunLock.release` deletes the lock and those folders while empty.
-
-The key of the job that holds the lock is also what its workers record in every checkpoint
-(:data:`.run_dir.JOB_ENV`), so that a save never replaces a step folder another job wrote
-(:mod:`.checkpoints`).
+Taken before anything else touches ``--out`` and held for the job's life: who holds it, who may
+share or take it over, and why ([Note: the run-folder lock] at :class:`RunLock`).
 """
 
 from __future__ import annotations
@@ -90,6 +69,27 @@ class Holder:
         return self.started is not None and _process_start(self.pid) != self.started
 
 
+# [Note: the run-folder lock] The lock is a file created exclusively (``O_CREAT | O_EXCL``: atomic
+# on local file systems and on NFS v3 and later) that names its holder: a launcher's host, PID and
+# process start time, when it took the lock, and the job's key.
+#
+# - **One job, several nodes.** The launchers of a multi-node job share ``--rdzv-endpoint`` and
+#   ``--rdzv-id`` (that is what makes torchrun's agents one job): they are its key. The first
+#   launcher to create the lock holds it; the others find their key in it and go on under that
+#   holder, so all agree on one. A single node's job has no key to share: its launcher's own
+#   identity is its key. A launcher of another key is refused in one line naming the holder.
+# - **For the job's life.** The holder deletes the lock when its launcher ends, whatever ends it
+#   short of SIGKILL (a finished run, an error, a preemption).
+# - **A dead job's lock** is taken over, in one line naming it: its holder ran on this host and its
+#   PID is gone, or belongs to another process now (its start time differs). A holder on another
+#   host cannot be checked: the launcher refuses, naming host and PID and the file to delete once
+#   that job is known to be gone.
+# - **A refused start leaves nothing.** The launcher made ``--out`` (and its missing parents) to
+#   hold the lock; :meth:`RunLock.release` deletes the lock and those folders while empty.
+#
+# The key of the job that holds the lock is also what its workers record in every checkpoint
+# (:data:`.run_dir.JOB_ENV`), so that a save never replaces a step folder another job wrote
+# (:mod:`.checkpoints`).
 @dataclass
 class RunLock:
     """This launcher's part in a run folder's lock: it holds the lock, or joined the holder of

@@ -1,5 +1,8 @@
-"""One optimizer step of the job: forward and backward over the micro-batches, the global loss,
-clipping, the update (or a skip), and what the loop records of it."""
+"""One optimizer step of the job.
+
+Forward and backward over the micro-batches, the global loss, clipping, the update (or a skip), and
+what the loop records of it.
+"""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Block-quantized communication (``CommCompression``): the quantized pair of collective
-strategies a bucket may carry ([Note: one strategy per bucket] in ``runtime/_comm.py``).
+"""Block-quantized communication (``CommCompression``): the quantized pair of collective strategies.
 
-- :class:`QuantizedAllGather` (``_all_gather``): the parameters travel as codes and scales;
-- :class:`QuantizedReduceScatter` (``_reduce_scatter``): so do the gradients, summed in fp32;
-- :class:`Residual` (``_error_feedback``): what quantizing a rank's gradient dropped, for the
-  next one;
-- :class:`BucketCodec` (``_codec``): one bucket's shards as messages of codes and scales;
-- :class:`NonFiniteCheck` (``_finite``): what the collectives found non-finite, read by the root
-  once at the end of forward and once at the end of backward;
-- ``_quant``: docs/design.md's block quantization formulas, vectorised over tiles, kernels cut
-  as the device wants (:class:`Kernels`).
+A bucket may carry them ([Note: one strategy per bucket] in ``runtime/_comm.py``):
+:class:`QuantizedAllGather` (the parameters travel as codes and scales) and
+:class:`QuantizedReduceScatter` (so do the gradients, summed in fp32), with what they share: the
+error-feedback :class:`Residual`, the :class:`BucketCodec` (a bucket's messages), the root's
+:class:`NonFiniteCheck`, and ``_quant`` (docs/design.md's formulas, kernels cut per device).
 """
 
 from ._all_gather import QuantizedAllGather

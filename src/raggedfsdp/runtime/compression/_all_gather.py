@@ -1,18 +1,8 @@
 """The quantized all-gather of one bucket's parameters.
 
-[Note: compressed all-gather] Each rank quantizes its master shard block by block into one
-message (codes, then scales: :mod:`._codec`) and the messages are all-gathered in ONE collective
-(codes and scales in two would pay the latency twice for a few hundred bytes of scales); every
-rank then dequantizes each rank's message straight into the unsharded parameter buffer (its
-dtype: ``param_dtype`` under mixed precision), its own message included, so the parameters
-forward sees are bitwise the single-process quantize-dequantize of the full master parameter.
-A non-finite master weight is found on the device and raised at the end of the root's forward
-([Note: one finiteness check per step] in ``_finite.py``). The message is valid until an
-iteration that reduces gradients ends (or the shard changes): with
-``reshard_after_forward`` the second all-gather before backward does not quantize again, nor do
-the micro-batches of gradient accumulation (``no_sync``) after the first: once per optimizer
-step. That costs one message per bucket, about a quarter of the fp32 shard, kept for the
-bucket's life (one buffer re-encoded in place: no allocation per step).
+Each rank quantizes its master shard once per optimizer step into one message, all-gathered in one
+collective, and every rank dequantizes every message into the unsharded buffer ([Note: compressed
+all-gather] at :class:`QuantizedAllGather`).
 """
 
 from __future__ import annotations
@@ -34,6 +24,19 @@ from ._finite import Finding
 __all__ = ["QuantizedAllGather"]
 
 
+# [Note: compressed all-gather] Each rank quantizes its master shard block by block into one message
+# (codes, then scales: :mod:`._codec`) and the messages are all-gathered in ONE collective (codes
+# and scales in two would pay the latency twice for a few hundred bytes of scales); every rank then
+# dequantizes each rank's message straight into the unsharded parameter buffer (its dtype:
+# ``param_dtype`` under mixed precision), its own message included, so the parameters forward sees
+# are bitwise the single-process quantize-dequantize of the full master parameter. A non-finite
+# master weight is found on the device and raised at the end of the root's forward ([Note: one
+# finiteness check per step] in ``_finite.py``). The message is valid until an iteration that
+# reduces gradients ends (or the shard changes): with ``reshard_after_forward`` the second
+# all-gather before backward does not quantize again, nor do the micro-batches of gradient
+# accumulation (``no_sync``) after the first: once per optimizer step. That costs one message per
+# bucket, about a quarter of the fp32 shard, kept for the bucket's life (one buffer re-encoded in
+# place: no allocation per step).
 class QuantizedAllGather(AllGather):
     """One bucket's all-gather as ``dtype`` codes and fp32 scales (module doc); it keeps the
     quantized shard it last sent."""

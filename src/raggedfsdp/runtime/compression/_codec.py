@@ -1,30 +1,11 @@
 """BucketCodec: one bucket's shards as messages of codes and scales.
 
-A rank's *message* is one 1-D byte buffer: the codes of its whole shard (``S`` one-byte codes,
-at the shard's own offsets, so a parameter's codes sit where its values sit in the bucket) padded
-to 16 bytes, then the fp32 scales of its pieces' blocks in buffer order, padded to the largest
-count of any rank (all messages have one size, so an all-gather or an all-to-all moves them)
-and the whole to 16 bytes (``planner.MessageLayout``: the scales and every message in a buffer
-of them start 16-byte aligned). A *piece* is one parameter's part of one rank's shard: whole
-quantization blocks, because the planner never cuts a block (checked here, so a plan made
-without the compression fails loudly).
-
-[Note: non-finite gradients] A non-finite value in a block leaves a non-finite scale, but in the
-reduce-scatter only the block's owner receives that scale: the other ranks would go on as if
-nothing happened. So the sender seals its messages (:meth:`BucketCodec.seal`): if any of its
-scales is not finite, EVERY message it sends is poisoned (all scale slots NaN, the first four
-code bytes the index of the first bad parameter), decided and written on the device, with no
-host sync. Every rank receives one message from every rank, so every rank sees the poison of
-the same sender (the first in rank order: :meth:`BucketCodec.find_poison`) and raises the same
-error at the same point of its program ([Note: one finiteness check per step] in
-``_finite.py``), without an extra collective or byte on the wire. Under HSDP the other replica
-groups receive nothing from the poisoned group but its all-reduce: there the poisoned ranks fill
-their reduced shards with NaN, and every rank of every group finds it after the all-reduce
-(:meth:`QuantizedReduceScatter.check_replicated`).
-
-Parameters are named as the bucket's plan names them (below the unit's module); the collectives
-qualify a name with the unit's path when they raise, so the codec is built once and never
-renamed.
+A rank's *message* is one 1-D byte buffer: its shard's ``S`` one-byte codes at the shard's own
+offsets, padded to 16 bytes, then the fp32 scales of its pieces' blocks in buffer order, padded to
+the largest count of any rank, the whole padded to 16 bytes (``planner.MessageLayout``). A *piece*
+is one parameter's part of one rank's shard: whole blocks, because the planner never cuts one
+(checked here). How a bad gradient reaches every rank: [Note: non-finite gradients] at
+:class:`BucketCodec`.
 """
 
 from __future__ import annotations
@@ -74,6 +55,30 @@ class _Tables:
     piece_params: torch.Tensor
 
 
+# A rank's *message* is one 1-D byte buffer: the codes of its whole shard (``S`` one-byte codes, at
+# the shard's own offsets, so a parameter's codes sit where its values sit in the bucket) padded to
+# 16 bytes, then the fp32 scales of its pieces' blocks in buffer order, padded to the largest count
+# of any rank (all messages have one size, so an all-gather or an all-to-all moves them) and the
+# whole to 16 bytes (``planner.MessageLayout``: the scales and every message in a buffer of them
+# start 16-byte aligned). A *piece* is one parameter's part of one rank's shard: whole quantization
+# blocks, because the planner never cuts a block (checked here, so a plan made without the
+# compression fails loudly).
+#
+# [Note: non-finite gradients] A non-finite value in a block leaves a non-finite scale, but in the
+# reduce-scatter only the block's owner receives that scale: the other ranks would go on as if
+# nothing happened. So the sender seals its messages (:meth:`BucketCodec.seal`): if any of its
+# scales is not finite, EVERY message it sends is poisoned (all scale slots NaN, the first four code
+# bytes the index of the first bad parameter), decided and written on the device, with no host sync.
+# Every rank receives one message from every rank, so every rank sees the poison of the same sender
+# (the first in rank order: :meth:`BucketCodec.find_poison`) and raises the same error at the same
+# point of its program ([Note: one finiteness check per step] in ``_finite.py``), without an extra
+# collective or byte on the wire. Under HSDP the other replica groups receive nothing from the
+# poisoned group but its all-reduce: there the poisoned ranks fill their reduced shards with NaN,
+# and every rank of every group finds it after the all-reduce
+# (:meth:`QuantizedReduceScatter.check_replicated`).
+#
+# Parameters are named as the bucket's plan names them (below the unit's module); the collectives
+# qualify a name with the unit's path when they raise, so the codec is built once and never renamed.
 class BucketCodec:
     """Where each rank's pieces lie in a message, and encoding / decoding one (module doc).
     ``kernels`` fixes how the quantizing kernels cut their work (default: the device's,

@@ -1,31 +1,10 @@
 """Block quantization for compressed communication (docs/design.md), vectorised over tiles.
 
 A piece of a parameter is viewed as a 2-D matrix (``QuantBlock.view_shape``) cut into tiles of
-``rows x cols``; partial tiles at the right and bottom edges are blocks of their own. The tiles
-of one size form at most four rectangular regions (body, right edge, bottom edge, corner), cut
-into chunks of whole tiles (:class:`Kernels`), and each is a strided 3-D view ``[rows, tiles
-across, cols]`` of the matrix with its scales repeated per row, so every formula below is a
-handful of tensor operations per chunk, never a loop over blocks.
-
-Per block, in fp32: ``amax = max|x|``; ``s = 1`` when ``amax == 0``, else ``amax / code_max``;
-codes ``clamp(round(x / s), -127, 127)`` (int8) or ``(x / s).to(fp8)``; dequantized ``q.float()
-* s``. ``x / s`` and ``amax / code_max`` are true divisions by tensors on ``x``'s device (CUDA
-divides by a host scalar through its reciprocal, which would change bits), so every device and
-every world size gives the same codes and scales.
-
-[Note: codec kernels per device] How the regions are cut is the device's business, never the
-numbers': every operation is element-wise or a maximum within one tile, so any cut into whole
-tiles gives the same bits (``tests/unit/test_quant.py`` checks both shapes against a block-by-block
-reference). On the CPU a region is cut into chunks of :data:`CHUNK` elements (1 MiB of fp32),
-so its five passes over memory hit the L2 cache. On an accelerator that chunking would launch
-~10 kernels per 2^18 elements (about half a million per step for a 7B model at W = 8), each
-too small to fill the device; there a chunk is :data:`DEVICE_CHUNK` = 2^24 elements, so a
-piece of a parameter is one pass per region for every matrix up to 4096 x 4096 (one region,
-~10 kernels) and a few for larger ones, while the fp32 scratch stays at 64 MiB however large
-the piece (one pass per *bucket* would need a per-element block index as large as the codes,
-or a compiled kernel per bucket layout). fp8 codes become fp32 through a 256-entry table on
-the CPU (~7x faster than the conversion there) and by the conversion itself on accelerators
-(one fused kernel instead of an int32 index and a gather); both are exact.
+``rows x cols``, partial edge tiles blocks of their own; the tiles of one size form at most four
+rectangular regions, cut into chunks of whole tiles (:class:`Kernels`, [Note: codec kernels per
+device]), each a strided 3-D view of the matrix, so every formula is a handful of tensor operations
+per chunk, never a loop over blocks. The numbers: the comment at :func:`quantize`.
 """
 
 from __future__ import annotations
@@ -60,6 +39,19 @@ CHUNK = 1 << 18
 DEVICE_CHUNK = 1 << 24
 
 
+# [Note: codec kernels per device] How the regions are cut is the device's business, never the
+# numbers': every operation is element-wise or a maximum within one tile, so any cut into whole
+# tiles gives the same bits (``tests/unit/test_quant.py`` checks both shapes against a
+# block-by-block reference). On the CPU a region is cut into chunks of :data:`CHUNK` elements (1 MiB
+# of fp32), so its five passes over memory hit the L2 cache. On an accelerator that chunking would
+# launch ~10 kernels per 2^18 elements (about half a million per step for a 7B model at W = 8), each
+# too small to fill the device; there a chunk is :data:`DEVICE_CHUNK` = 2^24 elements, so a piece of
+# a parameter is one pass per region for every matrix up to 4096 x 4096 (one region, ~10 kernels)
+# and a few for larger ones, while the fp32 scratch stays at 64 MiB however large the piece (one
+# pass per *bucket* would need a per-element block index as large as the codes, or a compiled kernel
+# per bucket layout). fp8 codes become fp32 through a 256-entry table on the CPU (~7x faster than
+# the conversion there) and by the conversion itself on accelerators (one fused kernel instead of an
+# int32 index and a gather); both are exact.
 @dataclass(frozen=True)
 class Kernels:
     """How the codec's kernels cut their work on one kind of device ([Note: codec kernels per
@@ -168,6 +160,11 @@ def _encode_into(codes: torch.Tensor, y: torch.Tensor) -> None:
     codes.copy_(y)
 
 
+# Per block, in fp32: ``amax = max|x|``; ``s = 1`` when ``amax == 0``, else ``amax / code_max``;
+# codes ``clamp(round(x / s), -127, 127)`` (int8) or ``(x / s).to(fp8)``; dequantized ``q.float() *
+# s``. ``x / s`` and ``amax / code_max`` are true divisions by tensors on ``x``'s device (CUDA
+# divides by a host scalar through its reciprocal, which would change bits), so every device and
+# every world size gives the same codes and scales.
 def quantize(
     x: torch.Tensor,
     block: QuantBlock,

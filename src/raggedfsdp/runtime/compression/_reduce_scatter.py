@@ -1,13 +1,7 @@
 """The quantized reduce-scatter of one bucket's gradients.
 
-[Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
-one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
-precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
-rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
-sends, so every rank raises the same error at the end of backward ([Note: non-finite
-gradients]; [Note: one finiteness check per step] in ``_finite.py``). With error feedback a
-rank adds what quantizing dropped last time (its residual, ``[W*S]``) to the gradient before
-quantizing, and keeps the new residual (:class:`~._error_feedback.Residual`).
+An all-to-all of quantized messages, one per owner, summed by the owner in fp32 in rank order, with
+optional error feedback ([Note: compressed reduce-scatter] at :class:`QuantizedReduceScatter`).
 """
 
 from __future__ import annotations
@@ -31,6 +25,14 @@ from ._finite import Finding
 __all__ = ["QuantizedReduceScatter", "quantize_gradient"]
 
 
+# [Note: compressed reduce-scatter] Each rank quantizes its whole unsharded gradient block by block,
+# one message per owner, and sends each owner its message (an all-to-all: nothing is summed in low
+# precision, as in ZeRO++'s qgZ); the owner dequantizes the ``W`` messages into an fp32 shard in
+# rank order, adding, and divides by ``W``. A non-finite gradient poisons every message its rank
+# sends, so every rank raises the same error at the end of backward ([Note: non-finite gradients];
+# [Note: one finiteness check per step] in ``_finite.py``). With error feedback a rank adds what
+# quantizing dropped last time (its residual, ``[W*S]``) to the gradient before quantizing, and
+# keeps the new residual (:class:`~._error_feedback.Residual`).
 class QuantizedReduceScatter(ReduceScatter):
     """One trainable bucket's reduce-scatter as ``dtype`` codes and fp32 scales, summed in fp32
     (module doc); with a ``residual``, error feedback."""
