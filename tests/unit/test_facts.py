@@ -208,7 +208,7 @@ def test_an_expert_stack_split_on_its_middle_dim(shape, block, ok, runtime_befor
         placements=(Shard(1), Replicate()),
         mesh=SimpleNamespace(size=lambda dim: 2),
     )
-    registration = SimpleNamespace(fqn="experts.w1", parallel=spec)
+    registration = SimpleNamespace(fqn="experts.w1", placement=SimpleNamespace(split=spec))
     if ok:
         _check_parallel_cuts(registration, policy)  # type: ignore[arg-type]
     else:

@@ -92,7 +92,7 @@ class RootContext:
         check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
         self.phase = RootPhase.BACKWARD
         for state in self.states:
-            state.group.begin_backward()
+            state.group.usage.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def reset(self) -> None:

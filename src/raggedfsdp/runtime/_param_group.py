@@ -31,6 +31,7 @@ from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
 from ._streams import wait_all
+from ._usage import Usage
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import (
     Finding,
@@ -96,18 +97,18 @@ class FSDPParamGroup:
         #: stream waits for it at the end of the iteration
         self._reduced: object = None
         self._bind_storages()
-        #: the parameters of its trainable buckets; per parameter, whether a gradient arrived
-        #: on this rank since the unit's last synchronised backward, and whether its sharded
-        #: gradient was held when this backward began (``_usage.py``: what no rank used keeps
-        #: the gradient one process would leave it)
-        self._trainable_params = [p for b in self._trainable for p in b.params]
-        self.used = [False] * len(self._trainable_params)
-        self._held_grad = list(self.used)
-        for index, param in enumerate(self._trainable_params):
-            param.placement.arm(param.unsharded)
-            param.unsharded.register_hook(functools.partial(self._gradient_arrives, index))
+        #: which of its trainable parameters any rank used (``_usage.py``)
+        self.usage = Usage([p for b in self._trainable for p in b.params])
+        self._hook_gradients()
         for param in self.params:
             param.hold(unsharded=False)
+
+    def _hook_gradients(self) -> None:
+        """What each trainable unsharded parameter's gradient runs before autograd accumulates
+        it: its form's own hook (``ParamPlacement.arm``), then :meth:`_gradient_arrives`."""
+        for index, param in enumerate(self.usage.params):
+            param.placement.arm(param.unsharded)
+            param.unsharded.register_hook(functools.partial(self._gradient_arrives, index))
 
     # -- construction --------------------------------------------------------------------------
 
@@ -387,36 +388,16 @@ class FSDPParamGroup:
             self.wait_for_unshard()
 
     def _gradient_arrives(self, index: int, grad: torch.Tensor) -> None:
-        """Hook on every trainable unsharded parameter (the ``index``-th), run just before
-        autograd accumulates its gradient: the parameter is used on this rank, and the unit's
-        gradient block is taken now rather than when its backward starts, so it is not held
-        while the unit's output gradients are still being computed (for the root, the whole
-        loss backward, which is where the memory peak lies)."""
-        self.used[index] = True
+        """The ``index``-th trainable parameter's gradient arrives: it is used on this rank, and
+        the unit's gradient block is taken now rather than when its backward starts, so it is
+        not held while the unit's output gradients are computed (for the root, the whole loss
+        backward, where the memory peak lies)."""
+        self.usage.used[index] = True
         self._take_grad_block()
 
-    def begin_backward(self) -> None:
-        """A backward under this unit's root begins: note which sharded gradients are held,
-        which those of parameters no rank uses keep (:meth:`settle_usage`)."""
-        self._held_grad = [param.sharded.grad is not None for param in self._trainable_params]
-
     def reduces_now(self) -> bool:
-        """Whether this backward reduces the unit's gradients (it has trainable parameters and
-        is not accumulating without sync)."""
+        """Whether this backward reduces the unit's gradients (trainable, not under no_sync)."""
         return bool(self._trainable) and self.knobs.requires_gradient_sync
-
-    def settle_usage(self, anywhere: list[bool] | None) -> None:
-        """After a synchronised backward, ``anywhere[i]``: whether any data-parallel rank used
-        the ``i``-th trainable parameter (``None``: this rank used them all). One that none
-        used had only zeros reduced into it: its gradient goes back to what it was before the
-        backward, ``None`` where it was none (as one process leaves it). The usage records
-        start again."""
-        if anywhere is not None:
-            params = self._trainable_params
-            for param, used, held in zip(params, anywhere, self._held_grad, strict=True):
-                if not (used or held):
-                    param.sharded.grad = None
-        self.used = [False] * len(self.used)
 
     def _take_grad_block(self) -> None:
         """Unsharded gradients become views of a zeroed block; under no_sync the block stays
@@ -529,7 +510,7 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.UNSHARDING:
             self.sharded_state = ShardedState.UNSHARDED  # its gathers are done: free them
         self.reshard()
-        self.used = [False] * len(self.used)
+        self.usage.restart()
         self.training_state = TrainingState.IDLE
 
     def _drain(self) -> None:
