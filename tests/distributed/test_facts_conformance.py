@@ -35,7 +35,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 import raggedfsdp as rf
 from collective_wrap import Recorder, wrapped_collectives
-from harness import run_distributed
+from harness import patched, run_distributed
 from parity_models import Block, OddModel, make_batches
 from raggedfsdp.capacity.cost import StepShape, UnitBytes, offload_staging_bytes, unit_bytes
 from raggedfsdp.capacity.steptime import collective_bytes, host_copy_bytes
@@ -96,18 +96,6 @@ def _build(world: int, case: dict[str, Any]) -> nn.Module:
 
 
 @contextlib.contextmanager
-def _patched(cls: type, **methods: Any) -> Iterator[None]:
-    saved = {name: getattr(cls, name) for name in methods}
-    for name, method in methods.items():
-        setattr(cls, name, method)
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(cls, name, method)
-
-
-@contextlib.contextmanager
 def _offload_spy(streams: Any, seen: dict[str, list]) -> Iterator[None]:
     """Each offload copy's stream and bytes, and the pool blocks taken while copying to the
     device (what is staged)."""
@@ -133,8 +121,8 @@ def _offload_spy(streams: Any, seen: dict[str, list]) -> Iterator[None]:
         return take(pool, numel, dtype, device)
 
     with (
-        _patched(HostOffload, to_device=device_copy, to_host=host_copy),
-        _patched(BufferPool, take=taking),
+        patched(HostOffload, to_device=device_copy, to_host=host_copy),
+        patched(BufferPool, take=taking),
     ):
         yield
 

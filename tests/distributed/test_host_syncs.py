@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import patched, run_distributed
 from raggedfsdp.models import GPT
 from raggedfsdp.models.gpt import GPTConfig
 from raggedfsdp.runtime import HostSyncCounter
@@ -51,7 +51,6 @@ def _syncs() -> Iterator[list[int]]:
     end-of-backward callback without the caller's torch-function modes."""
     counted: list[int] = []
     reads = [0]
-    originals = {name: getattr(torch.Tensor, name) for name in ("tolist", "numpy")}
 
     def counting(method: Any) -> Any:
         def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -60,14 +59,9 @@ def _syncs() -> Iterator[list[int]]:
 
         return read
 
-    for name, method in originals.items():
-        setattr(torch.Tensor, name, counting(method))
-    try:
-        with HostSyncCounter() as ops:
-            yield counted
-    finally:
-        for name, method in originals.items():
-            setattr(torch.Tensor, name, method)
+    methods = {name: counting(getattr(torch.Tensor, name)) for name in ("tolist", "numpy")}
+    with patched(torch.Tensor, **methods), HostSyncCounter() as ops:
+        yield counted
     counted.append(ops.total + reads[0])
 
 

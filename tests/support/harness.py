@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -141,6 +142,20 @@ def assert_close_dicts(
     assert got.keys() == want.keys()
     for key, value in want.items():
         torch.testing.assert_close(got[key], value, rtol=1e-5, atol=atol, msg=key)
+
+
+@contextlib.contextmanager
+def patched(owner: Any, **attributes: Any) -> Iterator[None]:
+    """``owner``'s ``attributes`` (methods of a class, functions of a module) replaced inside the
+    block, put back after it."""
+    saved = {name: getattr(owner, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(owner, name, value)
 
 
 def error_message(fn: Callable[[], object]) -> str:

@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from collective_wrap import Call, wrapped_collectives
+from harness import patched
 from raggedfsdp.runtime._pool import BufferPool
 from raggedfsdp.runtime._streams import Streams
 
@@ -250,19 +251,7 @@ def _pool_markers(trace: Trace) -> contextlib.AbstractContextManager[None]:
         trace.op(f"give {block.untyped_storage()._cdata}")
         give(pool, block)
 
-    return _patched(BufferPool, take=taking, give=giving)
-
-
-@contextlib.contextmanager
-def _patched(cls: type, **methods: Any) -> Iterator[None]:
-    saved = {name: getattr(cls, name) for name in methods}
-    for name, method in methods.items():
-        setattr(cls, name, method)
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(cls, name, method)
+    return patched(BufferPool, take=taking, give=giving)
 
 
 @contextlib.contextmanager
