@@ -9,7 +9,9 @@ moved them to the copy-in and reduce streams):
 - ``collective_per_bucket`` and ``keeps_last_block_unsharded``: the cost model's all-gathers
   and reduce-scatters per step equal ``stats()``'s, and each unit's all-gathers per step (its
   copy-in events in the stream log) are one, or two for a block resharded after forward;
-- ``gloo_reduce_scatter``: the collective log holds no all-reduce (point to point);
+- ``gloo_reduce_scatter``: the collective log holds no all-reduce of a gradient (point to point);
+- ``agrees_on_usage``: one all-reduce of which parameters any rank used per step (two under
+  HSDP: one per mesh dim);
 - ``compresses``: under ``CommCompression`` the wire carries messages of codes, not fp32;
 - ``host_copies``: the stream each offload copy runs on (host to device; device to host, under
   HSDP too), the bytes each direction moves per step (the cost model's ``host_copy_bytes``) and
@@ -34,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import raggedfsdp as rf
-from collective_wrap import Recorder, wrapped_collectives
+from collective_wrap import Record, Recorder, wrapped_collectives
 from harness import patched, run_distributed
 from parity_models import Block, OddModel, make_batches
 from raggedfsdp.capacity.cost import StepShape, UnitBytes, offload_staging_bytes, unit_bytes
@@ -181,10 +183,16 @@ def _observe(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
         "all_gather_calls": int(stats["all_gather_calls"]),
         "reduce_scatter_calls": int(stats["reduce_scatter_calls"]),
         "views": all(views) and bool(views),
-        "kinds": sorted({r.kind for r in recorder.records}),
+        "kinds": sorted({r.kind for r in recorder.records if not _usage_mask(r)}),
+        "usage_all_reduces": sum(1 for r in recorder.records if _usage_mask(r)),
         "dtypes": sorted({r.dtype for r in recorder.records}),
         **seen,
     }
+
+
+def _usage_mask(record: Record) -> bool:
+    """The all-reduce of which parameters any rank used (bytes), not of a gradient."""
+    return record.kind == "all_reduce" and record.dtype == "torch.uint8"
 
 
 def _cases(rank: int, world: int) -> dict[str, dict[str, Any]]:
@@ -238,6 +246,11 @@ def differences(system: System, name: str, seen: dict[str, Any]) -> list[str]:
         compare(
             "reduce-scatters per step", calls.reduce_scatter_calls, seen["reduce_scatter_calls"]
         )
+    compare(
+        "agrees_on_usage (all-reduces per step)",
+        int(system.agrees_on_usage) * (2 if case.get("hsdp") else 1),
+        seen["usage_all_reduces"],
+    )
     if not case.get("hsdp"):
         compare(
             "gloo_reduce_scatter",
@@ -329,6 +342,10 @@ WRONG: dict[str, tuple[System, str]] = {
         "gloo_reduce_scatter",
     ),
     "FSDP2's description": (FSDP2, "ragged"),
+    "no agreement on usage": (
+        dataclasses.replace(RAGGEDFSDP, agrees_on_usage=False),
+        "agrees_on_usage",
+    ),
 }
 
 

@@ -110,6 +110,9 @@ class System:
             memory. Needs ``ragged`` (the plan keeps quantization blocks whole).
         gloo_reduce_scatter: its reduce-scatter where the backend has none.
         host_copies: where its CPU offload copies run and what they stage.
+        agrees_on_usage: at the end of each synchronised backward, one small all-reduce (over
+            each dim of the data-parallel mesh) of which parameters any rank used, so that one
+            no rank used keeps ``.grad = None`` (``runtime/_usage.py``); off, none.
     """
 
     name: str
@@ -120,6 +123,7 @@ class System:
     compresses: bool
     gloo_reduce_scatter: GlooReduceScatter
     host_copies: HostCopies
+    agrees_on_usage: bool
 
     def __post_init__(self) -> None:
         for need in ("zero_copy", "compresses"):
@@ -172,6 +176,7 @@ RAGGEDFSDP = System(
         to_host_replicated=Stream.ALL_REDUCE,
         staging=Staging.POOLED_CAST,
     ),
+    agrees_on_usage=True,
 )
 """raggedfsdp as its runtime runs by default (``DBufferConfig(zero_copy=True)``)."""
 
@@ -192,6 +197,7 @@ FSDP2 = System(
         to_host_replicated=Stream.ALL_REDUCE,
         staging=Staging.PREFETCHED_SHARDS,
     ),
+    agrees_on_usage=False,
 )
 """PyTorch FSDP2 (``fully_shard`` on each block, then the root) with its defaults."""
 
