@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launches import ENV, cli_command, free_port, ok, run_cli
+from launches import ENV, cli_command, descendants, free_port, kill_tree, ok, run_cli
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import COMPLETE, KEY_ENV, checkpoint_files, verify_checkpoint
 
@@ -270,6 +271,70 @@ def test_a_launcher_hosts_the_store_of_an_ip_endpoint_there_alone():
         assert _connects("127.0.0.1", port) and not _connects("127.0.0.2", port)
     finally:
         handler.shutdown()
+
+
+def _listening() -> dict[int, tuple[str, int]]:
+    """Every listening TCP socket of this machine: ``inode -> (address, port)``."""
+    found = {}
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            address, port = fields[1].split(":")
+            packed = bytes.fromhex(address)
+            # /proc writes each 32-bit word of the address in host (little-endian) order.
+            words = [packed[i : i + 4][::-1] for i in range(0, len(packed), 4)]
+            family = socket.AF_INET if width == 8 else socket.AF_INET6
+            found[int(fields[9])] = (socket.inet_ntop(family, b"".join(words)), int(port, 16))
+    return found
+
+
+def _listeners_of(pids: list[int]) -> set[tuple[str, int]]:
+    """The ``(address, port)`` each of ``pids`` listens on now."""
+    listening, out = _listening(), set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}").glob("fd/*"):
+            try:
+                target = os.readlink(fd)
+            except OSError:  # closed meanwhile
+                continue
+            if target.startswith("socket:["):
+                inode = int(target[len("socket:[") : -1])
+                if inode in listening:
+                    out.add(listening[inode])
+    return out
+
+
+def _listeners_of_a_run(command: list[str], out: Path) -> set[tuple[str, int]]:
+    """Every address the processes of ``command`` (a one-node job of two workers) listened on
+    while it ran, sampled until it ended."""
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
+    seen: set[tuple[str, int]] = set()
+    try:
+        while proc.poll() is None:
+            seen |= _listeners_of([proc.pid, *descendants(proc.pid)])
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 0, log.read_text()
+    return seen
+
+
+def test_a_one_node_job_listens_on_loopback_alone(tmp_path, corpus):
+    """Every store of a one-node ``raggedfsdp train`` (the rendezvous store, the workers' store)
+    and the workers' Gloo listen on 127.0.0.1 alone. Negative control: the same workers under
+    torchrun's own ``--standalone`` listen on every address."""
+    train = [*COMMON, "--steps=6", f"--data={corpus}", "--nproc=2"]
+    ours_out = tmp_path / "ours"
+    ours = _listeners_of_a_run(cli_command("train", *train, f"--out={ours_out}"), ours_out)
+    assert len(ours) >= 3, ours  # the workers' store and each worker's Gloo, at least
+    assert {address for address, _ in ours} == {"127.0.0.1"}, ours
+    worker = [a for a in train if not a.startswith("--nproc")] + [f"--out={tmp_path / 'torch'}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    theirs = _listeners_of_a_run([*torchrun, "-m", "raggedfsdp.train", *worker], tmp_path / "torch")
+    assert {address for address, _ in theirs} & {"0.0.0.0", "::"}, theirs
 
 
 def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):

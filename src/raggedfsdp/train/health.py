@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import _lifeline
 from ..tensor import local_piece
+from .stores import hosted_store, is_ip_address, listening_socket
 
 __all__ = [
     "WATCHDOG_EXIT_CODE",
@@ -111,7 +112,12 @@ def attempt_store(timeout: timedelta) -> tuple[dist.Store, str]:
             "for every torchrun agent (c10d rendezvous), or launch with `raggedfsdp train`, "
             "which does"
         )
-    store = dist.TCPStore(addr, port, world, is_master=rank == 0 and not shared, timeout=timeout)
+    hosts = rank == 0 and not shared
+    if hosts and is_ip_address(addr):  # on that address alone (stores.py)
+        sock = listening_socket(addr, port)
+        store = hosted_store(addr, sock, timeout, world_size=world, wait_for_workers=True)
+    else:
+        store = dist.TCPStore(addr, port, world, is_master=hosts, timeout=timeout)
     if not shared:
         return dist.PrefixStore("raggedfsdp/", store), f"{addr}:{port}"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # one agent: its own count

@@ -170,7 +170,14 @@ def torchrun_argv(options: LaunchOptions, worker_argv: list[str], *, cfg: TrainC
             raise ValueError(
                 "--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the same on every node)"
             )
-        argv.append("--standalone")
+        # torchrun's --standalone, but on loopback alone: the rendezvous store (the backend's,
+        # at a free port) and, through --local-addr, the workers' (MASTER_ADDR, stores.py).
+        argv += [
+            f"--rdzv-backend={BACKEND}",
+            "--rdzv-endpoint=127.0.0.1:0",
+            f"--rdzv-id={secrets.token_hex(8)}",
+            "--local-addr=127.0.0.1",
+        ]
     elif high > 1 and not options.rdzv_id:
         raise ValueError(
             "--nnodes above 1 needs --rdzv-id ID, the same on every node and unique to this job "

@@ -5,7 +5,7 @@ in its own process, so losing that node loses the rendezvous. Run on a machine t
 training node, with every node's ``--rdzv-endpoint`` pointed at it, any training node may be lost
 and replaced; one store serves several jobs, each with its own ``--rdzv-id``. What reaching the
 store can do, and how this module narrows it: [Note: the rendezvous store is not a trust boundary]
-at :func:`listening_socket`.
+at :func:`rendezvous_store`.
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ import contextlib
 import datetime
 import errno
 import io
-import ipaddress
 import pickle
 import signal
-import socket
 import threading
 from collections.abc import Iterator
 from typing import Any
+
+from .stores import hosted_store, is_ip_address, listening_socket
 
 __all__ = [
     "BACKEND",
     "DEFAULT_PORT",
     "STATE_TYPES",
     "check_state",
-    "listening_socket",
     "register_backend",
     "rendezvous_store",
 ]
@@ -68,46 +67,10 @@ STATE_TYPES = frozenset(
 #   the job (join it, close it): that is what a private network is for.
 # - A job's id defaults to a random one on one node; several nodes must name theirs (``--rdzv-id``):
 #   a guessable default would let unrelated jobs, or a stranger, share its key.
-#
-# The workers' own store (the process group's, and :func:`~.health.attempt_store`) is torch's: on
-# every address, at a free port, holding no pickles.
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to ``host`` (an address of this machine, or a name of one) and
-    ``port``, listening: what a store is handed to listen there alone. ``OSError`` when it
-    cannot (``EADDRINUSE``: taken; ``EADDRNOTAVAIL``: not an address of this machine)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store's own server
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _hosted_store(host: str, sock: socket.socket, timeout: datetime.timedelta) -> Any:
-    """A TCP store served on the listening ``sock`` (which it then owns)."""
-    from torch.distributed import TCPStore
-
-    port = sock.getsockname()[1]
-    try:
-        return TCPStore(
-            host,
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            multi_tenant=True,
-            timeout=timeout,
-            master_listen_fd=sock.fileno(),
-        )
-    finally:
-        sock.detach()  # the store's server listens on it now; never closed under it
-
-
+# - A one-node job (no ``--rdzv-endpoint``) meets on 127.0.0.1 alone: its rendezvous store, and
+#   through torchrun's ``--local-addr`` the workers' store (:func:`~.health.attempt_store`, bound
+#   to ``MASTER_ADDR`` when that is an address) and their Gloo connections. On several nodes the
+#   workers' store listens on every address of node 0, at a free port, holding no pickles.
 @contextlib.contextmanager
 def rendezvous_store(port: int, host: str | None = None) -> Iterator[threading.Event]:
     """Host the store on ``port`` while the block runs: on ``host`` alone (an address or name
@@ -123,7 +86,7 @@ def rendezvous_store(port: int, host: str | None = None) -> Iterator[threading.E
     timeout = datetime.timedelta(seconds=30)
     try:
         if host is not None:
-            store = _hosted_store(host, listening_socket(host, port), timeout)
+            store = hosted_store(host, listening_socket(host, port), timeout, multi_tenant=True)
         else:
             # The server listens on every address; the process's own client connects to
             # loopback.
@@ -204,13 +167,11 @@ def _job_store(params: Any) -> Any:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:  # a name
+    if not is_ip_address(host):
         return create_backend(params)[1]
     timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60))
     try:
-        return _hosted_store(host, listening_socket(host, port), timeout)
+        return hosted_store(host, listening_socket(host, port), timeout, multi_tenant=True)
     except OSError as err:
         if err.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
             raise
