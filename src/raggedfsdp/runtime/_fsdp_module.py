@@ -207,6 +207,15 @@ class FSDPModule(TorchFSDPModule):
         for state in self._states(recurse):
             state.group.knobs.requires_all_reduce = requires_all_reduce
 
+    def set_static_graph(self, static_graph: bool = True) -> None:
+        """Declare (``True``) that every data-parallel rank runs the same units and uses the same
+        parameters in every step, as DDP's ``static_graph``: the start of each backward then
+        skips its agreement with the other ranks (one small all-reduce; docs/runtime.md, "Ranks
+        whose graphs differ"). Wrong where ranks' graphs differ: collectives mismatch (hang or
+        abort). Set on the root (recursive)."""
+        for state in self._states(recurse=True):
+            state.group.knobs.static_graph = static_graph
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Gather this unit's parameters for its backward (``True``, the default), or not
         (``False``): for units whose backward needs no parameter values, such as an embedding

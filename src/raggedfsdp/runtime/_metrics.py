@@ -88,9 +88,13 @@ class RuntimeStats:
     reduce_scatter_uncompressed_bytes: int = 0
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
-    #: the end of backward's all-reduces of which parameters any rank used (``_usage.py``): a
-    #: few bytes per parameter, not counted in the bytes above
+    #: the start of backward's all-reduces of what each rank's backward runs and uses
+    #: (``_usage.py``): a few bytes per unit and parameter, not counted in the bytes above
     usage_all_reduces: int = 0
+    #: units whose forward (backward) this rank skipped while another ran it, whose collectives
+    #: it did without compute ([Note: ranks whose graphs differ] in ``_sequence.py``)
+    forward_catch_ups: int = 0
+    backward_catch_ups: int = 0
     #: seconds the compute was blocked on collectives (exposed communication): on the CPU the
     #: thread in ``Work.wait()``, on an accelerator its compute stream ([Note: timing waits on
     #: an accelerator])
