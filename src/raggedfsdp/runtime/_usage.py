@@ -1,5 +1,6 @@
-"""What each rank's backward runs and uses, agreed at its start by one small all-reduce: which
-units any rank's backward runs (for ranks whose graphs differ: ``_sequence.py``) and which
+"""What each rank's backward runs and uses, agreed at its start by one small all-reduce.
+
+Which units any rank's backward runs (for ranks whose graphs differ: ``_sequence.py``) and which
 parameters any rank used, so that one no rank used keeps ``.grad`` ``None`` as in one process
 (torch's optimizers then skip it rather than decay it).
 """
