@@ -135,15 +135,24 @@ def _place_experts(block: Block, ep_mesh: DeviceMesh, placement: Shard | None = 
     block.moe.ep_group = ep_mesh.get_group()
 
 
-def _parallelize(impl: str, model: Net, meshes: tuple[Any, Any], divide: bool = True) -> Net:
+def _parallelize(
+    impl: str,
+    model: Net,
+    meshes: tuple[Any, Any],
+    divide: bool = True,
+    expert_dim: int = 0,
+) -> Net:
     """Expert parallelism over mesh["ep"], then FSDP: the experts over mesh["dp"], the rest over
     dp and ep flattened (``dense``). ``divide``: the experts' gradients divided by every data
     rank, as torchtitan sets it for FSDP2 (FSDP2 divides by the experts' own mesh otherwise;
-    raggedfsdp divides by all the data-parallel ranks either way)."""
+    raggedfsdp divides by all the data-parallel ranks either way). ``expert_dim``: the experts
+    sharded over dp along that dim by ``shard_placement_fn`` (torchtitan's ``Shard(1)`` when the
+    FSDP degree exceeds the experts), 0 the default."""
     mesh, dense = meshes
+    placement_fn = (lambda p: Shard(expert_dim)) if expert_dim else None
     for block in model.blocks:
         _place_experts(block, mesh["ep"])
-        experts = IMPLS[impl](block.moe.experts, mesh=mesh["dp"])
+        experts = IMPLS[impl](block.moe.experts, mesh=mesh["dp"], shard_placement_fn=placement_fn)
         if divide:
             experts.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM
             experts.set_gradient_divide_factor(float(mesh.size()))
@@ -228,6 +237,7 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
         out[f"{impl}_full_mesh"] = _train(spmd, data_rank, mesh=mesh)
         weights = (spmd.blocks[0].moe.experts.w1, spmd.blocks[0].moe.router.weight)
         out[f"{impl}_full_mesh"]["dims"] = [w.device_mesh.mesh_dim_names for w in weights]
+    out["shard_1"] = _shard_1(base, meshes, data_rank, path)
     default = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
     out["rf_default_divide"] = _train(default, data_rank)
     clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
@@ -235,6 +245,25 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     out["checkpoints"] = _checkpoints(base, meshes, models, data_rank, path)
     out["muon"] = _muon(base, meshes)
     out["errors"] = _errors(base, meshes)
+    return out
+
+
+def _shard_1(base: Net, meshes: tuple[Any, Any], data_rank: int, path: str) -> dict[str, Any]:
+    """torchtitan's experts ``Shard(1)`` over dp (beside ``Shard(0)`` over ep), with each
+    implementation: trained, placed, and each one's DCP checkpoint loaded into the other."""
+    out: dict[str, Any] = {}
+    models = {}
+    for impl in IMPLS:
+        models[impl] = _parallelize(impl, copy.deepcopy(base), meshes, expert_dim=1)
+        out[impl] = _train(models[impl], data_rank)
+        out[impl]["placements"] = _placements(models[impl])
+    torch.manual_seed(9)  # other values, which the loads must replace
+    other = Net()
+    for saver, loader in (("rf", "fsdp2"), ("fsdp2", "rf")):
+        saved = os.path.join(path, f"shard_1_{saver}")
+        dcp.save(models[saver].state_dict(), checkpoint_id=saved)
+        into = _parallelize(loader, copy.deepcopy(other), meshes, expert_dim=1)
+        out[f"{saver}_into_{loader}"] = _load(into, saved)
     return out
 
 
@@ -382,6 +411,25 @@ def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):
     # dp pairs (0, 2) and (1, 3) split the experts their ep rank holds
     pieces = [rank["rf"]["placements"]["expert_local_numel"] for rank in grid]
     assert pieces[0] + pieces[2] == pieces[1] + pieces[3] == EXPERTS // EP * DIM * HIDDEN
+
+
+def test_experts_sharded_on_dim_1_as_torchtitan_asks(grid):
+    """``Shard(1)`` over dp from shard_placement_fn (torchtitan's, when the FSDP degree exceeds
+    the experts): one process's gradients and steps, FSDP2's placements and local pieces (the
+    control: the default run's experts are ragged, ``RS``), and DCP checkpoints moving both
+    ways between raggedfsdp and FSDP2 in that layout."""
+    for rank in grid:
+        ours, theirs = rank["shard_1"]["rf"], rank["shard_1"]["fsdp2"]
+        for result in (ours, theirs):
+            assert_close_dicts(result["grads"], rank["reference"]["grads"])
+            assert_close_dicts(result["trained"], rank["reference"]["trained"])
+        assert ours["placements"]["expert"] == (("dp", "ep"), [str(Shard(1)), str(Shard(0))])
+        assert ours["placements"]["expert"] == theirs["placements"]["expert"]
+        assert ours["placements"]["expert_local_numel"] == EXPERTS // EP * DIM * HIDDEN // DP
+        assert ours["placements"]["forward_sees"] == theirs["placements"]["forward_sees"]
+        assert rank["rf"]["placements"]["expert"][1][0] == "RS"
+        assert_close_dicts(rank["shard_1"]["rf_into_fsdp2"], ours["trained"])
+        assert_close_dicts(rank["shard_1"]["fsdp2_into_rf"], theirs["trained"])
 
 
 def test_clip_reduces_the_norm_over_both_meshes(grid):

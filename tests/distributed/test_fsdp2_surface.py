@@ -5,6 +5,7 @@ rank, before any collective. One Gloo launch of 2 ranks; the tests judge its col
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.distributed.tensor import Shard
 
 import raggedfsdp as rf
 from harness import run_distributed
-from parity_models import DIM, OddModel, make_batches
+from parity_models import DIM, OddModel, make_batches, train_reference
 
 WORLD = 2
 
@@ -108,7 +109,7 @@ def _fresh(cls: type = OddModel) -> nn.Module:
 def _message(call: Callable[[], Any]) -> str:
     try:
         call()
-    except (ValueError, TypeError, NotImplementedError) as error:
+    except (ValueError, TypeError, NotImplementedError, AssertionError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -149,7 +150,11 @@ def _equivalences(rank: int) -> dict[str, Any]:
         )
         res["no_offload"] = _train(_shard(impl, _fresh(), offload_policy=OffloadPolicy()), rank)
         placement = _shard(impl, _fresh(), shard_placement_fn=lambda p: Shard(0))
+        res["placed_dim_0"] = _placements(placement)
         res["placement"] = _train(placement, rank)
+        last = _shard(impl, _fresh(), shard_placement_fn=_last_dim)
+        res["placed_last_dim"] = _placements(last)
+        res["shard_last_dim"] = _train(last, rank)
         model = _shard(impl, _fresh())
         blocks = list(model.blocks)
         blocks[0].set_modules_to_forward_prefetch([blocks[1]])
@@ -176,6 +181,48 @@ def _equivalences(rank: int) -> dict[str, Any]:
     return out
 
 
+def _last_dim(param: nn.Parameter) -> Shard:
+    """``Shard(-1)`` for every parameter: FSDP2's even split along the last dim of the
+    matrices (each divisible by WORLD here), the ragged default for the vectors."""
+    return Shard(-1)
+
+
+def _placements(model: nn.Module) -> list[tuple[str, tuple[Any, ...], tuple[int, ...]]]:
+    """Each sharded parameter's name, placements (a ragged one by its class name) and local
+    shape."""
+    out = []
+    for name, param in model.named_parameters():
+        placements = tuple(
+            p if isinstance(p, Shard) else type(p).__name__ for p in param.placements
+        )
+        out.append((name, placements, tuple(param.to_local().shape)))
+    return out
+
+
+def _one_process(rank: int) -> dict[str, Any]:
+    """FSDP2's even split along dims > 0 against one process on the global batch: OddModel
+    (``Shard(-1)``, which FSDP2 takes too), and one whose split FSDP2 refuses (uneven along
+    dim 1: sizes 5 and 7 over 2 ranks), which raggedfsdp splits as ``torch.chunk`` does."""
+    reference = train_reference(_fresh(), make_batches(2, 2 * WORLD))
+    out = {"reference": torch.cat([v.reshape(-1) for v in reference.values()])}
+    out["shard_last_dim"] = _train(_shard("rf", _fresh(), shard_placement_fn=_last_dim), rank)
+    torch.manual_seed(0)
+    uneven = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    one = copy.deepcopy(uneven)
+    rf.fully_shard(uneven, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    out["uneven_local_shapes"] = [tuple(uneven[i].weight.to_local().shape) for i in (0, 2)]
+    x = torch.randn(2 * WORLD, 5, generator=torch.Generator().manual_seed(1))
+    for model, batch in ((uneven, x[rank * 2 : rank * 2 + 2]), (one, x)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out["uneven"] = [p.full_tensor() for p in uneven.parameters()]
+    out["uneven_reference"] = [p.detach() for p in one.parameters()]
+    return out
+
+
 def _errors(rank: int) -> dict[str, str]:
     """The message of every call that has no meaning for ragged shards."""
     model = _shard("rf", _fresh())
@@ -183,7 +230,10 @@ def _errors(rank: int) -> dict[str, str]:
     calls: dict[str, Callable[[], Any]] = {
         "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2),
         "set_raf_int": lambda: block.set_reshard_after_forward(2),
-        "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)),
+        "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
+        "placement_torch": lambda: torch_fully_shard(
+            nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
+        ),
         "module_list": lambda: rf.fully_shard(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
@@ -219,7 +269,7 @@ def _errors(rank: int) -> dict[str, str]:
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {"same": _equivalences(rank), "errors": _errors(rank)}
+    return {"same": _equivalences(rank), "errors": _errors(rank), "one": _one_process(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +283,7 @@ CASES = (
     "offload",
     "no_offload",
     "placement",
+    "shard_last_dim",
     "prefetch",
     "ignored",
     "accumulate",
@@ -303,10 +354,51 @@ def test_output_dtype_score_unshard_and_ignored_params_as_fsdp2(results):
         assert ours["ignored_shape"] == theirs["ignored_shape"] == (1, DIM)
 
 
+def test_shard_last_dim_is_placed_as_fsdp2(results):
+    """``Shard(-1)`` from shard_placement_fn: every parameter placed and split as FSDP2 places
+    it (``Shard(1)`` with FSDP2's local shapes for the matrices); the vectors keep raggedfsdp's
+    ragged placement where FSDP2 has ``Shard(0)``. The control: without the function the
+    matrices are ragged too, so the equal numbers above are not the default's."""
+    for rank in results:
+        ours, theirs = (
+            rank["same"]["rf"]["placed_last_dim"],
+            rank["same"]["torch"]["placed_last_dim"],
+        )
+        assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
+        matrices = 0
+        for (name, placed, shape), (_, fsdp2_placed, fsdp2_shape) in zip(ours, theirs, strict=True):
+            if fsdp2_placed == (Shard(1),):
+                matrices += 1
+                assert (placed, shape) == (fsdp2_placed, fsdp2_shape), name
+            else:
+                assert placed == ("RaggedShardPlacement",), name
+        assert matrices == 7  # emb (tied with head), tiny, fc1 and fc2 of each block, frozen
+        default = rank["same"]["rf"]["placed_dim_0"]
+        assert {placed for _, placed, _ in default} == {("RaggedShardPlacement",)}
+
+
+def test_shard_dims_above_zero_match_one_process(results):
+    """FSDP2's split along dims > 0 against one process on the global batch: ``Shard(-1)`` on
+    OddModel, and an uneven split FSDP2 refuses (``NotImplementedError``) that raggedfsdp
+    makes as ``torch.chunk`` does (columns 3 + 2 and 4 + 3 on ranks 0 and 1)."""
+    for r, rank in enumerate(results):
+        one = rank["one"]
+        torch.testing.assert_close(one["shard_last_dim"], one["reference"])
+        assert one["uneven_local_shapes"] == [(7, (3, 2)[r]), (3, (4, 3)[r])]
+        for got, want in zip(one["uneven"], one["uneven_reference"], strict=True):
+            torch.testing.assert_close(got, want)
+
+
+def test_a_shard_dim_the_parameter_lacks_is_refused_as_fsdp2_does(results):
+    for rank in results:
+        errors = rank["errors"]
+        assert errors["placement"].split(":")[0] == errors["placement_torch"].split(":")[0]
+
+
 EXPECTED = {
     "raf_int": ("ValueError", "reshard_after_forward=2", "True, False or None"),
     "set_raf_int": ("ValueError", "reshard_after_forward=2", "2-D mesh"),
-    "placement": ("ValueError", "Shard(dim=1)", "shard_policy=rf.RaggedShard"),
+    "placement": ("AssertionError", "Shard(dim=2)", "no dim 2"),
     "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),

@@ -8,13 +8,14 @@ parameters and of their reductions in flight; the hooks only decide *when* to ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
+from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
 from ._adopt import adopt
 from ._collectives import Pending, all_gather
 from ._comm import (
@@ -117,17 +118,32 @@ class FSDPParamGroup:
     ) -> list[DBuffer]:
         """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
         same function ``plan_model`` uses, named below the unit's module), each planned and
-        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``)."""
+        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``);
+        then one bucket for each parameter whose form plans its own (``own_bucket``), named
+        ``<root>/<dtype>[/frozen]/<its name>``."""
         by_name = {r.fqn: r for r in registrations}
-        buckets = unit_buckets(
-            "",
-            [(r.fqn, r.local) for r in registrations],
-            param_dtype=self.mp_policy.param_dtype,
-            buffer_size=self.config.buffer_size,
-        )
+        world = self.mesh_info.shard_size
+
+        def buckets_of(members: list[Registration]) -> list[Bucket]:
+            return unit_buckets(
+                "",
+                [(r.fqn, r.local) for r in members],
+                param_dtype=self.mp_policy.param_dtype,
+                buffer_size=self.config.buffer_size,
+            )
+
+        planned = [
+            (bucket, planner.plan_bucket(bucket, world))
+            for bucket in buckets_of([r for r in registrations if not r.placement.own_bucket])
+        ]
+        for registration in registrations:
+            if registration.placement.own_bucket:
+                (bucket,) = buckets_of([registration])
+                named = f"{bucket.name.rsplit('/', 1)[0]}/{registration.fqn}"
+                bucket = dataclasses.replace(bucket, name=named)
+                planned.append((bucket, registration.placement.plan(bucket, world)))
         out = []
-        for bucket in buckets:
-            plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
+        for bucket, plan in planned:
             gather, reduce = self._comm.choose(bucket, plan, self.device, self.offload)
             out.append(
                 DBuffer(

@@ -35,7 +35,7 @@ from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
 from ._param_group import FSDPParamGroup
-from ._param_placement import FullMesh, ParamPlacement, split_placement
+from ._param_placement import DimShard, FullMesh, ParamPlacement, Plain, SubMesh, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
@@ -177,14 +177,16 @@ def _check_reduce_dtype(
     )
 
 
-def _check_placements(
+def _requested_dims(
     registrations: list[Registration],
     placement_fn: Callable[[nn.Parameter], Placement | None] | None,
-) -> None:
-    """``shard_placement_fn`` may only ask for what ragged shards are: dim 0, row-major (also
-    written ``Shard(-1)`` for a 1-D parameter)."""
+) -> dict[str, int]:
+    """``fqn -> dim`` for each parameter ``shard_placement_fn`` asks ``Shard(dim)`` for, ``dim``
+    made non-negative as FSDP2 does (``Shard(-1)``: the last); ``Shard(0)`` and ``None`` are the
+    ragged default and left out. Refused as FSDP2 refuses them: a dim the parameter lacks."""
     if placement_fn is None:
-        return
+        return {}
+    dims = {}
     for registration in registrations:
         placement = placement_fn(registration.param)
         if hasattr(placement, "mesh_info"):  # FSDP2's ShardPlacementResult: a mesh of its own
@@ -194,15 +196,23 @@ def _check_placements(
                 f"unit shards over one mesh; make the experts a unit first, "
                 f"fully_shard(experts, mesh=<their mesh>), then shard the block around them"
             )
-        ndim = max(registration.param.dim(), 1)
-        dim_0 = isinstance(placement, Shard) and placement.dim % ndim == 0
-        if placement is not None and not dim_0:
+        if placement is None:
+            continue
+        if not isinstance(placement, Shard):
             raise ValueError(
-                f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} "
-                f"of shape {list(registration.param.shape)}: raggedfsdp shards every parameter "
-                f"as runs of whole units in row-major order (Shard(0)); choose the units with "
-                f"shard_policy=rf.RaggedShard(block_size=...) instead"
+                f"shard_placement_fn must return a Shard placement or None, got {placement!r} "
+                f"for parameter {registration.fqn!r}"
             )
+        ndim = max(registration.param.dim(), 1)
+        if not -ndim <= placement.dim < ndim:
+            # AssertionError, as FSDP2 raises it (its callers' tests expect the type)
+            raise AssertionError(
+                f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} of "
+                f"shape {list(registration.param.shape)}: it has no dim {placement.dim}"
+            )
+        if placement.dim % ndim:
+            dims[registration.fqn] = placement.dim % ndim
+    return dims
 
 
 # Set on an original parameter once a unit has sharded it: another unit that still finds it (a
@@ -254,20 +264,30 @@ def _unit_mesh(
     dp_mesh_dims: object | None,
     device: torch.device,
     policy: RaggedShard,
+    dims: dict[str, int],
 ) -> tuple[list[Registration], MeshInfo]:
     """The mesh the unit shards over, and ``registrations`` with how each parameter is split
-    over its other (tensor- or expert-parallel) dims, each checked against the shard policy's
-    units; under ``dp_mesh_dims`` with its place on the whole mesh too, every parameter checked
+    over its other (tensor- or expert-parallel) dims and, where ``dims`` names it, along which
+    dim it is sharded (FSDP2's ``Shard(dim)``), each checked against the shard policy's units;
+    under ``dp_mesh_dims`` with its place on the whole mesh too, every parameter checked
     before the data-parallel dims are flattened (which makes process groups)."""
     if dp_mesh_dims is None:
         info = mesh_info(mesh, device)
-        placed = [
-            _placed(r, split_placement(parallel_spec(r.fqn, r.param, info.mesh)))
-            for r in registrations
-        ]
+        placed = []
+        for r in registrations:
+            placement: ParamPlacement = split_placement(parallel_spec(r.fqn, r.param, info.mesh))
+            if r.fqn in dims:
+                placement = _dim_shard(r, dims[r.fqn], placement, info, policy)
+            placed.append(_placed(r, placement))
         for registration in placed:
             _check_parallel_cuts(registration, policy)
         return placed, info
+    if dims:
+        unsupported(
+            f"shard_placement_fn asking Shard(dim > 0) for {sorted(dims)} with dp_mesh_dims",
+            "the full-SPMD-mesh form shards every parameter on dim 0; leave it to the "
+            "default (None or Shard(0))",
+        )
     spmd = spmd_mesh(mesh, dp_mesh_dims)
     placed = []
     for registration in registrations:
@@ -276,6 +296,30 @@ def _unit_mesh(
     for registration in placed:  # before flattening the data-parallel dims makes groups
         _check_parallel_cuts(registration, policy)
     return placed, mesh_info(spmd.data_parallel_mesh(), device)
+
+
+def _dim_shard(
+    registration: Registration,
+    dim: int,
+    inner: Plain | SubMesh,
+    info: MeshInfo,
+    policy: RaggedShard,
+) -> DimShard:
+    """FSDP2's ``Shard(dim)`` for one parameter, its even split checked against the shard
+    policy's blocks, as a tensor-parallel split is (:mod:`raggedfsdp.facts.cuts`)."""
+    local = inner.local(registration.param)
+    split = inner.split
+    if split is not None and any(
+        isinstance(p, Shard) and p.dim % local.dim() == dim for p in split.placements
+    ):
+        unsupported(
+            f"Shard({dim}) from shard_placement_fn for parameter {registration.fqn!r}, which "
+            f"tensor or expert parallelism splits along dim {dim} already",
+            "shard it along another dim, or leave it to the default (Shard(0))",
+        )
+    by = f"Shard({dim}) (shard_placement_fn) over {info.shard_size} ranks"
+    check_cut(registration.fqn, tuple(local.shape), dim, info.shard_size, policy, by=by)
+    return DimShard(dim, inner)
 
 
 def _placed(registration: Registration, placement: ParamPlacement) -> Registration:
@@ -350,11 +394,13 @@ def fully_shard(
     (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded parameters after
     forward (``None``: yes, but not the root's); the unit that runs forward last keeps them into
     backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate, shard: HSDP);
-    ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
-    ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
-    units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer
-    state live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
+    ``None`` shards over the whole default group. ``shard_placement_fn`` returns ``None`` or
+    ``Shard(0)`` for the ragged shards (runs of whole units in row-major order, the units chosen
+    with ``shard_policy``), or ``Shard(dim)`` (``dim > 0`` or negative) for FSDP2's even split along
+    ``dim``: that parameter is a bucket of its own and a DTensor placed ``Shard(dim)``.
+    ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU (unless
+    ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer state
+    live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
     unmanaged, as in FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by
     blocks (:class:`CommCompression`; a ``planner`` given too must carry the same one,
     ``mp_policy.reduce_dtype`` None or fp32 under a compressed reduce-scatter). With
@@ -363,10 +409,16 @@ def fully_shard(
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     registrations = _registrations(modules, ignored_params or set())
-    _check_placements(registrations, shard_placement_fn)
+    dims = _requested_dims(registrations, shard_placement_fn)
+    if dims and planner.compression is not None and planner.compression.enabled:
+        unsupported(
+            f"shard_placement_fn asking Shard(dim > 0) for {sorted(dims)} with compression",
+            "the quantization blocks follow the parameter's rows; leave the placement to the "
+            "default (None or Shard(0)) or drop the compression",
+        )
     device = device_for([r.param for r in registrations], mesh)
     registrations, info = _unit_mesh(
-        registrations, mesh, dp_mesh_dims, device, planner.shard_policy
+        registrations, mesh, dp_mesh_dims, device, planner.shard_policy, dims
     )
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
