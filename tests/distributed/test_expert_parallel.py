@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import raggedfsdp as rf
@@ -39,6 +40,14 @@ try:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
 except ImportError:  # an older torch: raggedfsdp's full-mesh form alone against the reference
     TorchDims = None
+
+try:  # FSDP2's per-parameter meshes (newer than torch 2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # the same two fields, as torchtitan's workaround for older torches has it
+
+    class ShardPlacementResult(NamedTuple):  # type: ignore[no-redef]
+        placement: Shard
+        mesh_info: FSDPMeshInfo
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -161,6 +170,28 @@ def _parallelize(
     return model
 
 
+def _per_parameter_meshes(model: Net, meshes: tuple[Any, Any], expert_dim: int = 0) -> Net:
+    """torchtitan's ``apply_fsdp`` with expert parallelism, on raggedfsdp: one ``fully_shard``
+    per block over the dense mesh, whose ``shard_placement_fn`` gives the experts'
+    weights ``ShardPlacementResult(Shard(expert_dim), <mesh["dp"]'s FSDPMeshInfo>)`` and every
+    other parameter ``ShardPlacementResult(Shard(0), <the dense mesh's>)``."""
+    mesh, dense = meshes
+    experts_info = FSDPMeshInfo(mesh=mesh["dp"], shard_mesh_dim=0)
+    dense_info = FSDPMeshInfo(mesh=dense, shard_mesh_dim=0)
+    for block in model.blocks:
+        _place_experts(block, mesh["ep"])
+        experts = set(block.moe.experts.parameters())
+
+        def placement_fn(param: nn.Parameter, experts: set = experts) -> ShardPlacementResult:
+            if param in experts:
+                return ShardPlacementResult(placement=Shard(expert_dim), mesh_info=experts_info)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=dense_info)
+
+        rf.fully_shard(block, mesh=dense, shard_placement_fn=placement_fn)
+    rf.fully_shard(model, mesh=dense)
+    return model
+
+
 def _full_mesh(impl: str, model: Net, mesh: DeviceMesh) -> Net:
     """FSDP2's full-mesh form of the same layout: every parameter a DTensor on the whole (dp, ep)
     mesh (experts ``Shard(0)`` over ep, the rest replicated), the experts sharded over dp
@@ -238,6 +269,7 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
         weights = (spmd.blocks[0].moe.experts.w1, spmd.blocks[0].moe.router.weight)
         out[f"{impl}_full_mesh"]["dims"] = [w.device_mesh.mesh_dim_names for w in weights]
     out["shard_1"] = _shard_1(base, meshes, data_rank, path)
+    out["per_parameter"] = _per_parameter(base, meshes, data_rank, path, models["fsdp2"])
     default = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
     out["rf_default_divide"] = _train(default, data_rank)
     clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
@@ -264,6 +296,31 @@ def _shard_1(base: Net, meshes: tuple[Any, Any], data_rank: int, path: str) -> d
         dcp.save(models[saver].state_dict(), checkpoint_id=saved)
         into = _parallelize(loader, copy.deepcopy(other), meshes, expert_dim=1)
         out[f"{saver}_into_{loader}"] = _load(into, saved)
+    return out
+
+
+def _per_parameter(
+    base: Net, meshes: tuple[Any, Any], data_rank: int, path: str, fsdp2: Net
+) -> dict[str, Any]:
+    """torchtitan's per-parameter meshes on raggedfsdp (experts ``Shard(0)`` and ``Shard(1)``
+    over dp): trained and placed; its checkpoint loaded into FSDP2 (the experts a unit of their
+    own over dp, the same layout), and FSDP2's trained ``fsdp2`` loaded into it."""
+    out: dict[str, Any] = {}
+    for dim in (0, 1):
+        model = _per_parameter_meshes(copy.deepcopy(base), meshes, expert_dim=dim)
+        out[dim] = _train(model, data_rank)
+        out[dim]["placements"] = _placements(model)
+    torch.manual_seed(9)  # other values, which the loads must replace
+    other = Net()
+    saved = os.path.join(path, "per_parameter")
+    dcp.save(model.state_dict(), checkpoint_id=saved)
+    into = _parallelize("fsdp2", copy.deepcopy(other), meshes, expert_dim=1)
+    out["into_fsdp2"] = _load(into, saved)
+    from_fsdp2 = os.path.join(path, "per_parameter_fsdp2")
+    dcp.save(fsdp2.state_dict(), checkpoint_id=from_fsdp2)
+    out["fsdp2_saved"] = full_state(fsdp2)
+    into = _per_parameter_meshes(copy.deepcopy(other), meshes)
+    out["from_fsdp2"] = _load(into, from_fsdp2)
     return out
 
 
@@ -430,6 +487,23 @@ def test_experts_sharded_on_dim_1_as_torchtitan_asks(grid):
         assert rank["rf"]["placements"]["expert"][1][0] == "RS"
         assert_close_dicts(rank["shard_1"]["rf_into_fsdp2"], ours["trained"])
         assert_close_dicts(rank["shard_1"]["fsdp2_into_rf"], theirs["trained"])
+
+
+def test_per_parameter_meshes_as_torchtitan_gives_them(grid):
+    """One fully_shard per block, the experts on a mesh of their own through
+    ShardPlacementResult (torchtitan's apply_fsdp): one process's gradients and steps, the
+    placements FSDP2 gives (experts over dp and ep, ``Shard(0)`` ragged or ``Shard(1)``; the
+    rest over the flattened mesh), DCP checkpoints both ways with FSDP2."""
+    for rank in grid:
+        ours = rank["per_parameter"]
+        for dim in (0, 1):
+            assert_close_dicts(ours[dim]["grads"], rank["reference"]["grads"])
+            assert_close_dicts(ours[dim]["trained"], rank["reference"]["trained"])
+        assert ours[0]["placements"] == rank["rf"]["placements"]
+        assert ours[1]["placements"] == rank["shard_1"]["rf"]["placements"]
+        assert ours[1]["placements"]["expert"] == rank["shard_1"]["fsdp2"]["placements"]["expert"]
+        assert_close_dicts(ours["into_fsdp2"], ours[1]["trained"])
+        assert_close_dicts(ours["from_fsdp2"], ours["fsdp2_saved"])
 
 
 def test_clip_reduces_the_norm_over_both_meshes(grid):

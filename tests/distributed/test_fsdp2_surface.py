@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import Shard
 
 import raggedfsdp as rf
@@ -223,16 +224,38 @@ def _one_process(rank: int) -> dict[str, Any]:
     return out
 
 
+class _PlacementResult(NamedTuple):
+    """FSDP2's ``ShardPlacementResult`` (newer than torch 2.13): a placement and a mesh."""
+
+    placement: Shard
+    mesh_info: FSDPMeshInfo
+
+
+def _own_mesh(mesh: Any, shard_mesh_dim: int = 0) -> Callable[[nn.Parameter], Any]:
+    """A shard_placement_fn giving the matrices ``mesh`` (FSDP2's mesh info), the rest ``None``."""
+    info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=shard_mesh_dim)
+    return lambda p: _PlacementResult(Shard(0), info) if p.dim() == 2 else None
+
+
 def _errors(rank: int) -> dict[str, str]:
     """The message of every call that has no meaning for ragged shards."""
     model = _shard("rf", _fresh())
     block = model.blocks[0]
+    flat = init_device_mesh("cpu", (WORLD,))
+    other = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("other",))
+    square = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("a", "b"))
     calls: dict[str, Callable[[], Any]] = {
         "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2),
         "set_raf_int": lambda: block.set_reshard_after_forward(2),
         "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
         "placement_torch": lambda: torch_fully_shard(
             nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
+        ),
+        "own_mesh_beside_another": lambda: rf.fully_shard(
+            nn.Linear(4, 4), mesh=flat, shard_placement_fn=_own_mesh(other)
+        ),
+        "own_mesh_shard_dim": lambda: rf.fully_shard(
+            nn.Sequential(nn.Linear(4, 4)), mesh=flat, shard_placement_fn=_own_mesh(square)
         ),
         "module_list": lambda: rf.fully_shard(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
@@ -399,6 +422,12 @@ EXPECTED = {
     "raf_int": ("ValueError", "reshard_after_forward=2", "True, False or None"),
     "set_raf_int": ("ValueError", "reshard_after_forward=2", "2-D mesh"),
     "placement": ("AssertionError", "Shard(dim=2)", "no dim 2"),
+    "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
+    "own_mesh_shard_dim": (
+        "ValueError",
+        "'0.weight'",
+        "sharded on dim 0 and replicated on dim None",
+    ),
     "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),

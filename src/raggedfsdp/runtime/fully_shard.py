@@ -33,6 +33,7 @@ from ._fsdp_module import (
 from ._hooks import FSDPState, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
+from ._own_mesh import own_mesh_units, placement_of
 from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._param_placement import DimShard, FullMesh, ParamPlacement, Plain, SubMesh, split_placement
@@ -188,14 +189,8 @@ def _requested_dims(
         return {}
     dims = {}
     for registration in registrations:
-        placement = placement_fn(registration.param)
-        if hasattr(placement, "mesh_info"):  # FSDP2's ShardPlacementResult: a mesh of its own
-            raise ValueError(
-                f"shard_placement_fn gave parameter {registration.fqn!r} a mesh of its own "
-                f"(FSDP2's ShardPlacementResult, as torchtitan does for experts): a raggedfsdp "
-                f"unit shards over one mesh; make the experts a unit first, "
-                f"fully_shard(experts, mesh=<their mesh>), then shard the block around them"
-            )
+        # a ShardPlacementResult of the unit's own mesh here: the others made units of their own
+        placement = placement_of(placement_fn(registration.param))
         if placement is None:
             continue
         if not isinstance(placement, Shard):
@@ -397,7 +392,9 @@ def fully_shard(
     ``None`` shards over the whole default group. ``shard_placement_fn`` returns ``None`` or
     ``Shard(0)`` for the ragged shards (runs of whole units in row-major order, the units chosen
     with ``shard_policy``), or ``Shard(dim)`` (``dim > 0`` or negative) for FSDP2's even split along
-    ``dim``: that parameter is a bucket of its own and a DTensor placed ``Shard(dim)``.
+    ``dim``: that parameter is a bucket of its own and a DTensor placed ``Shard(dim)``; or FSDP2's
+    ``ShardPlacementResult(placement, mesh_info)``, whose modules on a mesh other than ``mesh``
+    become units of their own over it (torchtitan's experts, ``_own_mesh.py``).
     ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU (unless
     ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer state
     live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
@@ -408,6 +405,22 @@ def fully_shard(
     leading dims the data-parallel ones named, and every parameter a DTensor on it."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
+    if shard_placement_fn is not None:
+        # Parameters on meshes of their own (FSDP2's ShardPlacementResult): units of their own
+        # first, bottom-up, with this call's other arguments (_own_mesh.py).
+        unit_params = [(r.fqn, r.param) for r in _registrations(modules, ignored_params or set())]
+        for own in own_mesh_units(modules, unit_params, shard_placement_fn, mesh):
+            fully_shard(
+                own.modules if len(own.modules) > 1 else own.modules[0],
+                mesh=own.mesh,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=own.shard_placement_fn,
+                mp_policy=mp_policy,
+                offload_policy=offload_policy,
+                ignored_params=ignored_params,
+                planner=planner,
+                dbuffer_config=dbuffer_config,
+            )
     registrations = _registrations(modules, ignored_params or set())
     dims = _requested_dims(registrations, shard_placement_fn)
     if dims and planner.compression is not None and planner.compression.enabled:
