@@ -245,8 +245,9 @@ def _errors(rank: int) -> dict[str, str]:
     other = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("other",))
     square = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("a", "b"))
     calls: dict[str, Callable[[], Any]] = {
-        "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2),
-        "set_raf_int": lambda: block.set_reshard_after_forward(2),
+        "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=3),
+        "raf_type": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2.0),
+        "set_raf_int": lambda: block.set_reshard_after_forward(3),
         "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
         "placement_torch": lambda: torch_fully_shard(
             nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
@@ -412,15 +413,19 @@ def test_shard_dims_above_zero_match_one_process(results):
             torch.testing.assert_close(got, want)
 
 
-def test_a_shard_dim_the_parameter_lacks_is_refused_as_fsdp2_does(results):
+@pytest.mark.parametrize("case", ["placement"])
+def test_refused_with_fsdp2s_exception_type(results, case):
+    """A shard dim the parameter lacks (AssertionError)."""
     for rank in results:
         errors = rank["errors"]
-        assert errors["placement"].split(":")[0] == errors["placement_torch"].split(":")[0]
+        assert errors[case].split(":")[0] == errors[f"{case}_torch"].split(":")[0]
+        assert errors[case].startswith("AssertionError")
 
 
 EXPECTED = {
-    "raf_int": ("ValueError", "reshard_after_forward=2", "True, False or None"),
-    "set_raf_int": ("ValueError", "reshard_after_forward=2", "2-D mesh"),
+    "raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
+    "raf_type": ("ValueError", "a bool or an int", "not 2.0"),
+    "set_raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
     "placement": ("AssertionError", "Shard(dim=2)", "no dim 2"),
     "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
     "own_mesh_shard_dim": (

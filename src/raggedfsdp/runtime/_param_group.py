@@ -28,6 +28,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
+from ._reshard_to import ReshardTo
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
@@ -69,6 +70,9 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.knobs = Knobs()  # FSDP2's per-unit settings (FSDPModule.set_*)
+        #: reshard_after_forward=N: what keeps the buckets sharded over N ranks after forward
+        #: (``_reshard_to.py``); None: freed whole, or kept whole
+        self.reshard_to: ReshardTo | None = None
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -293,6 +297,11 @@ class FSDPParamGroup:
         if self.sharded_state is not ShardedState.SHARDED:
             return
         adopt(self)  # a parameter changed outside the unit is taken back first
+        if self.reshard_to is not None and self.reshard_to.holding:
+            if not self._stale():
+                self._refill()
+                return
+            self.reshard_to.drop(self.stats)  # a step or a load since: gather the shards
         versions = self._shard_versions()
         for bucket, version, gathered in zip(
             self.buckets, versions, self._gathered_versions or versions, strict=True
@@ -317,6 +326,15 @@ class FSDPParamGroup:
                         _full(bucket), shard, self.stats, self._pool, own_ranges=bucket.own_ranges
                     )
                     self._pending_unshard.append(pending)
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def _refill(self) -> None:
+        """Unshard from the pieces kept after forward: an all-gather within the group of
+        ``reshard_after_forward`` ranks (synchronous), then as after any all-gather."""
+        with record_function(f"raggedfsdp::unshard_within({self.label})"):
+            self._allocate(self._gather_storage)
+            p2p = self.config.gloo_point_to_point
+            self.reshard_to.refill(self.buckets, self.stats, gloo_point_to_point=p2p)  # type: ignore[union-attr]
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
@@ -379,6 +397,8 @@ class FSDPParamGroup:
     def post_forward(self, *, reshard: bool) -> None:
         """This unit's forward is done; free its unsharded parameters if ``reshard``."""
         check_state(self.training_state, TrainingState.FORWARD, unit=self.label)
+        if reshard and self.reshard_to is not None and self.sharded_state is ShardedState.UNSHARDED:
+            self.reshard_to.keep(self.buckets, self.stats)  # for backward, over fewer ranks
         if reshard:
             self.reshard()
         self.training_state = TrainingState.IDLE

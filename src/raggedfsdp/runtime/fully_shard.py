@@ -37,6 +37,7 @@ from ._own_mesh import own_mesh_units, placement_of
 from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._param_placement import DimShard, FullMesh, ParamPlacement, Plain, SubMesh, split_placement
+from ._reshard_to import reshard_to
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
@@ -368,7 +369,7 @@ def fully_shard(
     module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
@@ -387,7 +388,8 @@ def fully_shard(
 
     Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's meanings
     (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded parameters after
-    forward (``None``: yes, but not the root's); the unit that runs forward last keeps them into
+    forward (``None``: yes, but not the root's; an int ``N``: sharded over groups of ``N`` ranks,
+    which backward all-gathers within, as FSDP2's); the unit that runs forward last keeps them into
     backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate, shard: HSDP);
     ``None`` shards over the whole default group. ``shard_placement_fn`` returns ``None`` or
     ``Shard(0)`` for the ragged shards (runs of whole units in row-major order, the units chosen
@@ -447,6 +449,7 @@ def fully_shard(
         offload=offload,
     )
     _move_buffers(modules, device)
+    reshard_after_forward, group.reshard_to = reshard_to(reshard_after_forward, info)
     FSDPState(modules, group, reshard_after_forward)
     _become_unit(registrations, modules)
     return module
