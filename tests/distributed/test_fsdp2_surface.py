@@ -244,6 +244,7 @@ def _errors(rank: int) -> dict[str, str]:
     flat = init_device_mesh("cpu", (WORLD,))
     other = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("other",))
     square = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("a", "b"))
+    unnamed = init_device_mesh("cpu", (WORLD, 1))
     calls: dict[str, Callable[[], Any]] = {
         "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=3),
         "raf_type": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2.0),
@@ -252,6 +253,8 @@ def _errors(rank: int) -> dict[str, str]:
         "placement_torch": lambda: torch_fully_shard(
             nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
         ),
+        "mesh_unnamed": lambda: rf.fully_shard(nn.Linear(4, 4), mesh=unnamed),
+        "mesh_unnamed_torch": lambda: torch_fully_shard(nn.Linear(4, 4), mesh=unnamed),
         "own_mesh_beside_another": lambda: rf.fully_shard(
             nn.Linear(4, 4), mesh=flat, shard_placement_fn=_own_mesh(other)
         ),
@@ -413,9 +416,10 @@ def test_shard_dims_above_zero_match_one_process(results):
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("case", ["placement"])
+@pytest.mark.parametrize("case", ["placement", "mesh_unnamed"])
 def test_refused_with_fsdp2s_exception_type(results, case):
-    """A shard dim the parameter lacks (AssertionError)."""
+    """A shard dim the parameter lacks (AssertionError), a 2-D mesh without names
+    (AssertionError: which dim replicates is said by the names)."""
     for rank in results:
         errors = rank["errors"]
         assert errors[case].split(":")[0] == errors[f"{case}_torch"].split(":")[0]
@@ -427,6 +431,7 @@ EXPECTED = {
     "raf_type": ("ValueError", "a bool or an int", "not 2.0"),
     "set_raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
     "placement": ("AssertionError", "Shard(dim=2)", "no dim 2"),
+    "mesh_unnamed": ("AssertionError", "mesh_dim_names", "(replicate, shard)"),
     "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
     "own_mesh_shard_dim": (
         "ValueError",
