@@ -13,7 +13,11 @@ import pytest
 import torch
 import torch.distributed.fsdp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
@@ -221,6 +225,24 @@ def _one_process(rank: int) -> dict[str, Any]:
             opt.zero_grad()
     out["uneven"] = [p.full_tensor() for p in uneven.parameters()]
     out["uneven_reference"] = [p.detach() for p in one.parameters()]
+    out.update(_adopted(rank))
+    return out
+
+
+def _adopted(rank: int) -> dict[str, Any]:
+    """``Shard(-1)`` parameters taken back by the unit when replaced: a model built on meta,
+    given memory by ``to_empty``, loaded from a whole state dict, then converted to fp64."""
+    whole = _fresh()
+    with torch.device("meta"):
+        model = OddModel()
+    _shard("rf", model, shard_placement_fn=_last_dim)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+    out = {"loaded": [p.full_tensor() for p in model.parameters()]}
+    model.to(torch.float64)
+    out["fp64"] = [p.full_tensor() for p in model.parameters()]
+    out["fp64_placed"] = _placements(model)
+    out["whole"] = [p.detach() for p in whole.parameters()]
     return out
 
 
@@ -416,6 +438,18 @@ def test_shard_dims_above_zero_match_one_process(results):
             torch.testing.assert_close(got, want)
 
 
+def test_shard_dim_parameters_are_adopted_when_replaced(results):
+    """Built on meta, ``to_empty``, a whole state dict loaded, converted to fp64: every
+    parameter holds the loaded values bit for bit (a piece copied in the wrong order, the
+    buffer's rows against the parameter's, would permute them), still placed as FSDP2's."""
+    for rank in results:
+        one = rank["one"]
+        for loaded, fp64, whole in zip(one["loaded"], one["fp64"], one["whole"], strict=True):
+            assert torch.equal(loaded, whole)
+            assert fp64.dtype == torch.float64 and torch.equal(fp64, whole.double())
+        assert one["fp64_placed"] == rank["same"]["rf"]["placed_last_dim"]
+
+
 @pytest.mark.parametrize("case", ["placement", "mesh_unnamed"])
 def test_refused_with_fsdp2s_exception_type(results, case):
     """A shard dim the parameter lacks (AssertionError), a 2-D mesh without names
@@ -430,7 +464,7 @@ EXPECTED = {
     "raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
     "raf_type": ("ValueError", "a bool or an int", "not 2.0"),
     "set_raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
-    "placement": ("AssertionError", "Shard(dim=2)", "no dim 2"),
+    "placement": ("AssertionError", "Shard dim 2 is invalid for 2D tensor", "Shard(dim=2)"),
     "mesh_unnamed": ("AssertionError", "mesh_dim_names", "(replicate, shard)"),
     "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
     "own_mesh_shard_dim": (

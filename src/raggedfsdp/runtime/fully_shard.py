@@ -203,8 +203,9 @@ def _requested_dims(
         if not -ndim <= placement.dim < ndim:
             # AssertionError, as FSDP2 raises it (its callers' tests expect the type)
             raise AssertionError(
+                f"Shard dim {placement.dim} is invalid for {registration.param.dim()}D tensor: "
                 f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} of "
-                f"shape {list(registration.param.shape)}: it has no dim {placement.dim}"
+                f"shape {list(registration.param.shape)}"
             )
         if placement.dim % ndim:
             dims[registration.fqn] = placement.dim % ndim
