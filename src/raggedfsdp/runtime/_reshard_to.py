@@ -14,6 +14,7 @@ smaller group (a node's ranks, say). The kept pieces are counted as unsharded me
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ._collectives import all_gather
@@ -97,7 +98,8 @@ def _nbytes(pieces: list[torch.Tensor]) -> int:
 def reshard_to(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, ReshardTo | None]:
     """``reshard_after_forward`` as the hooks take it (``True``, ``False`` or ``None``) and, for
     an int between 1 and the shard size, what keeps the pieces; checked as FSDP2 checks it: a
-    factor of the shard size (``ValueError``), 1 meaning ``False`` and the shard size ``True``."""
+    factor of the shard size (``ValueError``), 1 meaning ``False`` and the shard size ``True``;
+    refused over a mesh that does not span every rank (``NotImplementedError``)."""
     if value is None or isinstance(value, bool):
         return value, None
     size = info.shard_size
@@ -110,4 +112,12 @@ def reshard_to(value: bool | int | None, info: MeshInfo) -> tuple[bool | None, R
         return False, None
     if value == size:
         return True, None
+    if info.mesh.size() != dist.get_world_size():
+        # Every rank makes every row's group (new_group), from its own unit's mesh: over a
+        # sub-mesh (mesh["dp"] beside tensor parallelism) the ranks would make different ones.
+        raise NotImplementedError(
+            f"raggedfsdp: reshard_after_forward={value} over a mesh of {info.mesh.size()} of the "
+            f"{dist.get_world_size()} ranks is not supported: the groups of {value} ranks are "
+            f"made by every rank from its own mesh; use it where the unit's mesh spans every rank"
+        )
     return True, ReshardTo(info, value)
