@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import raggedfsdp as rf
 from harness import run_distributed
@@ -275,6 +275,9 @@ def _errors(rank: int) -> dict[str, str]:
         "placement_torch": lambda: torch_fully_shard(
             nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
         ),
+        "placement_type": lambda: rf.fully_shard(
+            nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()
+        ),
         "mesh_unnamed": lambda: rf.fully_shard(nn.Linear(4, 4), mesh=unnamed),
         "mesh_unnamed_torch": lambda: torch_fully_shard(nn.Linear(4, 4), mesh=unnamed),
         "own_mesh_beside_another": lambda: rf.fully_shard(
@@ -466,6 +469,7 @@ EXPECTED = {
     "set_raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
     "placement": ("AssertionError", "Shard dim 2 is invalid for 2D tensor", "Shard(dim=2)"),
     "mesh_unnamed": ("AssertionError", "mesh_dim_names", "(replicate, shard)"),
+    "placement_type": ("AssertionError", "Expected Shard, got Replicate", "'weight'"),
     "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
     "own_mesh_shard_dim": (
         "ValueError",

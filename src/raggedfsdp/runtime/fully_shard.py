@@ -195,9 +195,10 @@ def _requested_dims(
         if placement is None:
             continue
         if not isinstance(placement, Shard):
-            raise ValueError(
-                f"shard_placement_fn must return a Shard placement or None, got {placement!r} "
-                f"for parameter {registration.fqn!r}"
+            raise AssertionError(  # FSDP2's check's type and words (it reads .dim first)
+                f"Expected Shard, got {type(placement).__name__}: shard_placement_fn must "
+                f"return a Shard placement or None, got {placement!r} for parameter "
+                f"{registration.fqn!r}"
             )
         ndim = max(registration.param.dim(), 1)
         if not -ndim <= placement.dim < ndim:
@@ -319,6 +320,28 @@ def _dim_shard(
     return DimShard(dim, inner)
 
 
+def _shard_own_meshes(
+    modules: list[nn.Module],
+    placement_fn: Callable[[nn.Parameter], Any],
+    *,
+    mesh: DeviceMesh | None,
+    ignored_params: set[nn.Parameter] | None,
+    **kwargs: Any,
+) -> None:
+    """Parameters ``placement_fn`` gives meshes of their own (FSDP2's ``ShardPlacementResult``):
+    their modules made units over those meshes first, bottom-up, with the call's other
+    arguments (``kwargs``) and each parameter's placement (``_own_mesh.py``)."""
+    params = [(r.fqn, r.param) for r in _registrations(modules, ignored_params or set())]
+    for own in own_mesh_units(modules, params, placement_fn, mesh):
+        fully_shard(
+            own.modules if len(own.modules) > 1 else own.modules[0],
+            mesh=own.mesh,
+            shard_placement_fn=own.shard_placement_fn,
+            ignored_params=ignored_params,
+            **kwargs,
+        )
+
+
 def _placed(registration: Registration, placement: ParamPlacement) -> Registration:
     return dataclasses.replace(registration, placement=placement)
 
@@ -409,21 +432,17 @@ def fully_shard(
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
     if shard_placement_fn is not None:
-        # Parameters on meshes of their own (FSDP2's ShardPlacementResult): units of their own
-        # first, bottom-up, with this call's other arguments (_own_mesh.py).
-        unit_params = [(r.fqn, r.param) for r in _registrations(modules, ignored_params or set())]
-        for own in own_mesh_units(modules, unit_params, shard_placement_fn, mesh):
-            fully_shard(
-                own.modules if len(own.modules) > 1 else own.modules[0],
-                mesh=own.mesh,
-                reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=own.shard_placement_fn,
-                mp_policy=mp_policy,
-                offload_policy=offload_policy,
-                ignored_params=ignored_params,
-                planner=planner,
-                dbuffer_config=dbuffer_config,
-            )
+        _shard_own_meshes(
+            modules,
+            shard_placement_fn,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+            planner=planner,
+            dbuffer_config=dbuffer_config,
+        )
     registrations = _registrations(modules, ignored_params or set())
     dims = _requested_dims(registrations, shard_placement_fn)
     if dims and planner.compression is not None and planner.compression.enabled:
