@@ -23,6 +23,7 @@ from ._adopt import adopt
 from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
+from ._reshard_to import reshard_to
 
 __all__ = [
     "FSDPModule",
@@ -133,14 +134,23 @@ class FSDPModule(TorchFSDPModule):
             state.group.knobs.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(
-        self, reshard_after_forward: bool | None, recurse: bool = True
+        self, reshard_after_forward: bool | int | None, recurse: bool = True
     ) -> None:
         """Free the unsharded parameters after forward (``True``) or keep them into backward
-        (``False``: no second all-gather, more memory); ``None`` is FSDP2's default. The unit
-        that runs forward last keeps its parameters into backward either way."""
+        (``False``: no second all-gather, more memory); ``None`` is FSDP2's default; an int
+        ``N`` keeps them sharded over groups of ``N`` ranks, which backward all-gathers within
+        (FSDP2's, ``_reshard_to.py``). The unit that runs forward last keeps its parameters
+        into backward either way."""
         check_reshard_after_forward(reshard_after_forward)
-        for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+        # every unit checked (and its groups made) before any changes
+        settings = [
+            (s, reshard_to(reshard_after_forward, s.group.mesh_info)) for s in self._states(recurse)
+        ]
+        for state, (value, keeper) in settings:
+            group = state.group
+            if group.reshard_to is not None and group.reshard_to.holding:
+                group.reshard_to.drop(group.stats)
+            state.reshard_after_forward, group.reshard_to = value, keeper
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Unshard ``modules`` (asynchronously) when this unit's forward starts, instead of the
@@ -328,12 +338,12 @@ def unsupported(what: str, why: str) -> None:
 
 
 def check_reshard_after_forward(value: object) -> None:
-    """``reshard_after_forward`` must be a bool or ``None``."""
-    if value is not None and not isinstance(value, bool):
+    """``reshard_after_forward`` must be a bool, an int or ``None`` (FSDP2's ``ValueError``); an
+    int's range is checked against the unit's mesh (``_reshard_to.reshard_to``)."""
+    if value is not None and not isinstance(value, int):
         raise ValueError(
-            f"reshard_after_forward={value!r}: raggedfsdp takes True, False or None; FSDP2's "
-            f"int (reshard to a smaller world) has no equivalent, since a ragged plan is made "
-            f"for one world size; use a 2-D mesh (HSDP) to keep all-gathers within a node"
+            f"reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {value!r}"
         )
 
 

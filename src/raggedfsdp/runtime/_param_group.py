@@ -8,13 +8,14 @@ parameters and of their reductions in flight; the hooks only decide *when* to ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
+from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
 from ._adopt import adopt
 from ._collectives import Pending, all_gather
 from ._comm import (
@@ -27,6 +28,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
+from ._reshard_to import ReshardTo
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
@@ -68,6 +70,9 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.knobs = Knobs()  # FSDP2's per-unit settings (FSDPModule.set_*)
+        #: reshard_after_forward=N: what keeps the buckets sharded over N ranks after forward
+        #: (``_reshard_to.py``); None: freed whole, or kept whole
+        self.reshard_to: ReshardTo | None = None
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -117,17 +122,32 @@ class FSDPParamGroup:
     ) -> list[DBuffer]:
         """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
         same function ``plan_model`` uses, named below the unit's module), each planned and
-        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``)."""
+        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``);
+        then one bucket for each parameter whose form plans its own (``own_bucket``), named
+        ``<root>/<dtype>[/frozen]/<its name>``."""
         by_name = {r.fqn: r for r in registrations}
-        buckets = unit_buckets(
-            "",
-            [(r.fqn, r.local) for r in registrations],
-            param_dtype=self.mp_policy.param_dtype,
-            buffer_size=self.config.buffer_size,
-        )
+        world = self.mesh_info.shard_size
+
+        def buckets_of(members: list[Registration]) -> list[Bucket]:
+            return unit_buckets(
+                "",
+                [(r.fqn, r.local) for r in members],
+                param_dtype=self.mp_policy.param_dtype,
+                buffer_size=self.config.buffer_size,
+            )
+
+        planned = [
+            (bucket, planner.plan_bucket(bucket, world))
+            for bucket in buckets_of([r for r in registrations if not r.placement.own_bucket])
+        ]
+        for registration in registrations:
+            if registration.placement.own_bucket:
+                (bucket,) = buckets_of([registration])
+                named = f"{bucket.name.rsplit('/', 1)[0]}/{registration.fqn}"
+                bucket = dataclasses.replace(bucket, name=named)
+                planned.append((bucket, registration.placement.plan(bucket, world)))
         out = []
-        for bucket in buckets:
-            plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
+        for bucket, plan in planned:
             gather, reduce = self._comm.choose(bucket, plan, self.device, self.offload)
             out.append(
                 DBuffer(
@@ -277,6 +297,11 @@ class FSDPParamGroup:
         if self.sharded_state is not ShardedState.SHARDED:
             return
         adopt(self)  # a parameter changed outside the unit is taken back first
+        if self.reshard_to is not None and self.reshard_to.holding:
+            if not self._stale():
+                self._refill()
+                return
+            self.reshard_to.drop(self.stats)  # a step or a load since: gather the shards
         versions = self._shard_versions()
         for bucket, version, gathered in zip(
             self.buckets, versions, self._gathered_versions or versions, strict=True
@@ -301,6 +326,15 @@ class FSDPParamGroup:
                         _full(bucket), shard, self.stats, self._pool, own_ranges=bucket.own_ranges
                     )
                     self._pending_unshard.append(pending)
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def _refill(self) -> None:
+        """Unshard from the pieces kept after forward: an all-gather within the group of
+        ``reshard_after_forward`` ranks (synchronous), then as after any all-gather."""
+        with record_function(f"raggedfsdp::unshard_within({self.label})"):
+            self._allocate(self._gather_storage)
+            p2p = self.config.gloo_point_to_point
+            self.reshard_to.refill(self.buckets, self.stats, gloo_point_to_point=p2p)  # type: ignore[union-attr]
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
@@ -363,6 +397,8 @@ class FSDPParamGroup:
     def post_forward(self, *, reshard: bool) -> None:
         """This unit's forward is done; free its unsharded parameters if ``reshard``."""
         check_state(self.training_state, TrainingState.FORWARD, unit=self.label)
+        if reshard and self.reshard_to is not None and self.sharded_state is ShardedState.UNSHARDED:
+            self.reshard_to.keep(self.buckets, self.stats)  # for backward, over fewer ranks
         if reshard:
             self.reshard()
         self.training_state = TrainingState.IDLE
