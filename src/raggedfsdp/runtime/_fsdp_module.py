@@ -24,6 +24,7 @@ from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
 from ._reshard_to import reshard_to
+from .residuals import unit_residuals
 
 __all__ = [
     "FSDPModule",
@@ -250,7 +251,11 @@ class FSDPModule(TorchFSDPModule):
         states = self._all_states()
         stats = state.ctx.shared.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
-        out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
+        residuals = [r for s in states for r in unit_residuals(s.group).values()]
+        buckets = [b for s in states for b in s.group.buckets]
+        out["persistent_bytes"] = sum(r.numel() * r.element_size() for r in residuals) + sum(
+            b.persistent_bytes() for b in buckets
+        )
         # under CPU offload the shards and their gradients are on the host (residuals are not)
         offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
         out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)

@@ -8,16 +8,15 @@ parameters and of their reductions in flight; the hooks only decide *when* to ca
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..planner import Bucket, ShardPlan, StructAwarePlanner, unit_buckets
+from ..planner import ShardPlan, StructAwarePlanner
 from ._adopt import adopt
-from ._collectives import Pending, all_gather
+from ._collectives import Pending
 from ._comm import (
     BucketReduce,
     ReduceScatter,
@@ -33,6 +32,7 @@ from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
 from ._streams import wait_all
+from ._unit_plan import plan_unit_buckets
 from ._usage import Usage
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import (
@@ -122,30 +122,15 @@ class FSDPParamGroup:
     ) -> list[DBuffer]:
         """The unit's buckets as :func:`~raggedfsdp.planner.unit_buckets` decides them (the
         same function ``plan_model`` uses, named below the unit's module), each planned and
-        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``);
-        then one bucket for each parameter whose form plans its own (``own_bucket``), named
-        ``<root>/<dtype>[/frozen]/<its name>``."""
+        made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``)."""
         by_name = {r.fqn: r for r in registrations}
-        world = self.mesh_info.shard_size
-
-        def buckets_of(members: list[Registration]) -> list[Bucket]:
-            return unit_buckets(
-                "",
-                [(r.fqn, r.local) for r in members],
-                param_dtype=self.mp_policy.param_dtype,
-                buffer_size=self.config.buffer_size,
-            )
-
-        planned = [
-            (bucket, planner.plan_bucket(bucket, world))
-            for bucket in buckets_of([r for r in registrations if not r.placement.own_bucket])
-        ]
-        for registration in registrations:
-            if registration.placement.own_bucket:
-                (bucket,) = buckets_of([registration])
-                named = f"{bucket.name.rsplit('/', 1)[0]}/{registration.fqn}"
-                bucket = dataclasses.replace(bucket, name=named)
-                planned.append((bucket, registration.placement.plan(bucket, world)))
+        planned = plan_unit_buckets(
+            registrations,
+            planner,
+            self.mesh_info.shard_size,
+            param_dtype=self.mp_policy.param_dtype,
+            buffer_size=self.config.buffer_size,
+        )
         out = []
         for bucket, plan in planned:
             gather, reduce = self._comm.choose(bucket, plan, self.device, self.offload)
@@ -397,11 +382,16 @@ class FSDPParamGroup:
     def post_forward(self, *, reshard: bool) -> None:
         """This unit's forward is done; free its unsharded parameters if ``reshard``."""
         check_state(self.training_state, TrainingState.FORWARD, unit=self.label)
-        if reshard and self.reshard_to is not None and self.sharded_state is ShardedState.UNSHARDED:
-            self.reshard_to.keep(self.buckets, self.stats)  # for backward, over fewer ranks
         if reshard:
-            self.reshard()
+            self.reshard_after_forward()
         self.training_state = TrainingState.IDLE
+
+    def reshard_after_forward(self) -> None:
+        """Free the unsharded parameters after a forward (keeping pieces for backward, over
+        fewer ranks, under ``reshard_after_forward=N``)."""
+        if self.reshard_to is not None and self.sharded_state is ShardedState.UNSHARDED:
+            self.reshard_to.keep(self.buckets, self.stats)
+        self.reshard()
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -584,39 +574,6 @@ class FSDPParamGroup:
         if self.offload is not None:
             self.offload.wait()  # the optimizer may read the gradients and write the shards
         self.training_state = TrainingState.IDLE
-
-    # -- state outside a step ------------------------------------------------------------------
-
-    def full_parameters(self) -> dict[int, torch.Tensor]:
-        """``id(sharded parameter) -> the full parameter`` on CPU; a collective over the shard
-        group (every rank calls it, between steps)."""
-        full: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
-            shard = bucket.local.to(bucket.device)  # itself, unless offloaded to the host
-            all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
-            for param in bucket.params:
-                piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
-                piece = param.placement.whole(piece)
-                full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
-        return full
-
-    def error_feedback_state(self, paths: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residual of each bucket that keeps one, by the bucket's
-        name when the unit's modules are ``paths`` below the model (as :meth:`named_plans`):
-        the tensors themselves (loading copies into them)."""
-        out = {}
-        for bucket in self._trainable:
-            residual = _reducer(bucket).error_feedback_state()
-            if residual is not None:
-                out[bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
-        return out
-
-    def persistent_bytes(self) -> int:
-        residuals = self.error_feedback_state().values()
-        return sum(r.numel() * r.element_size() for r in residuals) + sum(
-            bucket.persistent_bytes() for bucket in self.buckets
-        )
 
 
 def _full(bucket: DBuffer) -> torch.Tensor:

@@ -112,7 +112,7 @@ class UnitSequence:
             unit, reshard = self._deferred
             self._deferred = None
             if reshard:
-                unit.group.reshard()
+                unit.group.reshard_after_forward()
 
     # -- backward ------------------------------------------------------------------------------
 

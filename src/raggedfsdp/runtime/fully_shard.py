@@ -23,6 +23,7 @@ from ..facts import check_cut
 from ..layout import RaggedShard
 from ..planner import StructAwarePlanner, WrapPolicy, wrap_units
 from ._adopt import materialize
+from ._collectives import all_gather
 from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,
@@ -32,6 +33,7 @@ from ._fsdp_module import (
 )
 from ._hooks import FSDPState, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
+from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._own_mesh import own_mesh_units, placement_of
 from ._param import Registration
@@ -65,7 +67,15 @@ def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
     collective (every rank calls it, between steps)."""
     full: dict[int, torch.Tensor] = {}
     for state in states_under(model):
-        full.update(state.group.full_parameters())
+        for bucket in state.group.buckets:
+            gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
+            shard = bucket.local.to(bucket.device)  # itself, unless offloaded to the host
+            group = state.group.mesh_info.shard_group
+            all_gather(gathered, shard, group, RuntimeStats(), async_op=False)
+            for param in bucket.params:
+                piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
+                piece = param.placement.whole(piece)
+                full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
     return full
 
 
