@@ -37,6 +37,7 @@ from ._param import Registration
 from ._param_group import FSDPParamGroup
 from ._param_placement import FullMesh, ParamPlacement, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
+from ._subclass import check_subclasses
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
@@ -368,6 +369,7 @@ def fully_shard(
     registrations, info = _unit_mesh(
         registrations, mesh, dp_mesh_dims, device, planner.shard_policy
     )
+    check_subclasses(registrations)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
     group = FSDPParamGroup(
