@@ -34,10 +34,9 @@ from ._hooks import FSDPState, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._param import Registration
-from ._param_group import FSDPParamGroup
 from ._param_placement import FullMesh, ParamPlacement, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
-from ._subclass import check_subclasses
+from ._subclass import unit_group
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
@@ -369,10 +368,9 @@ def fully_shard(
     registrations, info = _unit_mesh(
         registrations, mesh, dp_mesh_dims, device, planner.shard_policy
     )
-    check_subclasses(registrations)
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
-    group = FSDPParamGroup(
+    group = unit_group(
         registrations,
         mesh_info=info,
         planner=planner,
