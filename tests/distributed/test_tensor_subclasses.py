@@ -6,6 +6,10 @@ by neither W = 2 nor W = 3. Against one process on the global batch, in one laun
 ranks, with the bytes each all-gather moved counted by dtype: the fp8 weight travels as fp8
 over Gloo (which has no float8 dtypes), the frozen one as its codes, never as fp32.
 
+With torchao installed (the ``torchao`` extra), its float8 training weights
+(``convert_to_float8_training(..., enable_fsdp_float8_all_gather=True)``) train under
+raggedfsdp and FSDP2 in the same launch to the same numbers, gathered as fp8.
+
 Negative control: the fp8 cast matters (the model trained without it, all fp32, ends far from
 both), so a path that gathered the fp32 data inside the subclass would fail the comparison.
 """
@@ -13,12 +17,15 @@ both), so a path that gathered the fp32 data inside the subclass would fail the 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
 
 import raggedfsdp as rf
 from harness import Grid, assert_close_dicts, world_grid_fixture
@@ -30,6 +37,7 @@ pytestmark = pytest.mark.slow
 
 WORLDS = (2, 3)
 ROWS, DIM, RANK, BATCH, STEPS = 41, 64, 4, 2, 3
+HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 
 
 class Block(nn.Module):
@@ -63,11 +71,13 @@ class Net(nn.Module):
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """The values a subclass stands for (its fp32 master data; the dequantized frozen weight)."""
+    """The values a subclass stands for (its fp32 master data, torchao's too; the dequantized
+    frozen weight)."""
     if isinstance(tensor, BlockQuant):
         return tensor.dequantize()
-    if isinstance(tensor, Fp8CastWeight):
-        return tensor._data.detach().clone()
+    for inner in ("_data", "_tensor"):  # Fp8CastWeight's, torchao's float8 weight's
+        if hasattr(tensor, inner):
+            return getattr(tensor, inner).detach().clone()
     return tensor.detach().clone()
 
 
@@ -75,12 +85,15 @@ def _full(model: nn.Module, group: Any) -> dict[str, torch.Tensor]:
     """Every parameter whole, subclasses as their values: each rank's piece gathered."""
     out = {}
     for name, param in model.named_parameters():
-        if not isinstance(param, rf.RaggedTensor):
+        if not isinstance(param, DTensor):
             out[name] = _plain(param)
             continue
         pieces: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(pieces, _plain(param.to_local()), group=group)
-        out[name] = param.shard_layout.from_locals(pieces)
+        if isinstance(param, rf.RaggedTensor):
+            out[name] = param.shard_layout.from_locals(pieces)
+        else:  # FSDP2's Shard(0): its chunks, unpadded
+            out[name] = torch.cat(pieces)
     return out
 
 
@@ -110,6 +123,40 @@ def _gathered_bytes(model: nn.Module) -> dict[str, int]:
     return total
 
 
+def _torchao_float8(rank: int, world: int) -> dict[str, Any]:
+    """torchao's float8 weights trained by SGD (AdamW's first steps flip the signs of the
+    tiniest fp8 gradients, hiding what is compared) in one process, and sharded by raggedfsdp
+    and (where the rows divide by W: elsewhere its ranks disagree on the all-gather's size and
+    Gloo aborts the process) by FSDP2. Every rank trains on the same batch: torchao casts the
+    activations with a scale of the batch it sees, so only then is one process the reference."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(1)
+    base = nn.Sequential(nn.Linear(DIM, DIM), nn.Linear(DIM, DIM))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(base, config=config)
+    impls = {"reference": None, "rf": rf.fully_shard, "fsdp2": fsdp2_fully_shard}
+    if DIM % world:
+        del impls["fsdp2"]
+    out: dict[str, Any] = {}
+    for impl, shard in impls.items():
+        model = copy.deepcopy(base)
+        if shard is not None:
+            for layer in model:
+                shard(layer)
+            shard(model)
+            out[f"{impl}/class"] = type(model[0].weight.to_local()).__name__
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x in _batches(world):
+            model(x[:BATCH]).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        out[impl] = _full(model, None)
+        if impl == "rf":
+            out["rf/bytes"] = _gathered_bytes(model)
+    return out
+
+
 def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -136,6 +183,8 @@ def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
         _train(model, rank, world)
         out["rf"][case] = _full(model, None)
         out["bytes"][case] = _gathered_bytes(model)
+    if HAS_TORCHAO:
+        out["torchao"] = _torchao_float8(rank, world)
     return out
 
 
@@ -179,3 +228,22 @@ def test_bytes_on_the_wire_by_dtype(grid: Grid, world: int, case: str) -> None:
         assert got["float32"] == gathers * 4 * (ROWS + ROWS * DIM // BLOCK)
         sent = got["float8_e4m3fn"] + got["uint8"] + got["float32"]
         assert sent / (gathers * 2 * codes * 4) < 0.27
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="torchao not installed (the 'torchao' extra)")
+@pytest.mark.parametrize("world", WORLDS)
+def test_torchao_float8_weights_equal_one_process_and_fsdp2(grid: Grid, world: int) -> None:
+    """rf's numbers are one process's, and FSDP2's where it runs (W=2; at W=3, 64 rows, it
+    aborts); the weights travel as fp8 codes alone (torchao sends the scale as metadata), 1/4
+    of the fp32 bytes."""
+    for results in grid[world]:
+        got = results["torchao"]
+        assert got["rf/class"] == "WeightWithDynamicFloat8CastTensor"
+        assert_close_dicts(got["rf"], got["reference"])
+        if world == 2:
+            assert got["fsdp2/class"] == got["rf/class"]
+            assert_close_dicts(got["rf"], got["fsdp2"])
+        wire = got["rf/bytes"]
+        gathers = wire["float8_e4m3fn"] // (2 * DIM * DIM)
+        assert gathers >= STEPS and wire["float8_e4m3fn"] == gathers * 2 * DIM * DIM
+        assert set(wire) == {"float8_e4m3fn", "padding"}

@@ -142,8 +142,11 @@ class SubclassParam:
             requires_grad=self.requires_grad,
         )
         self.unsharded: nn.Parameter | None = None
-        #: what post_all_gather said may be freed once resharded, with their sizes in bytes
-        self._to_free: list[tuple[torch.Tensor, int]] = []
+        #: the all-gather outputs, the same tensors every time (``None`` until the first)
+        self.outputs: list[torch.Tensor] | None = None
+        #: what is freed when resharded (the outputs, and what post_all_gather said may go),
+        #: with their sizes in bytes
+        self._storages: list[tuple[torch.Tensor, int]] = []
         #: per rank, the (shape, dtype) of each tensor it all-gathers (learned once)
         self.inputs: list[list[tuple[torch.Size, torch.dtype]]] | None = None
 
@@ -168,24 +171,32 @@ class SubclassParam:
         return named_in(self.owners, paths, prefix)
 
     def free(self) -> None:
-        """Give back the memory post_all_gather said may go (resized to zero, as FSDP2 does: the
-        tensors stay valid objects for the next ``out=``)."""
-        for tensor, _ in self._to_free:
+        """Give back the memory of the all-gather outputs and of what post_all_gather said may
+        go, resized to zero as FSDP2 does: the tensors stay valid objects, to be refilled."""
+        for tensor, _ in self._storages:
             tensor.untyped_storage().resize_(0)
 
-    def refill(self, outputs: list[torch.Tensor], metadata: Any, param_dtype: torch.dtype) -> None:
-        """The unsharded parameter from every rank's all-gathered tensors: built the first time,
-        refilled in place (``out=``) after, so what autograd saved of it stays valid."""
-        local = self.local
-        if self.unsharded is None:
-            result = local.fsdp_post_all_gather(tuple(outputs), metadata, param_dtype)
-            tensor, to_free = result
-            self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
-            self._to_free = [(t, t.untyped_storage().nbytes()) for t in to_free]
+    def refill(
+        self, gathered: list[list[torch.Tensor]], metadata: Any, param_dtype: torch.dtype
+    ) -> None:
+        """The unsharded parameter from every rank's pieces of each all-gathered tensor. As in
+        FSDP2, the all-gather outputs are the same tensors every time (a subclass may keep them
+        inside its unsharded form, as torchao's float8 weight does) and the parameter is built
+        once, then refilled in place (``out=``), so what autograd saved of it stays valid."""
+        if self.outputs is None:
+            self.outputs = [torch.cat(pieces) for pieces in gathered]
+        else:
+            for tensor, nbytes in self._storages:
+                tensor.untyped_storage().resize_(nbytes)
+            for output, pieces in zip(self.outputs, gathered, strict=True):
+                torch.cat(pieces, out=output)
+        post = self.local.fsdp_post_all_gather
+        if self.unsharded is not None:
+            post(tuple(self.outputs), metadata, param_dtype, out=self.unsharded)
             return
-        for tensor, nbytes in self._to_free:
-            tensor.untyped_storage().resize_(nbytes)
-        local.fsdp_post_all_gather(tuple(outputs), metadata, param_dtype, out=self.unsharded)
+        tensor, to_free = post(tuple(self.outputs), metadata, param_dtype)
+        self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
+        self._storages = [(t, t.untyped_storage().nbytes()) for t in (*self.outputs, *to_free)]
 
 
 class SubclassParams:
@@ -273,11 +284,9 @@ class SubclassParams:
         index = 0
         for param, meta in zip(self.params, metadata, strict=True):
             count = len(param.inputs[0])
-            outputs = [
-                torch.cat([pieces[r][index + i] for r in range(world)]) for i in range(count)
-            ]
+            gathered = [[pieces[r][index + i] for r in range(world)] for i in range(count)]
             index += count
-            param.refill(outputs, meta, self.mp_policy.param_dtype or param.local.dtype)
+            param.refill(gathered, meta, self.mp_policy.param_dtype or param.local.dtype)
 
     def _specs(self, rank: int) -> list[tuple[torch.Size, torch.dtype]]:
         return [spec for param in self.params for spec in param.inputs[rank]]
