@@ -11,6 +11,7 @@ to follow the protocol, or refuse the parameter: never train its inner data in i
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -133,7 +134,7 @@ class SubclassParam:
         self.stride = registration.param.stride()
         self.requires_grad = registration.param.requires_grad
         start, end = layout.ranges[mesh_info.shard_rank]
-        dim_0_slice = max(1, layout.numel // max(1, self.shape[0])) if self.shape else 1
+        dim_0_slice = math.prod(self.shape[1:]) or 1  # elements per index of dim 0
         rows = slice(start // dim_0_slice, end // dim_0_slice)
         with torch.no_grad():  # the subclass's own slice keeps its class (FSDP2: its chunk)
             piece = registration.local.detach()[rows].clone().to(device)
@@ -156,6 +157,8 @@ class SubclassParam:
         return self.sharded.to_local()
 
     def module(self) -> nn.Module:
+        """The module that registers it (first of them): FSDP2's ``fsdp_pre_all_gather`` takes
+        it."""
         return self.owners[0][0]
 
     def hold(self, *, unsharded: bool) -> None:
@@ -289,9 +292,11 @@ class SubclassParams:
             param.refill(gathered, meta, self.mp_policy.param_dtype or param.local.dtype)
 
     def _specs(self, rank: int) -> list[tuple[torch.Size, torch.dtype]]:
+        """``rank``'s (shape, dtype) of every tensor it sends, in packing order."""
         return [spec for param in self.params for spec in param.inputs[rank]]
 
     def _count(self, total: int) -> None:
+        """Add one all-gather of ``total`` bytes to :attr:`gathered_bytes`, by inner dtype."""
         world = self.mesh_info.shard_size
         useful = 0
         for rank in range(world):
