@@ -37,10 +37,10 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
 from ._own_mesh import own_mesh_units, placement_of
 from ._param import Registration
-from ._param_group import FSDPParamGroup
 from ._param_placement import DimShard, FullMesh, ParamPlacement, Plain, SubMesh, split_placement
 from ._reshard_to import reshard_to
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
+from ._subclass import unit_group
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
@@ -467,7 +467,7 @@ def fully_shard(
     )
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
-    group = FSDPParamGroup(
+    group = unit_group(
         registrations,
         mesh_info=info,
         planner=planner,
