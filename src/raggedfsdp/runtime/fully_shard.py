@@ -38,6 +38,7 @@ from ._param_group import FSDPParamGroup
 from ._param_placement import FullMesh, ParamPlacement, split_placement
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from ._torch_fsdp import adapt_torch
+from ._torch_state import expose_to_torch, torch_facing_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -382,9 +383,13 @@ def fully_shard(
         offload=offload,
     )
     _move_buffers(modules, device)
-    FSDPState(modules, group, reshard_after_forward)
+    expose_to_torch(FSDPState(modules, group, reshard_after_forward))
     _become_unit(registrations, modules)
     return module
+
+
+# FSDP2's ``fully_shard.state(module)``: what torch's own lookup returns for a raggedfsdp module.
+fully_shard.state = torch_facing_state  # type: ignore[attr-defined]
 
 
 def FSDPBackend(
