@@ -10,13 +10,21 @@ the collected results.
 from __future__ import annotations
 
 import copy
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import PipelineStage, schedules
@@ -27,6 +35,8 @@ from harness import run_distributed
 VOCAB, DIM, HIDDEN, LAYERS = 37, 24, 40, 8
 MICROBATCHES, BATCH, SEQ, STEPS, LR = 4, 8, 6, 2, 0.5
 PP, DP = 2, 2
+CLIP = 0.5  # below the gradients' norm: clipping scales them
+OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
 
 #: Every schedule of the installed torch: (class, stages per rank; "v": two, in a V).
 SCHEDULES = {
@@ -109,15 +119,18 @@ def initial_model() -> Decoder:
     return Decoder()
 
 
-def reference() -> dict[str, torch.Tensor]:
-    """One process on the global batch."""
+def reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process on the global batch: its parameters, and its norms if clipped to ``clip``."""
     model = initial_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    norms = []
     for x, y in batches():
         cross_entropy(model(x), y).backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         opt.step()
         opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
 def my_stages(pp_rank: int, per_rank: int | str) -> tuple[list[int], int]:
@@ -129,24 +142,35 @@ def my_stages(pp_rank: int, per_rank: int | str) -> tuple[list[int], int]:
     return [pp_rank, 2 * PP - 1 - pp_rank], 2 * PP  # a V
 
 
-def train_pipeline(
-    impl: str, schedule: str, *, titan: bool, mesh: DeviceMesh, double_scaled: bool = False
-) -> dict[str, Any]:
-    """Train with ``schedule``: torchtitan's settings (no reshard after forward, the loss scaled
-    per micro-batch, ``scale_grads=False``) or torch's defaults. ``double_scaled`` (a negative
-    control): the loss scaled per micro-batch AND ``scale_grads`` on."""
-    fully_shard = torch_fully_shard if impl == "torch" else rf.fully_shard
+def build(
+    impl: str,
+    schedule: str,
+    mesh: DeviceMesh,
+    *,
+    titan: bool,
+    double_scaled: bool = False,
+    planner: rf.StructAwarePlanner | None = None,
+) -> tuple[list[nn.Module], Any, list[int], int]:
+    """This rank's stages, each block and stage sharded over dp, and ``schedule`` over them:
+    torchtitan's settings (no reshard after forward, the loss scaled per micro-batch,
+    ``scale_grads=False``) or torch's defaults. ``double_scaled`` (a negative control): the loss
+    scaled per micro-batch AND ``scale_grads`` on. Returns (stages' modules, schedule, their
+    indices, the number of stages)."""
     cls, per_rank = SCHEDULES[schedule]
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    mine, stages = my_stages(pp_rank, per_rank)
+    mine, stages = my_stages(mesh["pp"].get_local_rank(), per_rank)
+    kwargs: dict[str, Any] = {"reshard_after_forward": False if titan else None}
+    if impl == "rf":
+        fully_shard = rf.fully_shard
+        kwargs["planner"] = planner
+    else:
+        fully_shard = torch_fully_shard
     full = initial_model()
-    reshard = False if titan else None
     parts, pipeline = [], []
     for index in mine:
         part = cut(full, index, stages)
         for layer in part.layers.values():
-            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
-        fully_shard(part, mesh=mesh["dp"], reshard_after_forward=reshard)
+            fully_shard(layer, mesh=mesh["dp"], **kwargs)
+        fully_shard(part, mesh=mesh["dp"], **kwargs)
         parts.append(part)
         pipeline.append(
             PipelineStage(part, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
@@ -157,28 +181,149 @@ def train_pipeline(
         loss = cross_entropy(logits, targets)
         return loss / MICROBATCHES if scaled else loss
 
-    kwargs = {"n_microbatches": MICROBATCHES, "loss_fn": loss_fn, "scale_grads": not titan}
-    schedule_ = cls(pipeline[0], **kwargs) if per_rank == 1 else cls(pipeline, **kwargs)
-    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=LR)
+    options = {"n_microbatches": MICROBATCHES, "loss_fn": loss_fn, "scale_grads": not titan}
+    run = cls(pipeline[0], **options) if per_rank == 1 else cls(pipeline, **options)
+    return parts, run, mine, stages
+
+
+def step(
+    run: Any, mine: list[int], stages: int, mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """One step of the schedule on this dp rank's share of the global batch ``x, y``."""
     per_dp = BATCH // DP
-    counts = []
+    dp_rank = mesh["dp"].get_local_rank()
+    x, y = (t[dp_rank * per_dp : (dp_rank + 1) * per_dp] for t in (x, y))
+    args = (x,) if 0 in mine else ()
+    run.step(*args, target=y if stages - 1 in mine else None)
+
+
+def full_params(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
+    return out
+
+
+def train_pipeline(
+    impl: str, schedule: str, mesh: DeviceMesh, *, titan: bool, clip: float | None = None, **kw: Any
+) -> dict[str, Any]:
+    """2 SGD steps (clipped to ``clip`` over all stages, if given): the full parameters of this
+    rank's stages, raggedfsdp's counters per stage and step, and the clipped norms."""
+    parts, run, mine, stages = build(impl, schedule, mesh, titan=titan, **kw)
+    params = [p for part in parts for p in part.parameters()]
+    opt = torch.optim.SGD(params, lr=LR)
+    counts, norms = [], []
     for x, y in batches():
-        x, y = (t[dp_rank * per_dp : (dp_rank + 1) * per_dp] for t in (x, y))
         if impl == "rf":
             for part in parts:
                 part.reset_stats()
-        args = (x,) if 0 in mine else ()
-        schedule_.step(*args, target=y if stages - 1 in mine else None)
+        step(run, mine, stages, mesh, x, y)
         if impl == "rf":
             counts.append([_counts(part) for part in parts])
+        if clip is not None:
+            norms.append(rf.clip_grad_norm_(params, clip, pp_mesh=mesh["pp"]).item())
         opt.step()
         opt.zero_grad()
-    out: dict[str, Any] = {"params": {}, "counts": counts}
-    for part in parts:
-        out["params"].update(
-            get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+    return {"params": full_params(parts), "counts": counts, "norms": norms}
+
+
+def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = list(model.parameters())
+    if kind == "muon":
+        embeddings = {
+            id(p) for name, p in model.named_parameters() if "emb" in name or "head" in name
+        }
+        return rf.optim.Muon(
+            params, lr=0.02, adamw_params=lambda p, shape: id(p) in embeddings or len(shape) < 2
         )
+    if kind == "shampoo":
+        return rf.optim.Shampoo(
+            params, lr=1e-2, max_preconditioner_dim=16, precondition_frequency=1
+        )
+    return rf.optim.AdamW8bit(params, lr=1e-2, min_8bit_numel=256)
+
+
+def _planner(kind: str) -> rf.StructAwarePlanner:
+    if kind == "shampoo":
+        return rf.StructAwarePlanner("shampoo", max_preconditioner_dim=16)
+    return rf.StructAwarePlanner(kind)
+
+
+def optimizer_twins(kind: str, mesh: DeviceMesh) -> float:
+    """``kind`` on each stage's shards (planned for it) against the same optimizer on an
+    unsharded copy of the stage given the same gradients, gathered whole: the largest difference
+    of their parameters after 2 steps (1F1B, torchtitan's settings)."""
+    parts, run, mine, stages = build("rf", "Schedule1F1B", mesh, titan=True, planner=_planner(kind))
+    twins = [cut(initial_model(), index, stages) for index in mine]
+    opts = [_optimizer(kind, m) for m in parts + twins]
+    dp = mesh["dp"].get_group()
+    for x, y in batches():
+        step(run, mine, stages, mesh, x, y)
+        for part, twin in zip(parts, twins, strict=True):
+            twin_params = dict(twin.named_parameters())
+            for name, p in part.named_parameters():
+                layout = rf.shard_info(p).layout
+                pieces: list[Any] = [None] * layout.world_size
+                dist.all_gather_object(pieces, p.grad.to_local().detach().clone(), group=dp)
+                twin_params[name].grad = layout.from_locals(pieces)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ours = full_params(parts)
+    theirs = {k: v for twin in twins for k, v in twin.state_dict().items()}
+    return max_difference(ours, theirs)
+
+
+def checkpoint_cases(mesh: DeviceMesh) -> dict[str, Any]:
+    """DCP per stage: saved after a step at (pp=2, dp=2), loaded at (pp=1, dp=2) and (pp=2,
+    dp=1) on ranks 0 and 1, and into FSDP2 + PP at (pp=2, dp=2): the full parameters saved, and
+    those of each load before and after it."""
+    rank = dist.get_rank()
+    where = [tempfile.mkdtemp(prefix="raggedfsdp-pp-dcp-") if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    path = where[0]
+    parts, run, mine, stages = build("rf", "Schedule1F1B", mesh, titan=True)
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=LR)
+    step(run, mine, stages, mesh, *batches()[0])
+    opt.step()
+    state: dict[str, Any] = {}
+    for part in parts:
+        state.update(get_model_state_dict(part))
+    dcp.save(state, checkpoint_id=path)
+    out: dict[str, Any] = {"saved": full_params(parts)}
+    pair = dist.new_group([0, 1])
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    if rank < 2:
+        out["pp1_dp2"] = load_stages("rf", [0], 1, DeviceMesh.from_group(pair, "cpu"), path, pair)
+        one = DeviceMesh.from_group(alone[rank], "cpu")
+        out["pp2_dp1"] = load_stages("rf", [rank], PP, one, path, pair)
+    out["fsdp2"] = load_stages("torch", mine, stages, mesh["dp"], path, None)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path)
     return out
+
+
+def load_stages(
+    impl: str, indices: list[int], stages: int, dp_mesh: DeviceMesh, path: str, group: Any
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Stages ``indices`` of ``stages``, drawn afresh and sharded over ``dp_mesh``, loaded from
+    the checkpoint at ``path`` (by the ranks of ``group``): their parameters before and after."""
+    fully_shard = rf.fully_shard if impl == "rf" else torch_fully_shard
+    torch.manual_seed(123)  # other values than the checkpoint's
+    full = Decoder()
+    parts = []
+    for index in indices:
+        part = cut(full, index, stages)
+        for layer in part.layers.values():
+            fully_shard(layer, mesh=dp_mesh)
+        parts.append(fully_shard(part, mesh=dp_mesh))
+    before = full_params(parts)
+    for part in parts:
+        state = get_model_state_dict(part)
+        dcp.load(state, checkpoint_id=path, process_group=group)
+        set_model_state_dict(part, state)
+    return {"before": before, "after": full_params(parts)}
 
 
 def _counts(part: nn.Module) -> dict[str, int]:
@@ -195,7 +340,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for schedule in SCHEDULES:
         for impl in ("rf", "torch"):
-            out[impl, schedule, "titan"] = train_pipeline(impl, schedule, titan=True, mesh=mesh)
+            out[impl, schedule, "titan"] = train_pipeline(impl, schedule, mesh, titan=True)
         if schedule not in SPLIT_BACKWARD:
             out["rf", schedule, "defaults"] = train_pipeline("rf", schedule, titan=False, mesh=mesh)
     part = rf.fully_shard(cut(initial_model(), 1, PP), mesh=mesh["dp"])
@@ -205,8 +350,11 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
         for m in (part, part.layers["4"])
     ]
     out["rf", "ScheduleGPipe", "double_scaled"] = train_pipeline(
-        "rf", "ScheduleGPipe", titan=False, mesh=mesh, double_scaled=True
+        "rf", "ScheduleGPipe", mesh, titan=False, double_scaled=True
     )
+    out["clipped"] = train_pipeline("rf", "ScheduleInterleaved1F1B", mesh, titan=True, clip=CLIP)
+    out["optimizers"] = {kind: optimizer_twins(kind, mesh) for kind in OPTIMIZERS}
+    out["checkpoint"] = checkpoint_cases(mesh)
     return out
 
 
@@ -230,7 +378,7 @@ def max_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 def test_every_schedule_trains_as_one_process_and_as_fsdp2(grid, schedule):
-    want = reference()
+    want = reference()[0]
     ours = gathered(grid, ("rf", schedule, "titan"))
     theirs = gathered(grid, ("torch", schedule, "titan"))
     assert max_difference(ours, want) < 1e-5
@@ -240,13 +388,14 @@ def test_every_schedule_trains_as_one_process_and_as_fsdp2(grid, schedule):
 
 @pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in SPLIT_BACKWARD])
 def test_torch_defaults_train_as_one_process(grid, schedule):
-    assert max_difference(gathered(grid, ("rf", schedule, "defaults")), reference()) < 1e-5
+    assert max_difference(gathered(grid, ("rf", schedule, "defaults")), reference()[0]) < 1e-5
 
 
 def test_a_wrong_gradient_scale_is_seen(grid):
     """Negative control: the loss divided by the micro-batches twice is 4x off, and seen."""
     assert (
-        max_difference(gathered(grid, ("rf", "ScheduleGPipe", "double_scaled")), reference()) > 1e-3
+        max_difference(gathered(grid, ("rf", "ScheduleGPipe", "double_scaled")), reference()[0])
+        > 1e-3
     )
 
 
@@ -266,3 +415,45 @@ def test_fully_shard_state_finds_raggedfsdp_units(grid):
     """torch's ``fully_shard.state(module)`` (what its pipelining reads) and raggedfsdp's: the
     unit's torch-facing state on a sharded module, ``None`` on one not sharded."""
     assert grid[0]["state"] == ["TorchFacingState", "NoneType"] * 2
+
+
+def test_clipping_over_all_stages_gives_one_process_norm(grid):
+    """``rf.clip_grad_norm_(stage parameters, pp_mesh=...)`` on every stage (two per rank,
+    Interleaved1F1B): one process's norm of the whole model's gradients, every step, and its
+    parameters."""
+    want, norms = reference(clip=CLIP)
+    assert min(norms) > CLIP  # clipping acts
+    for rank in grid:
+        torch.testing.assert_close(rank["clipped"]["norms"], norms, rtol=1e-5, atol=0)
+    got = {}
+    for rank in grid:
+        got.update(rank["clipped"]["params"])
+    assert max_difference(got, want) < 1e-5
+
+
+def test_optimizers_on_each_stage_match_one_device_bitwise(grid):
+    """Muon, Shampoo and AdamW8bit on each stage's ragged shards, given the gradients the
+    pipeline reduced: bit for bit the same optimizer on one device given those gradients whole."""
+    for rank in grid:
+        assert rank["optimizers"]["muon"] == 0.0
+        assert rank["optimizers"]["adamw8bit"] == 0.0
+        # raggedfsdp's promise for Shampoo is fp32 round-off (docs/optimizers.md)
+        assert rank["optimizers"]["shampoo"] <= 1e-7
+
+
+@pytest.mark.parametrize("load", ["pp1_dp2", "pp2_dp1", "fsdp2"])
+def test_a_stage_checkpoint_loads_at_another_layout_bit_for_bit(grid, load):
+    """Saved at (pp=2, dp=2) by DCP, one stage per rank: loaded at (pp=1, dp=2), at (pp=2, dp=1)
+    and into FSDP2 + PP, every parameter equal bit for bit; none was before the load."""
+    saved: dict[str, torch.Tensor] = {}
+    for rank in grid:
+        saved.update(rank["checkpoint"]["saved"])
+    loaders = grid[:2] if load != "fsdp2" else grid
+    got: dict[str, dict[str, torch.Tensor]] = {"before": {}, "after": {}}
+    for rank in loaders:
+        for when in got:
+            got[when].update(rank["checkpoint"][load][when])
+    assert got["after"].keys() == saved.keys()
+    for name, value in saved.items():
+        assert torch.equal(got["after"][name], value), name
+        assert not torch.equal(got["before"][name], value), name
