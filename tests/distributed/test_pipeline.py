@@ -1,15 +1,15 @@
 """raggedfsdp units inside torch's ``PipelineStage``, under every schedule the installed torch has,
 against one process on the global batch and against FSDP2 + PP in the same launch.
 
-One Gloo launch of 4 ranks, a mesh (pp=2, dp=2): a small decoder with uneven widths (37, 24, 40)
-cut into stages torchtitan's way (the embedding with the first stage, norm and head with the last;
-every block and every stage ``fully_shard``-ed), 2 SGD steps of 4 micro-batches. The tests judge
-the collected results.
+One Gloo launch of 4 ranks, a mesh (pp=2, dp=2), and one of 8 for pp x HSDP and pp x dp x tp: a
+small decoder with uneven widths (37, 24, 40) cut into stages torchtitan's way
+(``tests/support/pipeline_cases.py``), 2 SGD steps of 4 micro-batches. Optimizers, clipping over
+the stages and DCP across layouts ride in the 4-rank launch. The tests judge the collected
+results.
 """
 
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
 from typing import Any
@@ -18,213 +18,33 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.pipelining import PipelineStage, schedules
 
 import raggedfsdp as rf
 from harness import run_distributed
+from pipeline_cases import (
+    DP,
+    LR,
+    PP,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    Decoder,
+    batches,
+    build,
+    cut,
+    full_params,
+    initial_model,
+    max_difference,
+    reference,
+    step,
+    train_pipeline,
+)
 
-VOCAB, DIM, HIDDEN, LAYERS = 37, 24, 40, 8
-MICROBATCHES, BATCH, SEQ, STEPS, LR = 4, 8, 6, 2, 0.5
-PP, DP = 2, 2
 CLIP = 0.5  # below the gradients' norm: clipping scales them
 OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
-
-#: Every schedule of the installed torch: (class, stages per rank; "v": two, in a V).
-SCHEDULES = {
-    name: (getattr(schedules, name), per_rank)
-    for name, per_rank in (
-        ("ScheduleGPipe", 1),
-        ("Schedule1F1B", 1),
-        ("ScheduleInterleaved1F1B", 2),
-        ("ScheduleLoopedBFS", 2),
-        ("ScheduleInterleavedZeroBubble", 2),
-        ("ScheduleZBVZeroBubble", "v"),
-        ("ScheduleDualPipeV", "v"),
-    )
-    if hasattr(schedules, name)
-}
-#: The schedules that split backward into input and weight gradients.
-SPLIT_BACKWARD = {"ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"}
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class Decoder(nn.Module):
-    """torchtitan's shape of a model that pipelining cuts: a stage lacks what is ``None``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb: nn.Module | None = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleDict({str(i): Block() for i in range(LAYERS)})
-        self.norm: nn.Module | None = nn.LayerNorm(DIM)
-        self.head: nn.Module | None = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.emb(x) if self.emb is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
-        h = self.norm(h) if self.norm is not None else h
-        return self.head(h) if self.head is not None else h
-
-
-def cut(model: Decoder, stage: int, stages: int) -> Decoder:
-    """Stage ``stage`` of ``stages``: a copy keeping its share of the layers (their names kept)."""
-    part = copy.deepcopy(model)
-    per = LAYERS // stages
-    for name in list(part.layers):
-        if not stage * per <= int(name) < (stage + 1) * per:
-            del part.layers[name]
-    if stage != 0:
-        part.emb = None
-    if stage != stages - 1:
-        part.norm = part.head = None
-    return part
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [
-        (
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
-        )
-        for _ in range(STEPS)
-    ]
-
-
-def initial_model() -> Decoder:
-    torch.manual_seed(0)
-    return Decoder()
-
-
-def reference(clip: float | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """One process on the global batch: its parameters, and its norms if clipped to ``clip``."""
-    model = initial_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    norms = []
-    for x, y in batches():
-        cross_entropy(model(x), y).backward()
-        if clip is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
-
-
-def my_stages(pp_rank: int, per_rank: int | str) -> tuple[list[int], int]:
-    """The stages this pp rank holds, and how many there are."""
-    if per_rank == 1:
-        return [pp_rank], PP
-    if per_rank == 2:
-        return [pp_rank, pp_rank + PP], 2 * PP
-    return [pp_rank, 2 * PP - 1 - pp_rank], 2 * PP  # a V
-
-
-def build(
-    impl: str,
-    schedule: str,
-    mesh: DeviceMesh,
-    *,
-    titan: bool,
-    double_scaled: bool = False,
-    planner: rf.StructAwarePlanner | None = None,
-) -> tuple[list[nn.Module], Any, list[int], int]:
-    """This rank's stages, each block and stage sharded over dp, and ``schedule`` over them:
-    torchtitan's settings (no reshard after forward, the loss scaled per micro-batch,
-    ``scale_grads=False``) or torch's defaults. ``double_scaled`` (a negative control): the loss
-    scaled per micro-batch AND ``scale_grads`` on. Returns (stages' modules, schedule, their
-    indices, the number of stages)."""
-    cls, per_rank = SCHEDULES[schedule]
-    mine, stages = my_stages(mesh["pp"].get_local_rank(), per_rank)
-    kwargs: dict[str, Any] = {"reshard_after_forward": False if titan else None}
-    if impl == "rf":
-        fully_shard = rf.fully_shard
-        kwargs["planner"] = planner
-    else:
-        fully_shard = torch_fully_shard
-    full = initial_model()
-    parts, pipeline = [], []
-    for index in mine:
-        part = cut(full, index, stages)
-        for layer in part.layers.values():
-            fully_shard(layer, mesh=mesh["dp"], **kwargs)
-        fully_shard(part, mesh=mesh["dp"], **kwargs)
-        parts.append(part)
-        pipeline.append(
-            PipelineStage(part, index, stages, torch.device("cpu"), group=mesh["pp"].get_group())
-        )
-    scaled = titan or double_scaled
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = cross_entropy(logits, targets)
-        return loss / MICROBATCHES if scaled else loss
-
-    options = {"n_microbatches": MICROBATCHES, "loss_fn": loss_fn, "scale_grads": not titan}
-    run = cls(pipeline[0], **options) if per_rank == 1 else cls(pipeline, **options)
-    return parts, run, mine, stages
-
-
-def step(
-    run: Any, mine: list[int], stages: int, mesh: DeviceMesh, x: torch.Tensor, y: torch.Tensor
-) -> None:
-    """One step of the schedule on this dp rank's share of the global batch ``x, y``."""
-    per_dp = BATCH // DP
-    dp_rank = mesh["dp"].get_local_rank()
-    x, y = (t[dp_rank * per_dp : (dp_rank + 1) * per_dp] for t in (x, y))
-    args = (x,) if 0 in mine else ()
-    run.step(*args, target=y if stages - 1 in mine else None)
-
-
-def full_params(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for part in parts:
-        out.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
-    return out
-
-
-def train_pipeline(
-    impl: str, schedule: str, mesh: DeviceMesh, *, titan: bool, clip: float | None = None, **kw: Any
-) -> dict[str, Any]:
-    """2 SGD steps (clipped to ``clip`` over all stages, if given): the full parameters of this
-    rank's stages, raggedfsdp's counters per stage and step, and the clipped norms."""
-    parts, run, mine, stages = build(impl, schedule, mesh, titan=titan, **kw)
-    params = [p for part in parts for p in part.parameters()]
-    opt = torch.optim.SGD(params, lr=LR)
-    counts, norms = [], []
-    for x, y in batches():
-        if impl == "rf":
-            for part in parts:
-                part.reset_stats()
-        step(run, mine, stages, mesh, x, y)
-        if impl == "rf":
-            counts.append([_counts(part) for part in parts])
-        if clip is not None:
-            norms.append(rf.clip_grad_norm_(params, clip, pp_mesh=mesh["pp"]).item())
-        opt.step()
-        opt.zero_grad()
-    return {"params": full_params(parts), "counts": counts, "norms": norms}
 
 
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
@@ -326,15 +146,6 @@ def load_stages(
     return {"before": before, "after": full_params(parts)}
 
 
-def _counts(part: nn.Module) -> dict[str, int]:
-    stats = part.stats()
-    return {
-        "reduce_scatters": int(stats["reduce_scatter_calls"]),
-        "all_gathers": int(stats["all_gather_calls"]),
-        "buckets": len(part.shard_plans()),
-    }
-
-
 def _cases(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     out: dict[str, Any] = {}
@@ -347,11 +158,13 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     out["state"] = [
         type(fully_shard.state(m)).__name__
         for fully_shard in (torch_fully_shard, rf.fully_shard)
-        for m in (part, part.layers["4"])
+        for m in (part, next(iter(part.layers.values())))
     ]
     out["rf", "ScheduleGPipe", "double_scaled"] = train_pipeline(
         "rf", "ScheduleGPipe", mesh, titan=False, double_scaled=True
     )
+    tp = init_device_mesh("cpu", (PP, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    out["rf", "Schedule1F1B", "tp"] = train_pipeline("rf", "Schedule1F1B", tp, titan=True)
     out["clipped"] = train_pipeline("rf", "ScheduleInterleaved1F1B", mesh, titan=True, clip=CLIP)
     out["optimizers"] = {kind: optimizer_twins(kind, mesh) for kind in OPTIMIZERS}
     out["checkpoint"] = checkpoint_cases(mesh)
@@ -363,17 +176,33 @@ def grid() -> list[dict[str, Any]]:
     return run_distributed(_cases, PP * DP)
 
 
+def _cases_8(rank: int, world: int) -> dict[str, Any]:
+    """The 8-rank meshes: pp=2 x HSDP (2 replicas of 2 shards), pp=2 x dp=2 x tp=2."""
+    meshes = {
+        "hsdp": init_device_mesh(
+            "cpu", (PP, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
+        ),
+        "dp_tp": init_device_mesh("cpu", (PP, 2, 2), mesh_dim_names=("pp", "dp", "tp")),
+    }
+    schedule = {"hsdp": "Schedule1F1B", "dp_tp": "ScheduleInterleaved1F1B"}
+    return {
+        (impl, name): train_pipeline(impl, schedule[name], mesh, titan=True, microbatches=2)
+        for name, mesh in meshes.items()
+        for impl in ("rf", "torch")
+    }
+
+
+@pytest.fixture(scope="module")
+def grid_8() -> list[dict[str, Any]]:
+    return run_distributed(_cases_8, 8)
+
+
 def gathered(grid: list[dict[str, Any]], key: tuple[str, str, str]) -> dict[str, torch.Tensor]:
     """The parameters of every stage of a case, by the full model's names."""
     params: dict[str, torch.Tensor] = {}
     for rank in grid:
         params.update(rank[key]["params"])
     return params
-
-
-def max_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
-    assert got.keys() == want.keys()
-    return max((got[k] - want[k]).abs().max().item() for k in want)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -457,3 +286,23 @@ def test_a_stage_checkpoint_loads_at_another_layout_bit_for_bit(grid, load):
     for name, value in saved.items():
         assert torch.equal(got["after"][name], value), name
         assert not torch.equal(got["before"][name], value), name
+
+
+def test_pp_x_tp_trains_as_one_process(grid):
+    """4 ranks, pp=2 x tp=2 (dp=1): blocks split column- then row-wise inside each stage."""
+    assert max_difference(gathered(grid, ("rf", "Schedule1F1B", "tp")), reference()[0]) < 1e-5
+
+
+@pytest.mark.parametrize("mesh", ["hsdp", "dp_tp"])
+def test_8_rank_meshes_train_as_one_process_and_as_fsdp2(grid_8, mesh):
+    """pp=2 x HSDP(2 x 2) under 1F1B, pp=2 x dp=2 x tp=2 under Interleaved1F1B (2 micro-batches
+    per data rank): one process and FSDP2 + PP within 1e-5; per step and bucket one
+    reduce-scatter, and under HSDP one all-reduce over the replicas."""
+    want = reference()[0]
+    ours, theirs = gathered(grid_8, ("rf", mesh)), gathered(grid_8, ("torch", mesh))
+    assert max_difference(ours, want) < 1e-5
+    assert max_difference(theirs, want) < 1e-5
+    for rank in grid_8:
+        for stage in rank["rf", mesh]["counts"][-1]:
+            assert stage["reduce_scatters"] == stage["buckets"]
+            assert stage["all_reduces"] == (stage["buckets"] if mesh == "hsdp" else 0)
