@@ -48,6 +48,10 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf) or math.isnan(norm_type):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
+    if pp_mesh is not None and pp_mesh.ndim != 1:
+        raise ValueError(
+            f"pp_mesh must be the 1-D mesh over the pipeline stages, got {pp_mesh.ndim} dims"
+        )
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad and pp_mesh is None:
         return torch.tensor(0.0)
@@ -93,10 +97,6 @@ def _total_norm(
 
 def _over_stages(total: torch.Tensor, norm_type: float, pp_mesh: DeviceMesh) -> torch.Tensor:
     """The norm over every stage from each stage's ``total``: one all-reduce over ``pp_mesh``."""
-    if pp_mesh.ndim != 1:
-        raise ValueError(
-            f"pp_mesh must be the 1-D mesh over the pipeline stages, got {pp_mesh.ndim} dims"
-        )
     partial = total.to(pp_mesh.device_type, torch.float64)
     if norm_type == math.inf:
         dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
-from harness import run_distributed
+from harness import error_message, run_distributed
 from pipeline_cases import (
     DP,
     LR,
@@ -166,6 +166,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     tp = init_device_mesh("cpu", (PP, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
     out["rf", "Schedule1F1B", "tp"] = train_pipeline("rf", "Schedule1F1B", tp, titan=True)
     out["clipped"] = train_pipeline("rf", "ScheduleInterleaved1F1B", mesh, titan=True, clip=CLIP)
+    out["clip_error"] = error_message(lambda: rf.clip_grad_norm_([], 1.0, pp_mesh=mesh))
     out["optimizers"] = {kind: optimizer_twins(kind, mesh) for kind in OPTIMIZERS}
     out["checkpoint"] = checkpoint_cases(mesh)
     return out
@@ -258,6 +259,10 @@ def test_clipping_over_all_stages_gives_one_process_norm(grid):
     for rank in grid:
         got.update(rank["clipped"]["params"])
     assert max_difference(got, want) < 1e-5
+    # bad input: the 2-D (pp, dp) mesh, refused before any collective
+    assert (
+        grid[0]["clip_error"] == "pp_mesh must be the 1-D mesh over the pipeline stages, got 2 dims"
+    )
 
 
 def test_optimizers_on_each_stage_match_one_device_bitwise(grid):
