@@ -1,14 +1,10 @@
 """Per-parameter meshes: ``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult``.
 
-torchtitan's ``apply_fsdp`` gives a block's routed experts a mesh of their own (the
-expert-data-parallel mesh) through ``ShardPlacementResult(placement, mesh_info)``, the block's
-other parameters the block's mesh. FSDP2 keeps one parameter group with parameters on two meshes;
-here a unit shards over one mesh, so the modules whose parameters all ask for another mesh become a
-unit of their own over it, first (bottom-up, as ``fully_shard(experts, mesh=...)`` would make
-them), and the block's unit the rest: the same parameters, placements and numbers. FSDP2's mesh
-info (``torch.distributed.fsdp``'s private ``FSDPMeshInfo`` / ``HSDPMeshInfo``: ``mesh``,
-``shard_mesh_dim``, ``replicate_mesh_dim``) is read by its attributes, so this works with torches
-that lack ``ShardPlacementResult`` (2.13) and with those that have it.
+torchtitan gives a block's routed experts a mesh of their own this way; FSDP2 keeps one parameter
+group over two meshes. Here a unit shards over one mesh, so the modules whose parameters all ask
+for another mesh become units of their own over it, first: the same parameters, placements and
+numbers. FSDP2's mesh info is read by its attributes (``mesh``, ``shard_mesh_dim``,
+``replicate_mesh_dim``), so torches without ``ShardPlacementResult`` (2.13) work too.
 """
 
 from __future__ import annotations

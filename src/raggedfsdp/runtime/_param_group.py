@@ -82,14 +82,9 @@ class FSDPParamGroup:
         #: (more than the unit's own beside expert parallelism); set at the root's lazy init
         self.data_ranks = mesh_info.degrees.dp
         #: what each bucket's strategies are chosen from, at construction and by rebind()
+        policy = planner.shard_policy
         self._comm = UnitComm(
-            mesh_info,
-            config,
-            self.mp_policy,
-            planner.shard_policy,
-            compression,
-            self.qualify,
-            self._report,
+            mesh_info, config, self.mp_policy, policy, compression, self.qualify, self._report
         )
         self.buckets = self._build_buckets(registrations, planner)
         #: every parameter of the unit, bucket by bucket in buffer order

@@ -1,14 +1,10 @@
-"""FSDP2's ``reshard_after_forward=N``: after forward, keep the unsharded buckets sharded over
-groups of ``N`` ranks; backward all-gathers them within the group.
+"""FSDP2's ``reshard_after_forward=N``: kept sharded over ``N`` ranks between forward and backward.
 
-FSDP2's post-forward mesh is the unit's mesh viewed as rows of ``N`` consecutive shard ranks
-(``mesh.mesh.view(-1, N)``; HSDP's replicas flattened into the rows), and a rank keeps piece
-``shard_rank % N`` of each parameter split ``N`` ways. Here each bucket's gathered buffer (``W*S``
-elements, every rank's shard in turn) is what is split: a rank keeps its ``1/N`` of the buffer,
-and backward's all-gather over its row refills the buffer in place, ``1/N`` of it from each of the
-row's ranks -- the same bytes per rank as FSDP2's (``(N-1)/N`` of the buffer received), over the
-smaller group (a node's ranks, say). The kept pieces are counted as unsharded memory, and apart
-(``RuntimeStats.post_forward_bytes``, and the row's all-gathers in ``post_forward_all_gather_*``).
+FSDP2's post-forward mesh is the unit's mesh viewed as rows of ``N`` consecutive shard ranks. Here
+each bucket's gathered buffer is split: a rank keeps its ``1/N`` of it, and backward's all-gather
+over its row refills the buffer in place -- FSDP2's bytes per rank, over the smaller group. The
+kept pieces count as unsharded memory, and apart (``RuntimeStats.post_forward_bytes``, and the
+row's all-gathers in ``post_forward_all_gather_*``).
 """
 
 from __future__ import annotations

@@ -442,18 +442,37 @@ def fully_shard(
     leading dims the data-parallel ones named, and every parameter a DTensor on it."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
+    arguments = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy,
+        "offload_policy": offload_policy,
+        "ignored_params": ignored_params,
+        "planner": planner,
+        "dbuffer_config": dbuffer_config,
+    }
     if shard_placement_fn is not None:
-        _shard_own_meshes(
-            modules,
-            shard_placement_fn,
-            mesh=mesh,
-            reshard_after_forward=reshard_after_forward,
-            mp_policy=mp_policy,
-            offload_policy=offload_policy,
-            ignored_params=ignored_params,
-            planner=planner,
-            dbuffer_config=dbuffer_config,
-        )
+        _shard_own_meshes(modules, shard_placement_fn, **arguments)
+    _shard_unit(
+        modules, shard_placement_fn=shard_placement_fn, dp_mesh_dims=dp_mesh_dims, **arguments
+    )
+    return module
+
+
+def _shard_unit(
+    modules: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None,
+    reshard_after_forward: bool | int | None,
+    shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None,
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None,
+    offload_policy: OffloadPolicy | None,
+    ignored_params: set[nn.Parameter] | None,
+    planner: StructAwarePlanner,
+    dbuffer_config: DBufferConfig | None,
+    dp_mesh_dims: DataParallelMeshDims | None,
+) -> None:
+    """:func:`fully_shard` of ``modules`` as one unit, its arguments checked."""
     registrations = _registrations(modules, ignored_params or set())
     dims = _requested_dims(registrations, shard_placement_fn)
     if dims and planner.compression is not None and planner.compression.enabled:
@@ -483,7 +502,6 @@ def fully_shard(
     reshard_after_forward, group.reshard_to = reshard_to(reshard_after_forward, info)
     expose_to_torch(FSDPState(modules, group, reshard_after_forward))
     _become_unit(registrations, modules)
-    return module
 
 
 # FSDP2's ``fully_shard.state(module)``: what torch's own lookup returns for a raggedfsdp module.
