@@ -423,8 +423,31 @@ class FSDPParamGroup:
                 self.shared.reduce_queue.make_room()
                 self._reduce_scatter()
                 self.shared.reduce_queue.push(self)
+            elif self._grad_block is not None:
+                self._accumulate()
             if self.knobs.reshard_after_backward:
                 self.reshard()
+
+    def _accumulate(self) -> None:
+        """A backward without reduction (no_sync) is done: each bucket whose reduction casts
+        its gradients to a wider dtype takes them into a sum of that dtype (FSDP2's
+        ``unsharded_accumulated_grad``; ``CastReduceScatter``); the others keep accumulating in
+        the block. When every bucket took its gradients, the block goes back to the pool (FSDP2
+        frees them too); else those buckets' slices are zeroed for the next backward."""
+        assert self._grad_block is not None
+        taken = [
+            _reducer(bucket).accumulate(bucket.full_grad, self.stats, self._pool)
+            for bucket in self._trainable
+        ]
+        if all(taken):
+            for bucket in self._trainable:
+                bucket.detach_unsharded_grads()
+            self._pool.give(self._grad_block)
+            self._grad_block = None
+            return
+        for bucket, took in zip(self._trainable, taken, strict=True):
+            if took:
+                bucket.full_grad.zero_()
 
     def _reduce_scatter(self) -> None:
         """Issue the reduce-scatter of every trainable bucket."""
@@ -504,6 +527,7 @@ class FSDPParamGroup:
         self._reduced = None
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
+            _reducer(bucket).drop_accumulated(self._pool)
         if self._grad_block is not None:
             self._pool.give(self._grad_block)
             self._grad_block = None
