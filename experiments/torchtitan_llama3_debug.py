@@ -2,7 +2,7 @@
 
     pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
     python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
-        [--write-docs docs/results/frameworks.md]
+        [--param-dtype bfloat16] [--write-docs docs/results/frameworks.md]
 
 ``--tokenizer`` is torchtitan's test tokenizer, ``tests/assets/tokenizer`` of its repository
 (the debug model's 2,048-token vocabulary). What the script does, each step a ``torchrun`` of 2
@@ -42,9 +42,9 @@ raggedfsdp, applied here in the worker and nowhere else:
   ``set_force_sum_reduction_for_comms(True)`` on every unit (raggedfsdp takes it; same numbers);
 - ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step, is not in
   torch 2.13 (a later torch's): the worker binds it to 2.13's ``_set_pg_timeout``;
-- ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` (bf16 matmuls on a CPU
-  are slow and the comparison is clearer in fp32), validation off (it reads c4 from the
-  Hugging Face hub);
+- ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` unless
+  ``--param-dtype bfloat16`` (torchtitan's default; bf16 matmuls on a CPU are slow), validation
+  off (it reads c4 from the Hugging Face hub);
 - data: torchtitan's ``c4_test`` is not in its wheel; the driver writes a JSON-lines dataset of
   Python standard-library modules to ``OUT/data`` and the worker registers it as
   ``local_text`` for torchtitan's own ``HuggingFaceTextDataLoader``.
@@ -69,6 +69,7 @@ from generated_docs import write_section
 STEPS = 10
 RESUME_FROM = 5
 IMPLS = ("fsdp2", "rf")
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -86,6 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample (default 256)")
     parser.add_argument(
         "--batch", type=int, default=2, help="samples per rank and step (default 2)"
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="float32",
+        help="torchtitan's training.mixed_precision_param (default float32; its own: bfloat16)",
     )
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -122,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "losses.json").write_text(json.dumps(results, indent=1))
     (out / "losses.md").write_text(table + "\n")
     if args.write_docs:
-        name = "torchtitan_llama3_debug"
-        write_section(args.write_docs, name, table, folder="experiments")
+        script = "torchtitan_llama3_debug"
+        name = script if args.param_dtype == "float32" else f"{script}_bf16"
+        write_section(args.write_docs, name, table, script=script, folder="experiments")
     return 0
 
 
@@ -132,7 +140,8 @@ def _torchrun(args: argparse.Namespace, nproc: int, *extra: str) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         __file__, "--worker", "--tokenizer", str(args.tokenizer.resolve()),
         "--out", str(args.out.resolve()),
-        "--seq-len", str(args.seq_len), "--batch", str(args.batch), *extra,
+        "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+        "--param-dtype", args.param_dtype, *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     print("$", " ".join(command[1:]), flush=True)
@@ -301,7 +310,7 @@ def _worker(args: argparse.Namespace) -> int:
     config.training.local_batch_size = args.batch
     config.training.seq_len = args.seq_len
     config.training.steps = STEPS
-    config.training.mixed_precision_param = "float32"
+    config.training.mixed_precision_param = args.param_dtype
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"
     config.validator.enable = False
