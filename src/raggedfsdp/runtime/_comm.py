@@ -251,9 +251,10 @@ class ReduceScatter(ABC):
         the next backward adds to them in their own dtype."""
         return False
 
-    def drop_accumulated(self, pool: BufferPool) -> None:
-        """An interrupted iteration: drop what :meth:`accumulate` took. Nothing here."""
-        return
+    def drop_accumulated(self) -> torch.Tensor | None:
+        """An interrupted iteration: forget what :meth:`accumulate` took and return its block,
+        for the caller to give back to the pool (``None``: nothing, as here)."""
+        return None
 
     def replicate(self, item: BucketReduce, stats: RuntimeStats, *, all_reduce_now: bool) -> None:
         """HSDP, once ``item``'s reduce-scatter is done: add what earlier backwards without the
@@ -345,10 +346,9 @@ class CastReduceScatter(InPlaceReduceScatter):
             self.accumulated.add_(full_grad)
         return True
 
-    def drop_accumulated(self, pool: BufferPool) -> None:
-        if self.accumulated is not None:
-            pool.give(self.accumulated)
-            self.accumulated = None
+    def drop_accumulated(self) -> torch.Tensor | None:
+        block, self.accumulated = self.accumulated, None
+        return block
 
     def reduce_scatter(
         self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool

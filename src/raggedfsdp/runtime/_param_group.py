@@ -527,7 +527,9 @@ class FSDPParamGroup:
         self._reduced = None
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
-            _reducer(bucket).drop_accumulated(self._pool)
+            dropped = _reducer(bucket).drop_accumulated()
+            if dropped is not None:
+                self._pool.give(dropped)
         if self._grad_block is not None:
             self._pool.give(self._grad_block)
             self._grad_block = None
