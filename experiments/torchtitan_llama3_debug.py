@@ -2,6 +2,7 @@
 
     pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
     python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
+        [--param-dtype bfloat16] [--norm-from-full-gradients] \
         [--write-docs docs/results/frameworks.md]
 
 ``--tokenizer`` is torchtitan's test tokenizer, ``tests/assets/tokenizer`` of its repository
@@ -15,10 +16,14 @@ CPU settings below):
 3. for each: a resume from its step-5 checkpoint (model, optimizer, lr scheduler, data loader)
    to step 10;
 
-then prints the loss table (Markdown) and writes it, with every loss and gradient norm, to
-``OUT/losses.json``. The only change to torchtitan is the name ``fully_shard`` in
-``torchtitan.distributed.fsdp``, the module whose ``apply_fsdp_to_decoder`` every model's
-``parallelize`` calls: ``rf.fully_shard`` in its place (docs/migrating-from-fsdp2.md,
+then prints the loss table (Markdown) and writes it, with every loss and gradient norm (and that
+norm in fp64, from the gathered gradients; recording it changes no number), to
+``OUT/losses.json``. ``--norm-from-full-gradients`` is for diagnosis: gradients are clipped by
+the fp32 norm of the gathered full gradients, one computation for both implementations, instead
+of torchtitan's norm of each rank's pieces, which rounds differently for different shards
+(docs/results/frameworks.md, "bf16"). Otherwise the only change to torchtitan is the name
+``fully_shard`` in ``torchtitan.distributed.fsdp``, the module whose ``apply_fsdp_to_decoder``
+every model's ``parallelize`` calls: ``rf.fully_shard`` in its place (docs/migrating-from-fsdp2.md,
 "Frameworks").
 
 What torchtitan 0.3 on torch 2.13 needs on a machine without an accelerator, FSDP2 as much as
@@ -42,9 +47,9 @@ raggedfsdp, applied here in the worker and nowhere else:
   ``set_force_sum_reduction_for_comms(True)`` on every unit (raggedfsdp takes it; same numbers);
 - ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step, is not in
   torch 2.13 (a later torch's): the worker binds it to 2.13's ``_set_pg_timeout``;
-- ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` (bf16 matmuls on a CPU
-  are slow and the comparison is clearer in fp32), validation off (it reads c4 from the
-  Hugging Face hub);
+- ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` unless
+  ``--param-dtype bfloat16`` (torchtitan's default; bf16 matmuls on a CPU are slow), validation
+  off (it reads c4 from the Hugging Face hub);
 - data: torchtitan's ``c4_test`` is not in its wheel; the driver writes a JSON-lines dataset of
   Python standard-library modules to ``OUT/data`` and the worker registers it as
   ``local_text`` for torchtitan's own ``HuggingFaceTextDataLoader``.
@@ -69,6 +74,7 @@ from generated_docs import write_section
 STEPS = 10
 RESUME_FROM = 5
 IMPLS = ("fsdp2", "rf")
+PARAM_DTYPES = ("float32", "bfloat16")
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -86,6 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample (default 256)")
     parser.add_argument(
         "--batch", type=int, default=2, help="samples per rank and step (default 2)"
+    )
+    parser.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="float32",
+        help="torchtitan's training.mixed_precision_param (default float32; its own: bfloat16)",
+    )
+    parser.add_argument(
+        "--norm-from-full-gradients",
+        action="store_true",
+        help="clip by the norm of the gathered gradients (the same for both; a diagnosis)",
     )
     parser.add_argument("--write-docs", type=Path, help="replace the generated section here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -114,16 +131,21 @@ def main(argv: list[str] | None = None) -> int:
             results[run] = json.loads((out / run / "metrics.json").read_text())
     norms = {run: r["grad_norm"] for run, r in results.items()}
     gap = max(abs(norms["rf"][k] - norms["fsdp2"][k]) for k in norms["rf"])
+    error = {impl: _norm_error(results[impl]) for impl in IMPLS}
     table = _table(results) + (
-        f"\n\nLargest gradient-norm difference, raggedfsdp - FSDP2: {gap:.1e}; parameters: "
-        f"{results['fsdp2']['parameter_types']} and {results['rf']['parameter_types']}."
+        f"\n\nLargest gradient-norm difference, raggedfsdp - FSDP2: {gap:.1e}; the norms' mean "
+        f"relative error against their fp64 value: FSDP2 {error['fsdp2']:.2e}, raggedfsdp "
+        f"{error['rf']:.2e}; parameters: {results['fsdp2']['parameter_types']} and "
+        f"{results['rf']['parameter_types']}."
     )
     print(table)
     (out / "losses.json").write_text(json.dumps(results, indent=1))
     (out / "losses.md").write_text(table + "\n")
     if args.write_docs:
-        name = "torchtitan_llama3_debug"
-        write_section(args.write_docs, name, table, folder="experiments")
+        script = "torchtitan_llama3_debug"
+        name = script if args.param_dtype == "float32" else f"{script}_bf16"
+        name += "_full_norm" if args.norm_from_full_gradients else ""
+        write_section(args.write_docs, name, table, script=script, folder="experiments")
     return 0
 
 
@@ -132,7 +154,9 @@ def _torchrun(args: argparse.Namespace, nproc: int, *extra: str) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         __file__, "--worker", "--tokenizer", str(args.tokenizer.resolve()),
         "--out", str(args.out.resolve()),
-        "--seq-len", str(args.seq_len), "--batch", str(args.batch), *extra,
+        "--seq-len", str(args.seq_len), "--batch", str(args.batch),
+        "--param-dtype", args.param_dtype,
+        *(["--norm-from-full-gradients"] if args.norm_from_full_gradients else []), *extra,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     print("$", " ".join(command[1:]), flush=True)
@@ -149,6 +173,12 @@ def _write_data(folder: Path) -> None:
     with path.open("w") as f:
         for module in sorted(stdlib.glob("*.py"))[:200]:
             f.write(json.dumps({"text": module.read_text(errors="replace")}) + "\n")
+
+
+def _norm_error(run: dict[str, Any]) -> float:
+    """The mean relative error of a run's clipped gradient norms against their fp64 values."""
+    steps = run["grad_norm"]
+    return sum(abs(steps[k] / run["grad_norm_fp64"][k] - 1) for k in steps) / len(steps)
 
 
 def _table(results: dict[str, Any]) -> str:
@@ -260,6 +290,30 @@ def _flex_attention_as_sdpa(
     return out, AuxOutput()
 
 
+def _watch_clipping(trainer: Any, fp64: dict[str, float], full_norm: bool) -> None:
+    """Wrap torchtitan's ``clip_grad_norm_``: each step, record in ``fp64`` the norm of the
+    gathered full gradients computed in fp64 (what each implementation's fp32 norm is measured
+    against); with ``full_norm``, clip by the fp32 norm of the gathered gradients instead of
+    torchtitan's norm of each rank's pieces."""
+    import torch
+    import torchtitan.trainer as titan_trainer
+
+    clip = titan_trainer.dist_utils.clip_grad_norm_
+
+    def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        parameters = list(parameters)
+        full = [p.grad.full_tensor() for p in parameters if p.grad is not None]
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in full])
+        fp64[str(trainer.step)] = torch.linalg.vector_norm(norms).item()
+        if not full_norm:
+            return clip(parameters, max_norm, *args, **kwargs)
+        total = torch.nn.utils.get_total_norm(full)
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        return total
+
+    titan_trainer.dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
 def _worker(args: argparse.Namespace) -> int:
     _import_torchtitan_on_cpu()
     from datasets import load_dataset
@@ -301,7 +355,7 @@ def _worker(args: argparse.Namespace) -> int:
     config.training.local_batch_size = args.batch
     config.training.seq_len = args.seq_len
     config.training.steps = STEPS
-    config.training.mixed_precision_param = "float32"
+    config.training.mixed_precision_param = args.param_dtype
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"
     config.validator.enable = False
@@ -325,6 +379,8 @@ def _worker(args: argparse.Namespace) -> int:
         log(step, loss, max_loss, grad_norm, **kwargs)
 
     trainer.metrics_processor.log = record
+    metrics["grad_norm_fp64"] = {}
+    _watch_clipping(trainer, metrics["grad_norm_fp64"], args.norm_from_full_gradients)
     try:
         if args.seed:
             trainer.checkpointer.save(curr_step=0, last_step=True)

@@ -244,6 +244,18 @@ class ReduceScatter(ABC):
         itself (the sharded grads are views of it), so it lives exactly as long as they do and
         ``zero_grad(set_to_none=True)`` frees it, as in FSDP2."""
 
+    def accumulate(self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool) -> bool:
+        """A backward that does not reduce (no_sync) ends with ``full_grad`` (1-D ``[W*S]``,
+        the unsharded gradients): return whether the strategy took it into an accumulation of
+        its own, so the caller may clear or free it. Here it does not: the gradients stay and
+        the next backward adds to them in their own dtype."""
+        return False
+
+    def drop_accumulated(self) -> torch.Tensor | None:
+        """An interrupted iteration: forget what :meth:`accumulate` took and return its block,
+        for the caller to give back to the pool (``None``: nothing, as here)."""
+        return None
+
     def replicate(self, item: BucketReduce, stats: RuntimeStats, *, all_reduce_now: bool) -> None:
         """HSDP, once ``item``'s reduce-scatter is done: add what earlier backwards without the
         all-reduce kept, then issue the all-reduce over the replicas (``all_reduce_now``) or
@@ -304,7 +316,13 @@ class CastReduceScatter(InPlaceReduceScatter):
     """``MixedPrecisionPolicy.reduce_dtype`` other than the gradients': the block is cast to it
     first (one copy, read by the reduce-scatter). The cast is a block of the scratch pool, so
     it is counted with the unsharded bytes (``W S`` of the reduce dtype: a Llama-70B layer's
-    gradient in fp32 is 3.4 GB) and reused by the next unit once the reduce-scatter is done."""
+    gradient in fp32 is 3.4 GB) and reused by the next unit once the reduce-scatter is done.
+
+    Backwards that do not reduce (no_sync: gradient accumulation, torchtitan's chunked loss)
+    leave their gradients here, summed in the reduce dtype (:meth:`accumulate`), and the
+    backward that reduces adds its own to that sum and sends it, as FSDP2 does with its
+    ``unsharded_accumulated_grad``: bf16 micro-batch gradients are added in fp32, not rounded
+    to bf16 at each addition, and the numbers are FSDP2's bit for bit."""
 
     def __init__(
         self,
@@ -316,16 +334,40 @@ class CastReduceScatter(InPlaceReduceScatter):
     ) -> None:
         super().__init__(mesh, shard_numel, gloo_point_to_point=gloo_point_to_point)
         self.reduce_dtype = reduce_dtype
+        #: the unsharded gradients of the backwards since the last reduction, in the reduce
+        #: dtype (a block of the pool, ``[W*S]``), while any backward did not reduce
+        self.accumulated: torch.Tensor | None = None
+
+    def accumulate(self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool) -> bool:
+        """``full_grad`` added into :attr:`accumulated` (the first one cast into it)."""
+        if self.accumulated is None:
+            self.accumulated = self._cast(full_grad, stats, pool)
+        else:
+            self.accumulated.add_(full_grad)
+        return True
+
+    def drop_accumulated(self) -> torch.Tensor | None:
+        block, self.accumulated = self.accumulated, None
+        return block
 
     def reduce_scatter(
         self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool
     ) -> BucketReduce:
-        scatter_input = pool.take(full_grad.numel(), self.reduce_dtype, full_grad.device)
-        scatter_input.copy_(full_grad)
-        stats.add_copy(scatter_input)
+        if self.accumulated is None:
+            scatter_input = self._cast(full_grad, stats, pool)
+        else:  # this backward's gradients join those of the backwards that did not reduce
+            scatter_input, self.accumulated = self.accumulated, None
+            scatter_input.add_(full_grad)
         item = self._scatter(scatter_input, stats, pool)
         item.scatter.then = _then_give_back(item.scatter.then, pool, scatter_input)
         return item
+
+    def _cast(self, full_grad: torch.Tensor, stats: RuntimeStats, pool: BufferPool) -> torch.Tensor:
+        """``full_grad`` cast into a block of the pool in the reduce dtype."""
+        cast = pool.take(full_grad.numel(), self.reduce_dtype, full_grad.device)
+        cast.copy_(full_grad)
+        stats.add_copy(cast)
+        return cast
 
 
 def _then_give_back(

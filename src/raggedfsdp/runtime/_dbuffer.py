@@ -19,7 +19,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration
 
-__all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes"]
+__all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes", "storages_for", "views_of"]
 
 # Sub-buffers in a FlatStorage start on this many bytes, enough for any dtype and for vector loads.
 _STORAGE_ALIGN = 256
@@ -210,6 +210,16 @@ class DBuffer:
     def full_numel(self) -> int:
         return self.world_size * self.shard_numel
 
+    def gathered(self) -> torch.Tensor:
+        """The unsharded buffer (bound at construction)."""
+        assert self.full is not None
+        return self.full
+
+    def reducer(self) -> ReduceScatter:
+        """The reduce-scatter of a trainable bucket (frozen buckets have none)."""
+        assert self.reduce is not None
+        return self.reduce
+
     def bind_full(self, full: torch.Tensor, param_buffer: torch.Tensor) -> None:
         """Attach the all-gather output ``full`` and make the unsharded parameters views of
         ``param_buffer``: ``full`` itself with zero copy, or a separate buffer that the
@@ -295,3 +305,21 @@ class DBuffer:
         if self.has_sharded_grads():
             total += self.local.numel() * self.local.element_size()
         return total
+
+
+def storages_for(
+    buckets: list[DBuffer], device: torch.device, group_level: bool
+) -> list[FlatStorage]:
+    """Storage for the unsharded buffers of ``buckets``: one for all (``group_level``), or one
+    each."""
+    sizes = [(b.full_numel, b.comm_dtype) for b in buckets]
+    if not sizes:
+        return []
+    if group_level:
+        return [FlatStorage(sizes, device)]
+    return [FlatStorage([size], device) for size in sizes]
+
+
+def views_of(storages: list[FlatStorage]) -> list[torch.Tensor]:
+    """The buffers of ``storages``, in bucket order."""
+    return [view for storage in storages for view in storage.views]

@@ -19,9 +19,8 @@ from ._adopt import adopt
 from ._collectives import Pending
 from ._comm import (
     BucketReduce,
-    ReduceScatter,
 )
-from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes
+from ._dbuffer import DBuffer, FlatStorage, carve, packed_nbytes, storages_for, views_of
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
@@ -89,8 +88,8 @@ class FSDPParamGroup:
         self.buckets = self._build_buckets(registrations, planner)
         #: every parameter of the unit, bucket by bucket in buffer order
         self.params: list[FSDPParam] = [p for b in self.buckets for p in b.params]
-        # The unsharded gradients of all trainable buckets: one pooled block per backward,
-        # taken at the first gradient and given back when the reduce-scatters have read it.
+        # one pooled block of unsharded gradients per backward, from the first gradient to the
+        # reduce-scatters' read
         self._trainable = [b for b in self.buckets if b.requires_grad]
         self._grad_block: torch.Tensor | None = None
         #: the event after which this unit's reduced gradients are attached, until the compute
@@ -147,12 +146,14 @@ class FSDPParamGroup:
         """Storage for the all-gather outputs, on the compute device in each bucket's
         communication dtype; with zero copy the unsharded parameters are views of it. The
         FSDP2-style path copies out into a second storage, as FSDP2 does."""
-        self._gather_storage = self._storages(self.buckets)
+        self._gather_storage = storages_for(self.buckets, self.device, self.config.group_level)
         self._param_storage = (
-            self._gather_storage if self.config.zero_copy else self._storages(self.buckets)
+            self._gather_storage
+            if self.config.zero_copy
+            else storages_for(self.buckets, self.device, self.config.group_level)
         )
-        gathered = _views(self._gather_storage)
-        param_buffers = _views(self._param_storage)
+        gathered = views_of(self._gather_storage)
+        param_buffers = views_of(self._param_storage)
         for bucket, full, param_buffer in zip(self.buckets, gathered, param_buffers, strict=True):
             bucket.bind_full(full, param_buffer)
         for storage in self._gather_storage + self._param_storage:
@@ -167,15 +168,6 @@ class FSDPParamGroup:
                 bucket, bucket.plan, self.device, self.offload
             )
         self._bind_storages()
-
-    def _storages(self, buckets: list[DBuffer]) -> list[FlatStorage]:
-        """One storage for all ``buckets`` (``group_level``), or one each."""
-        sizes = [(b.full_numel, b.comm_dtype) for b in buckets]
-        if not sizes:
-            return []
-        if self.config.group_level:
-            return [FlatStorage(sizes, self.device)]
-        return [FlatStorage([size], self.device) for size in sizes]
 
     def bind(self, shared: SharedResources, paths: list[str]) -> None:
         """Join the root, once, at its lazy init: use its shared resources, and take the unit's
@@ -295,7 +287,7 @@ class FSDPParamGroup:
             with streams.use(streams.copy_in):
                 self._allocate(self._gather_storage)  # memory of the copy-in stream
                 sent = [
-                    b.gather.copy_in(_full(b), b.local, self.stats, self._pool)
+                    b.gather.copy_in(b.gathered(), b.local, self.stats, self._pool)
                     for b in self.buckets
                 ]
                 copied = streams.record(label=f"copy_in:{self.label}")
@@ -303,7 +295,11 @@ class FSDPParamGroup:
             with streams.use(streams.all_gather):
                 for bucket, shard in zip(self.buckets, sent, strict=True):
                     pending = bucket.gather.issue(
-                        _full(bucket), shard, self.stats, self._pool, own_ranges=bucket.own_ranges
+                        bucket.gathered(),
+                        shard,
+                        self.stats,
+                        self._pool,
+                        own_ranges=bucket.own_ranges,
                     )
                     self._pending_unshard.append(pending)
         self.sharded_state = ShardedState.UNSHARDING
@@ -444,8 +440,29 @@ class FSDPParamGroup:
                 self.shared.reduce_queue.make_room()
                 self._reduce_scatter()
                 self.shared.reduce_queue.push(self)
+            elif self._grad_block is not None:
+                self._accumulate()
             if self.knobs.reshard_after_backward:
                 self.reshard()
+
+    def _accumulate(self) -> None:
+        """After a backward under no_sync: buckets whose reduction casts to a wider dtype sum
+        their gradients in it (FSDP2's ``unsharded_accumulated_grad``) and zero their slice of
+        the block, which goes back to the pool if every bucket did."""
+        assert self._grad_block is not None
+        taken = [
+            bucket.reducer().accumulate(bucket.full_grad, self.stats, self._pool)
+            for bucket in self._trainable
+        ]
+        if all(taken):
+            for bucket in self._trainable:
+                bucket.detach_unsharded_grads()
+            self._pool.give(self._grad_block)
+            self._grad_block = None
+            return
+        for bucket, took in zip(self._trainable, taken, strict=True):
+            if took:
+                bucket.full_grad.zero_()
 
     def _reduce_scatter(self) -> None:
         """Issue the reduce-scatter of every trainable bucket."""
@@ -461,7 +478,7 @@ class FSDPParamGroup:
         with streams.use(streams.reduce_scatter):
             for bucket in self._trainable:
                 assert bucket.full_grad is not None
-                reduce = _reducer(bucket).reduce_scatter(bucket.full_grad, self.stats, self._pool)
+                reduce = bucket.reducer().reduce_scatter(bucket.full_grad, self.stats, self._pool)
                 self._reduces.append(reduce)
 
     def finish_reduce_scatter(self) -> bool:
@@ -485,7 +502,7 @@ class FSDPParamGroup:
             with streams.use(streams.all_reduce):
                 for bucket, item in zip(self._trainable, self._reduces, strict=True):
                     all_reduce_now = self.knobs.requires_all_reduce
-                    _reducer(bucket).replicate(item, self.stats, all_reduce_now=all_reduce_now)
+                    bucket.reducer().replicate(item, self.stats, all_reduce_now=all_reduce_now)
         return replicated and self.knobs.requires_all_reduce
 
     def finish_reduce(self) -> None:
@@ -496,7 +513,7 @@ class FSDPParamGroup:
         stream = streams.all_reduce if replicated else streams.reduce_scatter
         with streams.use(stream):
             for bucket, item in zip(self._trainable, self._reduces, strict=True):
-                reduce = _reducer(bucket)
+                reduce = bucket.reducer()
                 if item.replicate is not None:
                     wait_all([item.replicate])
                     reduce.check_replicated(item.output)
@@ -525,6 +542,9 @@ class FSDPParamGroup:
         self._reduced = None
         for bucket in self._trainable:
             bucket.detach_unsharded_grads()
+            dropped = bucket.reducer().drop_accumulated()
+            if dropped is not None:
+                self._pool.give(dropped)
         if self._grad_block is not None:
             self._pool.give(self._grad_block)
             self._grad_block = None
@@ -569,20 +589,3 @@ class FSDPParamGroup:
         if self.offload is not None:
             self.offload.wait()  # the optimizer may read the gradients and write the shards
         self.training_state = TrainingState.IDLE
-
-
-def _full(bucket: DBuffer) -> torch.Tensor:
-    """A bucket's unsharded buffer (bound at construction)."""
-    assert bucket.full is not None
-    return bucket.full
-
-
-def _reducer(bucket: DBuffer) -> ReduceScatter:
-    """The reduce-scatter of a trainable bucket (frozen buckets have none)."""
-    assert bucket.reduce is not None
-    return bucket.reduce
-
-
-def _views(storages: list[FlatStorage]) -> list[torch.Tensor]:
-    """The buffers of ``storages``, in bucket order."""
-    return [view for storage in storages for view in storage.views]
