@@ -121,6 +121,8 @@ class RootContext:
         seen = [state.seen(runs=state is first) for state in order]
         if self.root.group.knobs.static_graph:  # every rank runs and uses what this one does
             self.sequence.plan_backward([False] * len(order), [False] * len(order))
+            for state in order:
+                state.reduce_once = False
             self._adopt = not self._order_agreed and len(self.forward_order) == len(order)
             self._order_agreed = True
             return
@@ -136,6 +138,8 @@ class RootContext:
             return
         skipped = [anywhere and not s.runs for anywhere, s in zip(agreed.runs, seen, strict=True)]
         self.sequence.plan_backward(skipped, agreed.reduces_early)
+        for state, differ in zip(order, agreed.passes_differ, strict=True):
+            state.reduce_once = differ
         self.shared.stats.backward_catch_ups += sum(skipped)
         if digest is not None:
             self._order_agreed = True
@@ -237,6 +241,9 @@ class FSDPState:
         self._output_nodes: list[Any] = []
         self._routed_nodes: list[Any] = []
         self._routed_left = 0  # routed inputs whose backward is still to run in this backward
+        #: whether this backward reduces the unit once, after its last pass, rather than after
+        #: each (FSDP2's way, kept where every rank runs it as often)
+        self.reduce_once = True
         for module in modules:
             self._hook(module)
 
@@ -462,14 +469,16 @@ class FSDPState:
         whether that ends with its routed inputs' backward (how many of them are left to run)."""
         routed = [node for node in self._routed_nodes if will_run(node)]
         self._routed_left = len(routed)
+        self.reduce_once = True  # unless the agreement says every rank runs it as often
         runs = runs or any(will_run(node) for node in self._output_nodes)
-        return Seen(runs=runs, reduces_early=bool(routed))
+        return Seen(runs=runs, routed=len(routed))
 
     def routed_backward_done(self) -> None:
-        """A forward's routed inputs got their gradients; the unit's backward is done when every
-        forward's have (a unit run twice reduces once)."""
+        """A forward's routed inputs got their gradients: a pass of the unit's backward is done.
+        It reduces after each pass, as FSDP2, where every rank runs it as often; else once, when
+        every pass is done (a unit run twice on one rank and once on another)."""
         self._routed_left -= 1
-        if self._routed_left <= 0:
+        if self._routed_left <= 0 or not self.reduce_once:
             self.group.post_backward()
 
     def catch_up_backward(self, *, reduce: bool) -> None:

@@ -45,7 +45,8 @@ def module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
 # skipped units' collectives ("catch-ups": gather and free, with the prefetches their forwards
 # would have issued); the forward's end catches up the rest. A unit run again at once keeps its
 # parameters (its reshard after forward waits for the next unit's forward), so running a unit
-# twice costs no collective another rank lacks. At the start of backward one small all-reduce
+# twice costs no collective another rank lacks, and reduces once after its last backward pass
+# where ranks run it a different number of times. At the start of backward one small all-reduce
 # (``_usage.py``) tells each rank which units any rank's backward runs and which reduce when
 # their backward ends (their inputs need gradients) rather than at the end of backward; a rank
 # whose backward skips a unit does its pre-backward collectives and a reduction of zeros where

@@ -73,12 +73,12 @@ class Unit(Protocol):
 
 @dataclass(frozen=True)
 class Seen:
-    """What this rank's backward does with a unit: whether it runs the unit's backward, and
-    whether it reduces the unit's gradients when that ends (its inputs need gradients: the
-    ``_PostBackward`` node runs) rather than at the end of the backward."""
+    """What this rank's backward does with a unit: whether it runs the unit's backward, and how
+    many of its forwards' routed inputs get gradients (each ends a pass of its backward, after
+    which it reduces; none: it reduces at the end of the backward)."""
 
     runs: bool
-    reduces_early: bool
+    routed: int
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ class Agreed:
 
     runs: list[bool]
     reduces_early: list[bool]
+    #: whether the ranks' counts of routed passes differ (then each reduces once, at its last)
+    passes_differ: list[bool]
     same_order: bool
 
 
@@ -113,9 +115,9 @@ def agree(
     masks = []
     for members in by_mesh.values():
         info = units[members[0]].mesh_info
-        flags = [f for i in members for f in (seen[i].runs, seen[i].reduces_early)]
-        flags += [f for i in members for f in units[i].usage.used]
-        data = [int(f) for f in flags] + list(_order_bytes(digest))
+        # per unit: runs, its routed passes and their complement (MAX of which is 255 - MIN)
+        data = [v for i in members for v in _unit_bytes(seen[i])]
+        data += [int(f) for i in members for f in units[i].usage.used] + list(_order_bytes(digest))
         data += [1] * (-len(data) % 16)  # 16 bytes, as every message NCCL moves here
         mask = torch.tensor(data, dtype=torch.uint8, device=units[members[0]].device)
         with record_function("raggedfsdp::agree_on_usage"):
@@ -124,19 +126,22 @@ def agree(
                     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
                     stats.usage_all_reduces += 1
         masks.append(mask)
-    everything = all(s.runs for s in seen) and all(all(u.usage.used) for u in units)
+    # (a unit run more than once here may run a different number of times elsewhere)
+    everything = all(s.runs and s.routed <= 1 for s in seen)
+    everything = everything and all(all(u.usage.used) for u in units)
     if digest is None and everything:
         return None
     read = torch.cat(masks).tolist()  # the one host read, a sync on an accelerator
-    runs, early = [False] * len(units), [False] * len(units)
+    runs, early, differ = [False] * len(units), [False] * len(units), [False] * len(units)
     same_order = True
     at = 0
     for members, mask in zip(by_mesh.values(), masks, strict=True):
         values = read[at : at + mask.numel()]
         at += mask.numel()
         for k, i in enumerate(members):
-            runs[i], early[i] = bool(values[2 * k]), bool(values[2 * k + 1])
-        pos = 2 * len(members)
+            ran, most, least = values[3 * k], values[3 * k + 1], 255 - values[3 * k + 2]
+            runs[i], early[i], differ[i] = bool(ran), most > 0, most != least
+        pos = 3 * len(members)
         for i in members:
             used = units[i].usage.used
             used[:] = [bool(v) for v in values[pos : pos + len(used)]]
@@ -144,7 +149,12 @@ def agree(
         if digest is not None:
             ours, theirs = values[pos : pos + 8], values[pos + 8 : pos + 16]
             same_order &= all(a + b == 255 for a, b in zip(ours, theirs, strict=True))
-    return Agreed(runs, early, same_order)
+    return Agreed(runs, early, differ, same_order)
+
+
+def _unit_bytes(seen: Seen) -> tuple[int, int, int]:
+    passes = min(seen.routed, 255)
+    return int(seen.runs), passes, 255 - passes
 
 
 def order_digest(positions: list[int] | None) -> bytes:
