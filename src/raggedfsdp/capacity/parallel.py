@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..facts import FUSED_EXPERTS, PER_HEAD, TP_PLAN, ParallelDims, TPStyle, check_cut, tp_dim
+from ..facts import (
+    FUSED_EXPERTS,
+    PER_HEAD,
+    TP_PLAN,
+    ParallelDims,
+    TPStyle,
+    check_cut,
+    is_vision,
+    tp_dim,
+)
 from ..layout import RaggedShard
 from ..planner import WrapPolicy
 
@@ -137,7 +146,8 @@ def _heads(module: nn.Module) -> tuple[int, int] | None:
     cfg = getattr(module, "cfg", None)
     if hasattr(cfg, "n_head"):
         return int(cfg.n_head), int(cfg.n_head)
-    config = getattr(module, "config", None)  # a Hugging Face model's
+    config = getattr(module, "config", None)  # a Hugging Face model's (a VLM's: its text model's)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "num_attention_heads", None):
         heads = int(config.num_attention_heads)
         return heads, int(getattr(config, "num_key_value_heads", None) or heads)
@@ -291,14 +301,18 @@ def split_model(
     _check_degrees(module, dims, experts, model)
     policy = policy or RaggedShard()
     owners = dict(module.named_modules())
-    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    # The token embedding: the first outside a VLM's vision side (a tower's positions come first).
+    embedding = next(
+        (m for path, m in owners.items() if isinstance(m, nn.Embedding) and not is_vision(path)),
+        None,
+    )
     params = {}
     for name, p in module.named_parameters():
         shape = tuple(p.shape)
         owner = owners[name.rpartition(".")[0]]
         expert = _expert_index(name, experts)
         split_dim = None
-        if dims.tp > 1:
+        if dims.tp > 1 and not is_vision(name):  # a vision tower stays whole over tp
             split_dim = _tp_dim(name, shape, owner, owner is embedding)
             if split_dim is not None:
                 by = f"tensor parallelism (tp={dims.tp})"
