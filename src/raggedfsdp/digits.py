@@ -40,7 +40,7 @@ INSTALL_HINT = (
     "scikit-learn: pip install 'raggedfsdp[vlm]'"
 )
 
-#: One digit in this many is held out (never trained on): 300 of the 1,797.
+#: One digit in this many is held out (never trained on): 299 of the 1,797.
 _HELD_OUT_EVERY = 6
 #: XOR-ed into a batch's generator seed for its image draws, so that they are a stream apart
 #: from the text windows' (low 32 bits: torch's generator keeps only those).
