@@ -342,9 +342,11 @@ def hf_seq_len(spec: str) -> int:
 class _ByteTargets(nn.Module):
     """Mixed in before the HF model's class: ``forward(x, targets)`` returns the mean
     cross-entropy of the logits against ``targets`` (already the next tokens, as the job's
-    batches hold them; HF's own ``labels`` would be shifted once more; -100 is ignored, as the
-    image tokens' targets are). A VLM's ``forward(x, targets, pixels)`` also takes one image per
-    row (:class:`_Images`); ``targets=None`` returns the logits instead (the digit accuracy)."""
+    batches hold them; HF's own ``labels`` would be shifted once more). A target of -100 (an
+    image token's, padding's) counts zero, yet in the mean's count: the loss of a batch is then
+    the mean of its rows' whatever their mix, so ranks' losses average to one process's on the
+    global batch. A VLM's ``forward(x, targets, pixels)`` also takes one image per row
+    (:class:`_Images`); ``targets=None`` returns the logits instead (the digit accuracy)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if 2 <= len(args) <= 3 and not kwargs:
@@ -353,9 +355,10 @@ class _ByteTargets(nn.Module):
             logits = super().forward(input_ids=input_ids, use_cache=False, **inputs).logits
             if targets is None:
                 return logits
-            return F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1)
+            summed = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
             )
+            return summed / targets.numel()
         return super().forward(*args, **kwargs)
 
     def _image_inputs(self, input_ids: torch.Tensor, pixels: torch.Tensor) -> dict[str, Any]:
