@@ -33,6 +33,7 @@ __all__ = [
     "ParamSplit",
     "UnsplittableModel",
     "split_model",
+    "token_embedding",
 ]
 
 
@@ -155,6 +156,19 @@ def _heads(module: nn.Module) -> tuple[int, int] | None:
     if heads is None:
         return None
     return int(heads), int(getattr(module, "n_kv_heads", heads))
+
+
+def token_embedding(module: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: its first ``nn.Embedding`` outside a VLM's vision side
+    (whose position and tile embeddings come first); ``None`` if it has none."""
+    return next(
+        (
+            m
+            for path, m in module.named_modules()
+            if isinstance(m, nn.Embedding) and not is_vision(path)
+        ),
+        None,
+    )
 
 
 def _check_degrees(
@@ -301,11 +315,7 @@ def split_model(
     _check_degrees(module, dims, experts, model)
     policy = policy or RaggedShard()
     owners = dict(module.named_modules())
-    # The token embedding: the first outside a VLM's vision side (a tower's positions come first).
-    embedding = next(
-        (m for path, m in owners.items() if isinstance(m, nn.Embedding) and not is_vision(path)),
-        None,
-    )
+    embedding = token_embedding(module)
     params = {}
     for name, p in module.named_parameters():
         shape = tuple(p.shape)
