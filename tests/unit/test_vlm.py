@@ -198,3 +198,31 @@ def test_without_scikit_learn_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(ValueError, match=r"scikit-learn: pip install 'raggedfsdp\[vlm\]'$"):
         dg.load_digits()
+
+
+def test_a_unit_first_run_after_the_first_step_trains_as_one_process(group_of_one, corpus):
+    """A job whose first batches hold no image runs its vision units first in a later step:
+    their gradients (the patch embedding's, whose input needs none) are reduced as every
+    unit's, and training equals the unsharded model's step for step (it was lost: ``None``)."""
+    cfg = TrainConfig(hf_config="tiny-llava", data=str(corpus), lr=1e-2)
+    sampler = _sampler(cfg.image_format(), global_batch=4, per_step=True)
+    kinds = {step: bool((sampler.batch(step)[0] == 256).any()) for step in range(12)}
+    steps = [s for s in kinds if not kinds[s]][:2] + [s for s in kinds if kinds[s]][:2]
+    sharded = build_model(cfg, torch.device("cpu"))
+    torch.manual_seed(cfg.seed)
+    plain = hf.build_hf_model("tiny-llava", "cpu")
+    patch = "model.vision_tower.embeddings.patch_embedding.weight"
+    for model in (sharded, plain):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model.losses, model.graded = [], []
+        for step in steps:  # text, text, then images
+            loss = model(*sampler.batch(step))
+            loss.backward()
+            model.losses.append(loss.item())
+            model.graded.append(dict(model.named_parameters())[patch].grad is not None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    assert sharded.graded == plain.graded == [False, False, True, True]
+    torch.testing.assert_close(sharded.losses, plain.losses, rtol=1e-6, atol=0)
+    got = dict(sharded.named_parameters())[patch].full_tensor()
+    torch.testing.assert_close(got, dict(plain.named_parameters())[patch], rtol=1e-6, atol=0)

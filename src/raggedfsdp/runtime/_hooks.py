@@ -104,7 +104,12 @@ class RootContext:
 
     def finish_backward(self) -> None:
         """End-of-backward callback (queued on the autograd engine)."""
-        for state in reversed(self.forward_order or self.states):
+        # Units the first iteration did not run (a vision tower's first unit, whose input needs
+        # no gradient, in a job whose first batch had no image) follow the recorded ones: they
+        # too may have gradients now, with no _PostBackward of their own to reduce them.
+        order = self.forward_order or self.states
+        unrecorded = [state for state in self.states if state not in order]
+        for state in [*reversed(order), *unrecorded]:
             state.group.post_backward()
         self.shared.reduce_queue.drain()
         agree_on_usage([state.group for state in self.states], self.shared.stats)
