@@ -64,6 +64,14 @@ class ImageFormat:
         """Tokens of one image-text sample: the image, the prompt and the digit."""
         return len(self.prefix) + len(PROMPT) + 1
 
+    def check_fits(self, seq_len: int) -> None:
+        """``ValueError`` unless a sample fits in ``seq_len`` tokens."""
+        if seq_len < self.sample_len:
+            raise ValueError(
+                f"seq_len: {seq_len} tokens cannot hold an image-text sample of {self.sample_len} "
+                f"({len(self.prefix)} image tokens, the prompt and the digit)"
+            )
+
     @property
     def answer_position(self) -> int:
         """Index of the prompt's last token in a sample: its next token is the digit."""
@@ -110,11 +118,7 @@ def digit_rows(
     """The samples of ``digits[index]`` as rows ``(x, y, pixels)`` of ``seq_len`` tokens: ``x``
     the image tokens, the prompt and the digit, padded with zeros; ``y`` the next tokens, -100
     (:data:`IGNORE_INDEX`) where the next token is an image token or padding."""
-    if seq_len < fmt.sample_len:
-        raise ValueError(
-            f"seq_len: {seq_len} tokens cannot hold an image-text sample of {fmt.sample_len} "
-            f"({len(fmt.prefix)} image tokens, the prompt and the digit)"
-        )
+    fmt.check_fits(seq_len)
     n = int(index.numel())
     text = torch.tensor(list(PROMPT), dtype=torch.int64)
     sample = torch.cat(
@@ -163,7 +167,7 @@ class ImageTextSampler(BatchSampler):
     ) -> None:
         if not 0.0 <= image_fraction <= 1.0:
             raise ValueError(f"image_fraction must be in [0, 1], got {image_fraction!r}")
-        digit_rows(digits, torch.arange(0), fmt, seq_len)  # checks seq_len
+        fmt.check_fits(seq_len)
         super().__init__(
             tokens,
             seq_len=seq_len,

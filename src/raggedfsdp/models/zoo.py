@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raggedfsdp.models._zoo_parts import HFMLP, HFDecoder, PlanningOnly
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
+from raggedfsdp.models.zoo_vlm import Llama32Vision, Qwen25VL
 
 __all__ = [
     "DEEPSEEK_V2_LITE",
@@ -33,15 +35,6 @@ __all__ = [
 ]
 
 DeviceLike = torch.device | str
-
-
-class _PlanningOnly(nn.Module):
-    """Base for shape-only models: a forward that explains itself instead of failing obscurely."""
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise NotImplementedError(
-            f"{type(self).__name__} is a shape-only model for sharding plans; it has no forward"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -79,7 +72,7 @@ class _LlamaBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(hidden)
 
 
-class Llama3(_PlanningOnly):
+class Llama3(PlanningOnly):
     """Llama 3 / 3.1 decoder shapes (Meta's reference ``model.py`` module names).
 
     Shapes from the public ``params.json`` / Hugging Face ``config.json`` of
@@ -253,7 +246,7 @@ class _DeepSeekBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden)
 
 
-class DeepSeekV3(_PlanningOnly):
+class DeepSeekV3(PlanningOnly):
     """DeepSeek-V2/V3 shapes (by default V3's 671B, :data:`DEEPSEEK_V3`), module names after
     DeepSeek's reference inference ``model.py``."""
 
@@ -354,7 +347,7 @@ class _GPTOSSBlock(nn.Module):
         self.mlp = _GPTOSSMoE(cfg)
 
 
-class GPTOSS(_PlanningOnly):
+class GPTOSS(PlanningOnly):
     """GPT-OSS shapes (by default :data:`GPT_OSS_120B`), module names after the Hugging Face
     ``GptOssForCausalLM``: attention and expert projections carry biases, each layer has
     per-head attention sinks."""
@@ -385,25 +378,6 @@ class _NumberedModules(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` that skips its initialisation on the meta device (there is nothing to
-    initialise there, and tens of thousands of experts would spend seconds doing it)."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
-
-
-class _HFMLP(nn.Module):
-    """Hugging Face SwiGLU projections: ``down_proj(silu(gate_proj x) * up_proj x)``."""
-
-    def __init__(self, hidden: int, inner: int, bias: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = _Linear(hidden, inner, bias=bias)
-        self.up_proj = _Linear(hidden, inner, bias=bias)
-        self.down_proj = _Linear(inner, hidden, bias=bias)
 
 
 class _HFMLA(nn.Module):
@@ -441,32 +415,22 @@ class _HFMoEGate(nn.Module):
 class _HFDeepSeekMoE(nn.Module):
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        experts = [_HFMLP(cfg.hidden, cfg.moe_inner) for _ in range(cfg.n_routed)]
+        experts = [HFMLP(cfg.hidden, cfg.moe_inner) for _ in range(cfg.n_routed)]
         self.experts = _NumberedModules(experts)
         self.gate = _HFMoEGate(cfg)
-        self.shared_experts = _HFMLP(cfg.hidden, cfg.n_shared * cfg.moe_inner)
+        self.shared_experts = HFMLP(cfg.hidden, cfg.n_shared * cfg.moe_inner)
 
 
 class _HFDeepSeekLayer(nn.Module):
     def __init__(self, cfg: DeepSeekConfig, dense: bool) -> None:
         super().__init__()
         self.self_attn = _HFMLA(cfg)
-        self.mlp = _HFMLP(cfg.hidden, cfg.dense_inner) if dense else _HFDeepSeekMoE(cfg)
+        self.mlp = HFMLP(cfg.hidden, cfg.dense_inner) if dense else _HFDeepSeekMoE(cfg)
         self.input_layernorm = nn.RMSNorm(cfg.hidden)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
-class _HFDecoder(nn.Module):
-    """The ``model.`` part of a Hugging Face causal LM: embeddings, layers, final norm."""
-
-    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(layers)
-        self.norm = nn.RMSNorm(hidden)
-
-
-class DeepSeekHF(_PlanningOnly):
+class DeepSeekHF(PlanningOnly):
     """DeepSeek-V2/V3 in the Hugging Face checkpoint layout, one ``nn.Linear`` per expert.
 
     Parameter names as in the public checkpoints (``model.layers.N.self_attn.q_a_proj.weight``,
@@ -482,7 +446,7 @@ class DeepSeekHF(_PlanningOnly):
             _HFDeepSeekLayer(config, dense=i < config.n_dense_layers)
             for i in range(config.n_layers)
         ]
-        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.model = HFDecoder(config.vocab, config.hidden, layers)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
@@ -497,7 +461,7 @@ class _HFGPTOSSMoE(nn.Module):
     def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
         self.router = _HFGPTOSSRouter(cfg)
-        experts = [_HFMLP(cfg.hidden, cfg.inner, bias=True) for _ in range(cfg.n_experts)]
+        experts = [HFMLP(cfg.hidden, cfg.inner, bias=True) for _ in range(cfg.n_experts)]
         self.experts = _NumberedModules(experts)
 
 
@@ -510,7 +474,7 @@ class _HFGPTOSSLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
-class GPTOSSHF(_PlanningOnly):
+class GPTOSSHF(PlanningOnly):
     """GPT-OSS with its experts unfused: one ``nn.Linear`` (with bias) per expert and
     projection, in the Hugging Face module tree (``model.layers.N.self_attn.q_proj.weight``,
     ``model.layers.N.mlp.router.weight``, ``lm_head.weight``).
@@ -527,193 +491,8 @@ class GPTOSSHF(_PlanningOnly):
         super().__init__()
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads  # as GPTOSS's
         layers: list[nn.Module] = [_HFGPTOSSLayer(config) for _ in range(config.n_layers)]
-        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.model = HFDecoder(config.vocab, config.hidden, layers)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Vision-language models (transformers' module trees: ``model.visual`` / ``model.vision_model``,
-# ``model.language_model``, ``lm_head``)
-# --------------------------------------------------------------------------------------------
-
-
-class _QwenVisionBlock(nn.Module):
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.norm1 = nn.RMSNorm(hidden)
-        self.norm2 = nn.RMSNorm(hidden)
-        self.attn = nn.Module()
-        self.attn.qkv = nn.Linear(hidden, 3 * hidden)
-        self.attn.proj = nn.Linear(hidden, hidden)
-        self.mlp = _HFMLP(hidden, inner, bias=True)
-
-
-class _QwenDecoderLayer(nn.Module):
-    """A Qwen2 decoder layer: grouped-query attention with biased q/k/v, SwiGLU."""
-
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, inner: int) -> None:
-        super().__init__()
-        head_dim = hidden // n_heads
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, n_heads * head_dim)
-        self.self_attn.k_proj = nn.Linear(hidden, n_kv_heads * head_dim)
-        self.self_attn.v_proj = nn.Linear(hidden, n_kv_heads * head_dim)
-        self.self_attn.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
-        self.mlp = _HFMLP(hidden, inner)
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-
-
-class Qwen25VL(_PlanningOnly):
-    """Qwen2.5-VL-72B: a 32-block ViT with a Conv3d patch embedding and a 2x2 patch merger,
-    and a Qwen2.5-72B text model.
-
-    From ``config.json`` of Qwen/Qwen2.5-VL-72B-Instruct (Hugging Face): ``vision_config``
-    ``depth`` 32, ``hidden_size`` 1280, ``intermediate_size`` 3456, ``num_heads`` 16,
-    ``in_chans`` 3, ``patch_size`` 14, ``temporal_patch_size`` 2, ``spatial_merge_size`` 2,
-    ``out_hidden_size`` 8192; text ``hidden_size`` 8192, ``num_hidden_layers`` 80,
-    ``num_attention_heads`` 64, ``num_key_value_heads`` 8, ``intermediate_size`` 29568,
-    ``vocab_size`` 152064, ``tie_word_embeddings`` false. 73.4B parameters, 0.70B of them
-    the vision side (the model card: "73.4B").
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        vision, merged, hidden, vocab = 1280, 1280 * 2 * 2, 8192, 152064
-        self.n_heads, self.n_kv_heads = 64, 8
-        self.model = nn.Module()
-        self.model.visual = nn.Module()
-        self.model.visual.patch_embed = nn.Module()
-        self.model.visual.patch_embed.proj = nn.Conv3d(
-            3, vision, kernel_size=(2, 14, 14), stride=(2, 14, 14), bias=False
-        )
-        self.model.visual.blocks = nn.ModuleList(_QwenVisionBlock(vision, 3456) for _ in range(32))
-        self.model.visual.merger = nn.Module()
-        self.model.visual.merger.ln_q = nn.RMSNorm(vision)
-        self.model.visual.merger.mlp = nn.Sequential(
-            nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, hidden)
-        )
-        layers = [_QwenDecoderLayer(hidden, 64, 8, 29568) for _ in range(80)]
-        self.model.language_model = _HFDecoder(vocab, hidden, layers)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-
-class _MllamaVisionLayer(nn.Module):
-    """A CLIP-style layer of Mllama's tower (LayerNorms, GELU MLP); gated in its global part."""
-
-    def __init__(self, hidden: int, inner: int, gated: bool) -> None:
-        super().__init__()
-        self.self_attn = nn.Module()
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            self.self_attn.add_module(name, nn.Linear(hidden, hidden, bias=False))
-        self.mlp = nn.Module()
-        self.mlp.fc1 = nn.Linear(hidden, inner)
-        self.mlp.fc2 = nn.Linear(inner, hidden)
-        self.input_layernorm = nn.LayerNorm(hidden)
-        self.post_attention_layernorm = nn.LayerNorm(hidden)
-        if gated:
-            self.gate_attn = nn.Parameter(torch.empty(1))
-            self.gate_ffn = nn.Parameter(torch.empty(1))
-
-
-class _GatedEmbedding(nn.Module):
-    """A tile-position embedding ``[aspect ratios, tiles * width]`` and its gate."""
-
-    def __init__(self, ratios: int, width: int) -> None:
-        super().__init__()
-        self.gate = nn.Parameter(torch.empty(1))
-        self.embedding = nn.Embedding(ratios, width)
-
-
-class _MllamaVision(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        hidden, patches, tiles, ratios = 1280, (560 // 14) ** 2 + 1, 4, 9
-        self.class_embedding = nn.Parameter(torch.empty(hidden))
-        self.patch_embedding = nn.Conv2d(3, hidden, kernel_size=14, stride=14, bias=False)
-        self.gated_positional_embedding = nn.Module()
-        positions = self.gated_positional_embedding
-        positions.gate = nn.Parameter(torch.empty(1))
-        positions.embedding = nn.Parameter(torch.empty(patches, hidden))
-        positions.tile_embedding = nn.Embedding(ratios, tiles * patches * hidden)
-        self.pre_tile_positional_embedding = _GatedEmbedding(ratios, tiles * hidden)
-        self.post_tile_positional_embedding = _GatedEmbedding(ratios, tiles * hidden)
-        self.layernorm_pre = nn.LayerNorm(hidden)
-        self.layernorm_post = nn.LayerNorm(hidden)
-        self.transformer = nn.Module()
-        self.transformer.layers = nn.ModuleList(
-            _MllamaVisionLayer(hidden, 5120, gated=False) for _ in range(32)
-        )
-        self.global_transformer = nn.Module()
-        self.global_transformer.layers = nn.ModuleList(
-            _MllamaVisionLayer(hidden, 5120, gated=True) for _ in range(8)
-        )
-
-
-class _MllamaCrossLayer(nn.Module):
-    """A gated cross-attention layer of the text model: its queries from the text, keys and
-    values from the projected image features."""
-
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, inner: int) -> None:
-        super().__init__()
-        head_dim = hidden // n_heads
-        self.cross_attn = nn.Module()
-        self.cross_attn.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
-        self.cross_attn.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.cross_attn.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.cross_attn.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
-        self.cross_attn.q_norm = nn.RMSNorm(head_dim)
-        self.cross_attn.k_norm = nn.RMSNorm(head_dim)
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.cross_attn_attn_gate = nn.Parameter(torch.empty(1))
-        self.mlp = _HFMLP(hidden, inner)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-        self.cross_attn_mlp_gate = nn.Parameter(torch.empty(1))
-
-
-class _LlamaDecoderLayer(nn.Module):
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, inner: int) -> None:
-        super().__init__()
-        head_dim = hidden // n_heads
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, n_heads * head_dim, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.self_attn.v_proj = nn.Linear(hidden, n_kv_heads * head_dim, bias=False)
-        self.self_attn.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
-        self.mlp = _HFMLP(hidden, inner)
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-
-
-class Llama32Vision(_PlanningOnly):
-    """Llama-3.2-90B-Vision (Mllama): a 32 + 8-layer ViT-H/14 over up to 4 tiles of 560x560, a
-    linear projector, and Llama 3.1 70B with 20 gated cross-attention layers among its 100.
-
-    From ``config.json`` of meta-llama/Llama-3.2-90B-Vision (Hugging Face): ``vision_config``
-    ``hidden_size`` 1280, ``intermediate_size`` 5120, ``num_hidden_layers`` 32,
-    ``num_global_layers`` 8, ``attention_heads`` 16, ``image_size`` 560, ``patch_size`` 14,
-    ``max_num_tiles`` 4, 8 ``supported_aspect_ratios``, ``vision_output_dim`` 7680; text
-    ``hidden_size`` 8192, ``num_hidden_layers`` 100, ``cross_attention_layers`` [3, 8, ..., 98]
-    (every fifth from 3), ``num_attention_heads`` 64, ``num_key_value_heads`` 8,
-    ``intermediate_size`` 28672, ``vocab_size`` 128256 (the embedding 8 rows more: the image
-    tokens), ``tie_word_embeddings`` false. 88.6B parameters, 0.93B of them the vision side
-    (the model card: "88.6B").
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        hidden, vocab = 8192, 128256
-        self.n_heads, self.n_kv_heads = 64, 8
-        cross = set(range(3, 100, 5))
-        layers = [
-            (_MllamaCrossLayer if i in cross else _LlamaDecoderLayer)(hidden, 64, 8, 28672)
-            for i in range(100)
-        ]
-        self.model = nn.Module()
-        self.model.vision_model = _MllamaVision()
-        self.model.language_model = _HFDecoder(vocab + 8, hidden, layers)
-        self.model.multi_modal_projector = nn.Linear(7680, hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
 
 # Built on a real device, the zoo models hold torch's default initialisation for Linear, Embedding

@@ -287,20 +287,12 @@ class TrainConfig:
             )
 
     def _check_images(self) -> None:
-        """``--image-fraction`` in [0, 1]; for a VLM, an image size that fits its tower and a
-        sequence that holds an image-text sample; ``--image-size`` only for a VLM."""
+        """``--image-fraction`` in [0, 1]; ``--image-size`` only for a VLM, one that fits its
+        tower; a sequence that holds an image-text sample."""
         if not 0.0 <= self.image_fraction <= 1.0:
             raise ValueError(f"image_fraction: must be in [0, 1], got {self.image_fraction}")
-        if self.image_size is not None and self.image_size < 1:
-            raise ValueError(f"image_size: must be >= 1, got {self.image_size}")
         if self.vlm:
-            fmt = self.image_format()
-            if self.tokens_per_seq < fmt.sample_len:
-                raise ValueError(
-                    f"seq_len: {self.tokens_per_seq} tokens cannot hold an image-text sample of "
-                    f"{self.model_name} ({fmt.sample_len} tokens: {len(fmt.prefix)} for the "
-                    f"image, the prompt and the digit)"
-                )
+            self.image_format().check_fits(self.tokens_per_seq)
         elif self.image_size is not None:
             raise ValueError(
                 f"image_size: {self.model_name} is not a vision-language model; it takes no image"

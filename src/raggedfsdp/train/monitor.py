@@ -365,17 +365,7 @@ class Monitor:
             ),
         ]
         rows.append(("skipped steps (non-finite)", f"{last['skipped_steps']:,}"))
-        if evals:
-            best = min(evals, key=lambda r: r["val_loss"])
-            rows.append(("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})"))
-            if "digit_accuracy" in evals[-1]:
-                rows.append(
-                    (
-                        "held-out digit accuracy",
-                        f"{100 * evals[0]['digit_accuracy']:.1f}% (step {evals[0]['step']}) -> "
-                        f"{100 * evals[-1]['digit_accuracy']:.1f}% (chance 10%)",
-                    )
-                )
+        rows += _eval_rows(evals)
         step_s = median("step_s")
         rows += [
             ("tokens/s (global, median)", f"{median('tokens_per_s'):,.0f}"),
@@ -408,6 +398,24 @@ class Monitor:
         for name, value in rows:
             table.add_row(name, value)
         return table
+
+
+def _eval_rows(evals: list[dict]) -> list[tuple[str, str]]:
+    """The summary's rows of the evaluations: the validation loss, a VLM's digit accuracy."""
+    if not evals:
+        return []
+    best = min(evals, key=lambda r: r["val_loss"])
+    rows = [("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})")]
+    if "digit_accuracy" in evals[-1]:
+        first, last = evals[0], evals[-1]
+        rows.append(
+            (
+                "held-out digit accuracy",
+                f"{100 * first['digit_accuracy']:.1f}% (step {first['step']}) -> "
+                f"{100 * last['digit_accuracy']:.1f}% (chance 10%)",
+            )
+        )
+    return rows
 
 
 def write_report(records: list[dict[str, Any]], path: Path, cfg: TrainConfig) -> Path:
