@@ -18,7 +18,13 @@ from .checkpoint import full_state_dict, load_optim_state_dict, optim_state_dict
 from .clip import clip_grad_norm_
 from .layout import RaggedShard, ShardLayout
 from .materialize import init_sharded_
-from .planner import PlanEntry, ShardPlan, StructAwarePlanner, shard_size_lower_bound
+from .planner import (
+    PlanEntry,
+    ShardPlan,
+    StructAwarePlanner,
+    register_block_numel,
+    shard_size_lower_bound,
+)
 from .runtime import (
     CommCompression,
     DataParallelMeshDims,
@@ -57,6 +63,7 @@ __all__ = [
     "load_optim_state_dict",
     "optim",
     "optim_state_dict",
+    "register_block_numel",
     "register_fsdp_forward_method",
     "shard_info",
     "shard_size_lower_bound",

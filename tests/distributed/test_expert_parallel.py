@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import raggedfsdp as rf
@@ -39,6 +40,14 @@ try:
     from torch.distributed.fsdp import DataParallelMeshDims as TorchDims
 except ImportError:  # an older torch: raggedfsdp's full-mesh form alone against the reference
     TorchDims = None
+
+try:  # FSDP2's per-parameter meshes (newer than torch 2.13)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+except ImportError:  # the same two fields, as torchtitan's workaround for older torches has it
+
+    class ShardPlacementResult(NamedTuple):  # type: ignore[no-redef]
+        placement: Shard
+        mesh_info: FSDPMeshInfo
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -135,20 +144,51 @@ def _place_experts(block: Block, ep_mesh: DeviceMesh, placement: Shard | None = 
     block.moe.ep_group = ep_mesh.get_group()
 
 
-def _parallelize(impl: str, model: Net, meshes: tuple[Any, Any], divide: bool = True) -> Net:
+def _parallelize(
+    impl: str,
+    model: Net,
+    meshes: tuple[Any, Any],
+    divide: bool = True,
+    expert_dim: int = 0,
+) -> Net:
     """Expert parallelism over mesh["ep"], then FSDP: the experts over mesh["dp"], the rest over
     dp and ep flattened (``dense``). ``divide``: the experts' gradients divided by every data
     rank, as torchtitan sets it for FSDP2 (FSDP2 divides by the experts' own mesh otherwise;
-    raggedfsdp divides by all the data-parallel ranks either way)."""
+    raggedfsdp divides by all the data-parallel ranks either way). ``expert_dim``: the experts
+    sharded over dp along that dim by ``shard_placement_fn`` (torchtitan's ``Shard(1)`` when the
+    FSDP degree exceeds the experts), 0 the default."""
     mesh, dense = meshes
+    placement_fn = (lambda p: Shard(expert_dim)) if expert_dim else None
     for block in model.blocks:
         _place_experts(block, mesh["ep"])
-        experts = IMPLS[impl](block.moe.experts, mesh=mesh["dp"])
+        experts = IMPLS[impl](block.moe.experts, mesh=mesh["dp"], shard_placement_fn=placement_fn)
         if divide:
             experts.set_force_sum_reduction_for_comms(True)  # Gloo has no PREMUL_SUM
             experts.set_gradient_divide_factor(float(mesh.size()))
         IMPLS[impl](block, mesh=dense)
     IMPLS[impl](model, mesh=dense)
+    return model
+
+
+def _per_parameter_meshes(model: Net, meshes: tuple[Any, Any], expert_dim: int = 0) -> Net:
+    """torchtitan's ``apply_fsdp`` with expert parallelism, on raggedfsdp: one ``fully_shard``
+    per block over the dense mesh, whose ``shard_placement_fn`` gives the experts'
+    weights ``ShardPlacementResult(Shard(expert_dim), <mesh["dp"]'s FSDPMeshInfo>)`` and every
+    other parameter ``ShardPlacementResult(Shard(0), <the dense mesh's>)``."""
+    mesh, dense = meshes
+    experts_info = FSDPMeshInfo(mesh=mesh["dp"], shard_mesh_dim=0)
+    dense_info = FSDPMeshInfo(mesh=dense, shard_mesh_dim=0)
+    for block in model.blocks:
+        _place_experts(block, mesh["ep"])
+        experts = set(block.moe.experts.parameters())
+
+        def placement_fn(param: nn.Parameter, experts: set = experts) -> ShardPlacementResult:
+            if param in experts:
+                return ShardPlacementResult(placement=Shard(expert_dim), mesh_info=experts_info)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=dense_info)
+
+        rf.fully_shard(block, mesh=dense, shard_placement_fn=placement_fn)
+    rf.fully_shard(model, mesh=dense)
     return model
 
 
@@ -228,6 +268,8 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
         out[f"{impl}_full_mesh"] = _train(spmd, data_rank, mesh=mesh)
         weights = (spmd.blocks[0].moe.experts.w1, spmd.blocks[0].moe.router.weight)
         out[f"{impl}_full_mesh"]["dims"] = [w.device_mesh.mesh_dim_names for w in weights]
+    out["shard_1"] = _shard_1(base, meshes, data_rank, path)
+    out["per_parameter"] = _per_parameter(base, meshes, data_rank, path, models["fsdp2"])
     default = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
     out["rf_default_divide"] = _train(default, data_rank)
     clipped = _parallelize("rf", copy.deepcopy(base), meshes, divide=False)
@@ -235,6 +277,50 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     out["checkpoints"] = _checkpoints(base, meshes, models, data_rank, path)
     out["muon"] = _muon(base, meshes)
     out["errors"] = _errors(base, meshes)
+    return out
+
+
+def _shard_1(base: Net, meshes: tuple[Any, Any], data_rank: int, path: str) -> dict[str, Any]:
+    """torchtitan's experts ``Shard(1)`` over dp (beside ``Shard(0)`` over ep), with each
+    implementation: trained, placed, and each one's DCP checkpoint loaded into the other."""
+    out: dict[str, Any] = {}
+    models = {}
+    for impl in IMPLS:
+        models[impl] = _parallelize(impl, copy.deepcopy(base), meshes, expert_dim=1)
+        out[impl] = _train(models[impl], data_rank)
+        out[impl]["placements"] = _placements(models[impl])
+    torch.manual_seed(9)  # other values, which the loads must replace
+    other = Net()
+    for saver, loader in (("rf", "fsdp2"), ("fsdp2", "rf")):
+        saved = os.path.join(path, f"shard_1_{saver}")
+        dcp.save(models[saver].state_dict(), checkpoint_id=saved)
+        into = _parallelize(loader, copy.deepcopy(other), meshes, expert_dim=1)
+        out[f"{saver}_into_{loader}"] = _load(into, saved)
+    return out
+
+
+def _per_parameter(
+    base: Net, meshes: tuple[Any, Any], data_rank: int, path: str, fsdp2: Net
+) -> dict[str, Any]:
+    """torchtitan's per-parameter meshes on raggedfsdp (experts ``Shard(0)`` and ``Shard(1)``
+    over dp): trained and placed; its checkpoint loaded into FSDP2 (the experts a unit of their
+    own over dp, the same layout), and FSDP2's trained ``fsdp2`` loaded into it."""
+    out: dict[str, Any] = {}
+    for dim in (0, 1):
+        model = _per_parameter_meshes(copy.deepcopy(base), meshes, expert_dim=dim)
+        out[dim] = _train(model, data_rank)
+        out[dim]["placements"] = _placements(model)
+    torch.manual_seed(9)  # other values, which the loads must replace
+    other = Net()
+    saved = os.path.join(path, "per_parameter")
+    dcp.save(model.state_dict(), checkpoint_id=saved)
+    into = _parallelize("fsdp2", copy.deepcopy(other), meshes, expert_dim=1)
+    out["into_fsdp2"] = _load(into, saved)
+    from_fsdp2 = os.path.join(path, "per_parameter_fsdp2")
+    dcp.save(fsdp2.state_dict(), checkpoint_id=from_fsdp2)
+    out["fsdp2_saved"] = full_state(fsdp2)
+    into = _per_parameter_meshes(copy.deepcopy(other), meshes)
+    out["from_fsdp2"] = _load(into, from_fsdp2)
     return out
 
 
@@ -382,6 +468,42 @@ def test_experts_carry_dp_and_ep_the_rest_the_flattened_mesh(grid):
     # dp pairs (0, 2) and (1, 3) split the experts their ep rank holds
     pieces = [rank["rf"]["placements"]["expert_local_numel"] for rank in grid]
     assert pieces[0] + pieces[2] == pieces[1] + pieces[3] == EXPERTS // EP * DIM * HIDDEN
+
+
+def test_experts_sharded_on_dim_1_as_torchtitan_asks(grid):
+    """``Shard(1)`` over dp from shard_placement_fn (torchtitan's, when the FSDP degree exceeds
+    the experts): one process's gradients and steps, FSDP2's placements and local pieces (the
+    control: the default run's experts are ragged, ``RS``), and DCP checkpoints moving both
+    ways between raggedfsdp and FSDP2 in that layout."""
+    for rank in grid:
+        ours, theirs = rank["shard_1"]["rf"], rank["shard_1"]["fsdp2"]
+        for result in (ours, theirs):
+            assert_close_dicts(result["grads"], rank["reference"]["grads"])
+            assert_close_dicts(result["trained"], rank["reference"]["trained"])
+        assert ours["placements"]["expert"] == (("dp", "ep"), [str(Shard(1)), str(Shard(0))])
+        assert ours["placements"]["expert"] == theirs["placements"]["expert"]
+        assert ours["placements"]["expert_local_numel"] == EXPERTS // EP * DIM * HIDDEN // DP
+        assert ours["placements"]["forward_sees"] == theirs["placements"]["forward_sees"]
+        assert rank["rf"]["placements"]["expert"][1][0] == "RS"
+        assert_close_dicts(rank["shard_1"]["rf_into_fsdp2"], ours["trained"])
+        assert_close_dicts(rank["shard_1"]["fsdp2_into_rf"], theirs["trained"])
+
+
+def test_per_parameter_meshes_as_torchtitan_gives_them(grid):
+    """One fully_shard per block, the experts on a mesh of their own through
+    ShardPlacementResult (torchtitan's apply_fsdp): one process's gradients and steps, the
+    placements FSDP2 gives (experts over dp and ep, ``Shard(0)`` ragged or ``Shard(1)``; the
+    rest over the flattened mesh), DCP checkpoints both ways with FSDP2."""
+    for rank in grid:
+        ours = rank["per_parameter"]
+        for dim in (0, 1):
+            assert_close_dicts(ours[dim]["grads"], rank["reference"]["grads"])
+            assert_close_dicts(ours[dim]["trained"], rank["reference"]["trained"])
+        assert ours[0]["placements"] == rank["rf"]["placements"]
+        assert ours[1]["placements"] == rank["shard_1"]["rf"]["placements"]
+        assert ours[1]["placements"]["expert"] == rank["shard_1"]["fsdp2"]["placements"]["expert"]
+        assert_close_dicts(ours["into_fsdp2"], ours[1]["trained"])
+        assert_close_dicts(ours["from_fsdp2"], ours["fsdp2_saved"])
 
 
 def test_clip_reduces_the_norm_over_both_meshes(grid):

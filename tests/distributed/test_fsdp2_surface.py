@@ -5,23 +5,29 @@ rank, before any collective. One Gloo launch of 2 ranks; the tests judge its col
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 import torch.distributed.fsdp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import Shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
+from torch.distributed.tensor import Replicate, Shard
 
 import raggedfsdp as rf
 from harness import run_distributed
-from parity_models import DIM, OddModel, make_batches
+from parity_models import DIM, OddModel, make_batches, train_reference
 
 WORLD = 2
 
@@ -108,7 +114,7 @@ def _fresh(cls: type = OddModel) -> nn.Module:
 def _message(call: Callable[[], Any]) -> str:
     try:
         call()
-    except (ValueError, TypeError, NotImplementedError) as error:
+    except (ValueError, TypeError, NotImplementedError, AssertionError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
 
@@ -149,7 +155,11 @@ def _equivalences(rank: int) -> dict[str, Any]:
         )
         res["no_offload"] = _train(_shard(impl, _fresh(), offload_policy=OffloadPolicy()), rank)
         placement = _shard(impl, _fresh(), shard_placement_fn=lambda p: Shard(0))
+        res["placed_dim_0"] = _placements(placement)
         res["placement"] = _train(placement, rank)
+        last = _shard(impl, _fresh(), shard_placement_fn=_last_dim)
+        res["placed_last_dim"] = _placements(last)
+        res["shard_last_dim"] = _train(last, rank)
         model = _shard(impl, _fresh())
         blocks = list(model.blocks)
         blocks[0].set_modules_to_forward_prefetch([blocks[1]])
@@ -176,14 +186,106 @@ def _equivalences(rank: int) -> dict[str, Any]:
     return out
 
 
+def _last_dim(param: nn.Parameter) -> Shard:
+    """``Shard(-1)`` for every parameter: FSDP2's even split along the last dim of the
+    matrices (each divisible by WORLD here), the ragged default for the vectors."""
+    return Shard(-1)
+
+
+def _placements(model: nn.Module) -> list[tuple[str, tuple[Any, ...], tuple[int, ...]]]:
+    """Each sharded parameter's name, placements (a ragged one by its class name) and local
+    shape."""
+    out = []
+    for name, param in model.named_parameters():
+        placements = tuple(
+            p if isinstance(p, Shard) else type(p).__name__ for p in param.placements
+        )
+        out.append((name, placements, tuple(param.to_local().shape)))
+    return out
+
+
+def _one_process(rank: int) -> dict[str, Any]:
+    """FSDP2's even split along dims > 0 against one process on the global batch: OddModel
+    (``Shard(-1)``, which FSDP2 takes too), and one whose split FSDP2 refuses (uneven along
+    dim 1: sizes 5 and 7 over 2 ranks), which raggedfsdp splits as ``torch.chunk`` does."""
+    reference = train_reference(_fresh(), make_batches(2, 2 * WORLD))
+    out = {"reference": torch.cat([v.reshape(-1) for v in reference.values()])}
+    out["shard_last_dim"] = _train(_shard("rf", _fresh(), shard_placement_fn=_last_dim), rank)
+    torch.manual_seed(0)
+    uneven = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    one = copy.deepcopy(uneven)
+    rf.fully_shard(uneven, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    out["uneven_local_shapes"] = [tuple(uneven[i].weight.to_local().shape) for i in (0, 2)]
+    x = torch.randn(2 * WORLD, 5, generator=torch.Generator().manual_seed(1))
+    for model, batch in ((uneven, x[rank * 2 : rank * 2 + 2]), (one, x)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            model(batch).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    out["uneven"] = [p.full_tensor() for p in uneven.parameters()]
+    out["uneven_reference"] = [p.detach() for p in one.parameters()]
+    out.update(_adopted(rank))
+    return out
+
+
+def _adopted(rank: int) -> dict[str, Any]:
+    """``Shard(-1)`` parameters taken back by the unit when replaced: a model built on meta,
+    given memory by ``to_empty``, loaded from a whole state dict, then converted to fp64."""
+    whole = _fresh()
+    with torch.device("meta"):
+        model = OddModel()
+    _shard("rf", model, shard_placement_fn=_last_dim)
+    model.to_empty(device="cpu")
+    set_model_state_dict(model, whole.state_dict(), options=StateDictOptions(full_state_dict=True))
+    out = {"loaded": [p.full_tensor() for p in model.parameters()]}
+    model.to(torch.float64)
+    out["fp64"] = [p.full_tensor() for p in model.parameters()]
+    out["fp64_placed"] = _placements(model)
+    out["whole"] = [p.detach() for p in whole.parameters()]
+    return out
+
+
+class _PlacementResult(NamedTuple):
+    """FSDP2's ``ShardPlacementResult`` (newer than torch 2.13): a placement and a mesh."""
+
+    placement: Shard
+    mesh_info: FSDPMeshInfo
+
+
+def _own_mesh(mesh: Any, shard_mesh_dim: int = 0) -> Callable[[nn.Parameter], Any]:
+    """A shard_placement_fn giving the matrices ``mesh`` (FSDP2's mesh info), the rest ``None``."""
+    info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=shard_mesh_dim)
+    return lambda p: _PlacementResult(Shard(0), info) if p.dim() == 2 else None
+
+
 def _errors(rank: int) -> dict[str, str]:
     """The message of every call that has no meaning for ragged shards."""
     model = _shard("rf", _fresh())
     block = model.blocks[0]
+    flat = init_device_mesh("cpu", (WORLD,))
+    other = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("other",))
+    square = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("a", "b"))
+    unnamed = init_device_mesh("cpu", (WORLD, 1))
     calls: dict[str, Callable[[], Any]] = {
-        "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2),
-        "set_raf_int": lambda: block.set_reshard_after_forward(2),
-        "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)),
+        "raf_int": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=3),
+        "raf_type": lambda: rf.fully_shard(nn.Linear(4, 4), reshard_after_forward=2.0),
+        "set_raf_int": lambda: block.set_reshard_after_forward(3),
+        "placement": lambda: rf.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)),
+        "placement_torch": lambda: torch_fully_shard(
+            nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)
+        ),
+        "placement_type": lambda: rf.fully_shard(
+            nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()
+        ),
+        "mesh_unnamed": lambda: rf.fully_shard(nn.Linear(4, 4), mesh=unnamed),
+        "mesh_unnamed_torch": lambda: torch_fully_shard(nn.Linear(4, 4), mesh=unnamed),
+        "own_mesh_beside_another": lambda: rf.fully_shard(
+            nn.Linear(4, 4), mesh=flat, shard_placement_fn=_own_mesh(other)
+        ),
+        "own_mesh_shard_dim": lambda: rf.fully_shard(
+            nn.Sequential(nn.Linear(4, 4)), mesh=flat, shard_placement_fn=_own_mesh(square)
+        ),
         "module_list": lambda: rf.fully_shard(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
@@ -219,7 +321,7 @@ def _errors(rank: int) -> dict[str, str]:
 
 def _run(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    return {"same": _equivalences(rank), "errors": _errors(rank)}
+    return {"same": _equivalences(rank), "errors": _errors(rank), "one": _one_process(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +335,7 @@ CASES = (
     "offload",
     "no_offload",
     "placement",
+    "shard_last_dim",
     "prefetch",
     "ignored",
     "accumulate",
@@ -303,10 +406,76 @@ def test_output_dtype_score_unshard_and_ignored_params_as_fsdp2(results):
         assert ours["ignored_shape"] == theirs["ignored_shape"] == (1, DIM)
 
 
+def test_shard_last_dim_is_placed_as_fsdp2(results):
+    """``Shard(-1)`` from shard_placement_fn: every parameter placed and split as FSDP2 places
+    it (``Shard(1)`` with FSDP2's local shapes for the matrices); the vectors keep raggedfsdp's
+    ragged placement where FSDP2 has ``Shard(0)``. The control: without the function the
+    matrices are ragged too, so the equal numbers above are not the default's."""
+    for rank in results:
+        ours, theirs = (
+            rank["same"]["rf"]["placed_last_dim"],
+            rank["same"]["torch"]["placed_last_dim"],
+        )
+        assert [name for name, _, _ in ours] == [name for name, _, _ in theirs]
+        matrices = 0
+        for (name, placed, shape), (_, fsdp2_placed, fsdp2_shape) in zip(ours, theirs, strict=True):
+            if fsdp2_placed == (Shard(1),):
+                matrices += 1
+                assert (placed, shape) == (fsdp2_placed, fsdp2_shape), name
+            else:
+                assert placed == ("RaggedShardPlacement",), name
+        assert matrices == 7  # emb (tied with head), tiny, fc1 and fc2 of each block, frozen
+        default = rank["same"]["rf"]["placed_dim_0"]
+        assert {placed for _, placed, _ in default} == {("RaggedShardPlacement",)}
+
+
+def test_shard_dims_above_zero_match_one_process(results):
+    """FSDP2's split along dims > 0 against one process on the global batch: ``Shard(-1)`` on
+    OddModel, and an uneven split FSDP2 refuses (``NotImplementedError``) that raggedfsdp
+    makes as ``torch.chunk`` does (columns 3 + 2 and 4 + 3 on ranks 0 and 1)."""
+    for r, rank in enumerate(results):
+        one = rank["one"]
+        torch.testing.assert_close(one["shard_last_dim"], one["reference"])
+        assert one["uneven_local_shapes"] == [(7, (3, 2)[r]), (3, (4, 3)[r])]
+        for got, want in zip(one["uneven"], one["uneven_reference"], strict=True):
+            torch.testing.assert_close(got, want)
+
+
+def test_shard_dim_parameters_are_adopted_when_replaced(results):
+    """Built on meta, ``to_empty``, a whole state dict loaded, converted to fp64: every
+    parameter holds the loaded values bit for bit (a piece copied in the wrong order, the
+    buffer's rows against the parameter's, would permute them), still placed as FSDP2's."""
+    for rank in results:
+        one = rank["one"]
+        for loaded, fp64, whole in zip(one["loaded"], one["fp64"], one["whole"], strict=True):
+            assert torch.equal(loaded, whole)
+            assert fp64.dtype == torch.float64 and torch.equal(fp64, whole.double())
+        assert one["fp64_placed"] == rank["same"]["rf"]["placed_last_dim"]
+
+
+@pytest.mark.parametrize("case", ["placement", "mesh_unnamed"])
+def test_refused_with_fsdp2s_exception_type(results, case):
+    """A shard dim the parameter lacks (AssertionError), a 2-D mesh without names
+    (AssertionError: which dim replicates is said by the names)."""
+    for rank in results:
+        errors = rank["errors"]
+        assert errors[case].split(":")[0] == errors[f"{case}_torch"].split(":")[0]
+        assert errors[case].startswith("AssertionError")
+
+
 EXPECTED = {
-    "raf_int": ("ValueError", "reshard_after_forward=2", "True, False or None"),
-    "set_raf_int": ("ValueError", "reshard_after_forward=2", "2-D mesh"),
-    "placement": ("ValueError", "Shard(dim=1)", "shard_policy=rf.RaggedShard"),
+    "raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
+    "raf_type": ("ValueError", "a bool or an int", "not 2.0"),
+    "set_raf_int": ("ValueError", "factor of 2, not 3", "shard group has 2 ranks"),
+    "placement": ("AssertionError", "Shard dim 2 is invalid for 2D tensor", "Shard(dim=2)"),
+    "mesh_unnamed": ("AssertionError", "mesh_dim_names", "(replicate, shard)"),
+    "placement_type": ("AssertionError", "Expected Shard, got Replicate", "'weight'"),
+    "own_mesh_beside_another": ("ValueError", "'weight' a mesh of its own", "another mesh"),
+    "own_mesh_shard_dim": (
+        "ValueError",
+        "'0.weight'",
+        "sharded on dim 0 and replicated on dim None",
+    ),
     "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),

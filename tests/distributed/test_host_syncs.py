@@ -5,6 +5,8 @@ that dispatch no op on the CPU (``tolist``), 2 Gloo ranks.
 
 - uncompressed (fp32 and bf16 mixed precision): none in forward, backward or an SGD step;
 - a parameter no rank uses: one in backward, the read of which parameters any rank used;
+- a block rank 1 skips (ranks whose graphs differ): one in backward on rank 1, the read of what the
+  other ranks' backwards run; none on rank 0, which runs every unit;
 - compressed: one per compressed direction and forward+backward, at the end of the root's
   forward (all-gather) and of backward (reduce-scatter) ([Note: one finiteness check per step]);
 - negative control: with the per-message checks the runtime made before (one host read per
@@ -17,6 +19,7 @@ benchmarks/host_syncs.py counts the same on a 16-layer GPT (docs/results/compres
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -65,10 +68,11 @@ def _syncs() -> Iterator[list[int]]:
     counted.append(ops.total + reads[0])
 
 
-def _count(setting: str, *, spare: bool = False) -> dict[str, Any]:
+def _count(setting: str, *, spare: bool = False, skip: int | None = None) -> dict[str, Any]:
     """Host syncs of the forward, the backward and an SGD step of the second step of a
     4-block GPT (the first forward checks the plans across ranks once), and the collectives;
-    ``spare``: the first block has a parameter that no rank uses."""
+    ``spare``: the first block has a parameter that no rank uses; ``skip``: the rank whose second
+    forward skips the second block."""
     all_gather, reduce_scatter, param_dtype = SETTINGS[setting]
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
     torch.manual_seed(0)
@@ -87,7 +91,10 @@ def _count(setting: str, *, spare: bool = False) -> dict[str, Any]:
     counts: dict[str, Any] = {}
     for _ in range(2):
         model.reset_stats()
-        with _syncs() as forward:
+        skipping = skip == torch.distributed.get_rank() and bool(counts)  # the second step
+        blocks = [b for i, b in enumerate(model.blocks) if not (skipping and i == 1)]
+        run = functools.partial(iter, blocks)
+        with _syncs() as forward, patched(type(model.blocks), __iter__=lambda _, run=run: run()):
             loss = model(idx[:, :-1], idx[:, 1:])
         with _syncs() as backward:
             loss.backward()
@@ -134,6 +141,7 @@ def _per_message_checks(codec_cls: type[BucketCodec]) -> dict[str, Any]:
 def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {setting: _count(setting) for setting in SETTINGS}
     out["spare"] = _count("fp32", spare=True)
+    out["skip"] = _count("fp32", skip=1)
     originals = {name: getattr(BucketCodec, name) for name in ("find_non_finite", "find_poison")}
     originals["seal"] = BucketCodec.seal
     for name, old in _per_message_checks(BucketCodec).items():
@@ -164,6 +172,18 @@ def test_a_parameter_no_rank_uses_costs_one_read(counts):
     for rank_counts in counts:
         got = rank_counts["spare"]
         assert (got["forward"], got["backward"], got["step"]) == (0, 1, 0), got
+
+
+def test_a_block_one_rank_skips_costs_that_rank_one_read(counts):
+    """The agreement at the start of backward ([Note: ranks whose graphs differ] in
+    ``runtime/_sequence.py``): read once by the rank that skipped a block, never by the other;
+    both issue the same collectives (the skipping rank's catch-ups)."""
+    want = {0: (0, 0, 0), 1: (0, 1, 0)}
+    for rank, rank_counts in enumerate(counts):
+        got = rank_counts["skip"]
+        assert (got["forward"], got["backward"], got["step"]) == want[rank], got
+    gathers = [(c["skip"]["gathers"], c["skip"]["reductions"]) for c in counts]
+    assert gathers[0] == gathers[1] == (counts[0]["fp32"]["gathers"], 5), gathers
 
 
 @pytest.mark.parametrize(

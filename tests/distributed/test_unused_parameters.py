@@ -23,8 +23,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 import raggedfsdp as rf
-from harness import Grid, assert_close_dicts, full_state, world_grid_fixture
-from raggedfsdp.runtime import _hooks
+from harness import Grid, assert_close_dicts, full_state, patched, world_grid_fixture
+from raggedfsdp.runtime import _usage
 
 pytestmark = pytest.mark.slow
 
@@ -144,14 +144,10 @@ def _cases(rank: int, world: int, group: object) -> dict[str, Any]:
         out[impl]["bf16/nobody"] = _train(model, USAGE["nobody"], rank, world)
     model = _shard("rf", copy.deepcopy(base), mp_policy=bf16["rf"])
     out["rf"]["bf16/one_rank"] = _train(model, USAGE["one_rank"], rank, world)
-    # Negative control: the agreement on usage switched off.
-    agree = _hooks.agree_on_usage
-    _hooks.agree_on_usage = lambda groups, stats: None
-    try:
+    # Negative control: what the agreement on usage tells left unapplied.
+    with patched(_usage.Usage, settle=_usage.Usage.restart):
         model = _shard("rf", copy.deepcopy(base))
         out["rf"]["no_agreement/nobody"] = _train(model, USAGE["nobody"], rank, world)
-    finally:
-        _hooks.agree_on_usage = agree
     return out
 
 

@@ -110,7 +110,7 @@ class System:
             memory. Needs ``ragged`` (the plan keeps quantization blocks whole).
         gloo_reduce_scatter: its reduce-scatter where the backend has none.
         host_copies: where its CPU offload copies run and what they stage.
-        agrees_on_usage: at the end of each synchronised backward, one small all-reduce (over
+        agrees_on_usage: at the start of each backward, one small all-reduce (over
             each dim of the data-parallel mesh) of which parameters any rank used, so that one
             no rank used keeps ``.grad = None`` (``runtime/_usage.py``); off, none.
     """

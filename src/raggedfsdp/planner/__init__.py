@@ -21,6 +21,7 @@ from .bucketing import (
     wrap_units,
 )
 from .quant_blocks import MessageLayout, QuantBlock, quant_block
+from .subclass_blocks import block_layout, block_numel_of, register_block_numel
 
 __all__ = [
     "OPTIMIZER_TYPES",
@@ -33,10 +34,13 @@ __all__ = [
     "ShardPlan",
     "StructAwarePlanner",
     "WrapPolicy",
+    "block_layout",
+    "block_numel_of",
     "model_buckets",
     "parse_buffer_size",
     "post_order",
     "quant_block",
+    "register_block_numel",
     "shard_size_lower_bound",
     "split_by_bytes",
     "unit_buckets",

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from ..planner import ShardPlan
-from ..tensor import RaggedTensor
 from ._dbuffer import DBuffer
 from ._mesh import MeshInfo
 from ._offload import HostOffload
@@ -117,8 +116,8 @@ def _adopt_bucket(group: Unit, bucket: DBuffer) -> bool:
             _relocate(group, bucket, bucket.local.dtype, real[0])
             relocated = True
     for param in swapped if not relocated else []:
-        _view_of_buffer(param, bucket).copy_(param.sharded._local_tensor.reshape(-1))
-        param.sharded._local_tensor = _view_of_buffer(param, bucket).view(param.local_shape)
+        _view_of_buffer(param, bucket).copy_(param.placement.flat(param.sharded._local_tensor))
+        param.sharded._local_tensor = _piece(param, bucket)
     for param in bucket.params:
         held = param.held()
         if held is not param.sharded:
@@ -144,32 +143,34 @@ def _relocate(group: Unit, bucket: DBuffer, dtype: torch.dtype, device: torch.de
     for param in bucket.params:
         values = param.sharded._local_tensor
         if values.device.type != "meta" and device.type != "meta":
-            local[param.local_start : param.local_end].copy_(values.reshape(-1))
+            local[param.local_start : param.local_end].copy_(param.placement.flat(values))
     bucket.relocate(local, group.mp_policy.param_dtype, None if group.offload else device)
     if group.offload is None:
         group.device = device  # the unit computes where its parameters now are
     for param in bucket.params:
-        view = _view_of_buffer(param, bucket).view(param.local_shape)
         sharded = param.sharded
-        if (sharded.dtype, sharded.device) == (view.dtype, view.device):  # swapped in already
-            sharded._local_tensor = view
+        if (sharded.dtype, sharded.device) == (local.dtype, local.device):  # swapped in already
+            sharded._local_tensor = _piece(param, bucket)
             continue
         # A DTensor's dtype and device are its own, not its local tensor's: a new one is made
         # and swapped into the parameter object, which everyone (optimizers) keeps. Placed as
-        # before: its mesh (with tensor- or expert-parallel dims), placements and whole shape.
-        fresh = RaggedTensor.from_piece(
-            view,
-            sharded.shard_layout,
-            sharded.device_mesh,
-            mesh_dim=sharded.shard_mesh_dim,
-            placements=sharded.placements,
-            shape=sharded.shape,
-        )
+        # before, by its form: its mesh (with tensor- or expert-parallel dims), placements and
+        # whole shape.
+        layout = bucket.plan.layout(param.fqn)
+        view = _view_of_buffer(param, bucket).view(layout.local_shape(bucket.rank))
+        fresh = param.placement.place(view, layout, bucket.mesh_info, sharded.device_mesh)
         torch.utils.swap_tensors(sharded, nn.Parameter(fresh, sharded.requires_grad))
 
 
 def _view_of_buffer(param: FSDPParam, bucket: DBuffer) -> torch.Tensor:
     return bucket.local[param.local_start : param.local_end]
+
+
+def _piece(param: FSDPParam, bucket: DBuffer) -> torch.Tensor:
+    """The sharded parameter's local tensor as a view of the shard buffer, as its form sees
+    this rank's piece."""
+    shape = bucket.plan.layout(param.fqn).local_shape(bucket.rank)
+    return param.placement.piece(_view_of_buffer(param, bucket).view(shape))
 
 
 def meta_parameters(group: Unit, paths: list[str]) -> list[str]:

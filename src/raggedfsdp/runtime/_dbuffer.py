@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from ..planner import ShardPlan
-from ..tensor import placed_like
 from ._comm import AllGather, ReduceScatter
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
@@ -261,7 +260,7 @@ class DBuffer:
         for param in self.params:
             if param.sharded.requires_grad:
                 view = local_grad[param.local_start : param.local_end]
-                param.sharded.grad = placed_like(view, param.sharded)
+                param.sharded.grad = param.placement.placed_grad(view, param.sharded)
 
     def take_reduced(
         self, output: torch.Tensor, offload: HostOffload | None, stats: RuntimeStats
@@ -283,9 +282,10 @@ class DBuffer:
         for param in self.params:
             piece = output[param.local_start : param.local_end]
             if param.sharded.grad is not None:
-                param.sharded.grad.to_local().view(-1).add_(piece)
+                param.placement.flat(param.sharded.grad.to_local()).add_(piece)
             elif param.sharded.requires_grad:
-                param.sharded.grad = placed_like(piece.to(self.dtype, copy=True), param.sharded)
+                copy = piece.to(self.dtype, copy=True)
+                param.sharded.grad = param.placement.placed_grad(copy, param.sharded)
                 stats.add_copy(piece)
 
     def persistent_bytes(self) -> int:

@@ -23,6 +23,8 @@ from ._adopt import adopt
 from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
+from ._reshard_to import reshard_to
+from .residuals import unit_residuals
 
 __all__ = [
     "FSDPModule",
@@ -133,14 +135,23 @@ class FSDPModule(TorchFSDPModule):
             state.group.knobs.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(
-        self, reshard_after_forward: bool | None, recurse: bool = True
+        self, reshard_after_forward: bool | int | None, recurse: bool = True
     ) -> None:
         """Free the unsharded parameters after forward (``True``) or keep them into backward
-        (``False``: no second all-gather, more memory); ``None`` is FSDP2's default. The unit
-        that runs forward last keeps its parameters into backward either way."""
+        (``False``: no second all-gather, more memory); ``None`` is FSDP2's default; an int
+        ``N`` keeps them sharded over groups of ``N`` ranks, which backward all-gathers within
+        (FSDP2's, ``_reshard_to.py``). The unit that runs forward last keeps its parameters
+        into backward either way."""
         check_reshard_after_forward(reshard_after_forward)
-        for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward
+        # every unit checked (and its groups made) before any changes
+        settings = [
+            (s, reshard_to(reshard_after_forward, s.group.mesh_info)) for s in self._states(recurse)
+        ]
+        for state, (value, keeper) in settings:
+            group = state.group
+            if group.reshard_to is not None and group.reshard_to.holding:
+                group.reshard_to.drop(group.stats)
+            state.reshard_after_forward, group.reshard_to = value, keeper
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """Unshard ``modules`` (asynchronously) when this unit's forward starts, instead of the
@@ -207,6 +218,15 @@ class FSDPModule(TorchFSDPModule):
         for state in self._states(recurse):
             state.group.knobs.requires_all_reduce = requires_all_reduce
 
+    def set_static_graph(self, static_graph: bool = True) -> None:
+        """Declare (``True``) that every data-parallel rank runs the same units and uses the same
+        parameters in every step, as DDP's ``static_graph``: the start of each backward then
+        skips its agreement with the other ranks (one small all-reduce; docs/runtime.md, "Ranks
+        whose graphs differ"). Wrong where ranks' graphs differ: collectives mismatch (hang or
+        abort). Set on the root (recursive)."""
+        for state in self._states(recurse=True):
+            state.group.knobs.static_graph = static_graph
+
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Gather this unit's parameters for its backward (``True``, the default), or not
         (``False``): for units whose backward needs no parameter values, such as an embedding
@@ -231,7 +251,11 @@ class FSDPModule(TorchFSDPModule):
         states = self._all_states()
         stats = state.ctx.shared.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
-        out["persistent_bytes"] = sum(s.group.persistent_bytes() for s in states)
+        residuals = [r for s in states for r in unit_residuals(s.group).values()]
+        buckets = [b for s in states for b in s.group.buckets]
+        out["persistent_bytes"] = sum(r.numel() * r.element_size() for r in residuals) + sum(
+            b.persistent_bytes() for b in buckets
+        )
         # under CPU offload the shards and their gradients are on the host (residuals are not)
         offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
         out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)
@@ -319,12 +343,12 @@ def unsupported(what: str, why: str) -> None:
 
 
 def check_reshard_after_forward(value: object) -> None:
-    """``reshard_after_forward`` must be a bool or ``None``."""
-    if value is not None and not isinstance(value, bool):
+    """``reshard_after_forward`` must be a bool, an int or ``None`` (FSDP2's ``ValueError``); an
+    int's range is checked against the unit's mesh (``_reshard_to.reshard_to``)."""
+    if value is not None and not isinstance(value, int):
         raise ValueError(
-            f"reshard_after_forward={value!r}: raggedfsdp takes True, False or None; FSDP2's "
-            f"int (reshard to a smaller world) has no equivalent, since a ragged plan is made "
-            f"for one world size; use a 2-D mesh (HSDP) to keep all-gathers within a node"
+            f"reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {value!r}"
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from ..planner import ShardPlan, post_order
@@ -22,10 +23,11 @@ from ._collectives import all_gather
 from ._data_parallel import data_parallel_ranks
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
+from ._sequence import UnitSequence, module_order
 from ._shared import SharedResources
 from ._state_dict import state_dict_post_hook
 from ._state_machine import RootPhase, TrainingState, check_state
-from ._usage import agree_on_usage
+from ._usage import Seen, agree, order_digest, will_run
 
 __all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
 
@@ -68,8 +70,14 @@ class RootContext:
         self.states = states
         self.shared = SharedResources.new(root.group.device)
         self.phase = RootPhase.FIRST_FORWARD
-        #: units in the order their forwards ran in the first iteration (prefetch order)
+        #: units in the order their forwards ran in the first iteration
         self.forward_order: list[FSDPState] = []
+        #: the order every rank follows ([Note: ranks whose graphs differ])
+        self.sequence = UnitSequence(module_order(root.module, states))
+        #: the first backward's agreement is to tell whether every rank ran the units in the same
+        #: order, which the sequence then follows from the next step
+        self._order_agreed = False
+        self._adopt = False
         #: whether the root's forward is under way (a unit's modules called outside it are
         #: each a forward of their own)
         self.in_forward = False
@@ -79,21 +87,59 @@ class RootContext:
         return self.phase is not RootPhase.FIRST_FORWARD
 
     def neighbour(self, state: FSDPState, step: int) -> FSDPState | None:
-        """The unit ``step`` places after ``state`` in the recorded forward order."""
-        if not self.order_recorded or state not in self.forward_order:
+        """The unit ``step`` places after ``state`` in the agreed order, once the first forward
+        is over."""
+        if not self.order_recorded:
             return None
-        i = self.forward_order.index(state) + step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+        order = self.sequence.order
+        i = self.sequence.position(state) + step
+        return order[i] if 0 <= i < len(order) else None
 
-    def start_backward(self) -> None:
-        """The first gradient reached a unit: queue the end-of-backward callback, once."""
+    @property
+    def last(self) -> FSDPState:
+        """The unit the agreed order runs last (whose backward comes first after the root's)."""
+        return self.sequence.order[-1]
+
+    def start_backward(self, first: FSDPState) -> None:
+        """The first gradient reached a unit (``first``): queue the end-of-backward callback and
+        agree with the other ranks, once."""
         if self.phase is RootPhase.BACKWARD:
             return
         check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
         self.phase = RootPhase.BACKWARD
-        for state in self.states:
-            state.group.usage.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        self._agree(first)
+
+    def _agree(self, first: FSDPState) -> None:
+        """Inside the first pre-backward: agree with the other ranks on what their backwards run
+        and use, and plan this rank's catch-ups ([Note: ranks whose graphs differ])."""
+        order = self.sequence.order
+        for state in order:
+            state.group.usage.begin_backward()
+        # (the engine does not count the node of a tensor backward() was called on as one it
+        # will run: the unit whose output gradient arrived runs)
+        seen = [state.seen(runs=state is first) for state in order]
+        if self.root.group.knobs.static_graph:  # every rank runs and uses what this one does
+            self.sequence.plan_backward([False] * len(order), [False] * len(order))
+            self._adopt = not self._order_agreed and len(self.forward_order) == len(order)
+            self._order_agreed = True
+            return
+        digest = None
+        if not self._order_agreed:
+            complete = len(self.forward_order) == len(order)
+            index = {id(state): i for i, state in enumerate(order)}
+            positions = [index[id(state)] for state in self.forward_order] if complete else None
+            digest = order_digest(positions)
+        agreed = agree([state.group for state in order], seen, digest, self.shared.stats)
+        if agreed is None:
+            self.sequence.plan_backward([False] * len(order), [False] * len(order))
+            return
+        skipped = [anywhere and not s.runs for anywhere, s in zip(agreed.runs, seen, strict=True)]
+        self.sequence.plan_backward(skipped, agreed.reduces_early)
+        self.shared.stats.backward_catch_ups += sum(skipped)
+        if digest is not None:
+            self._order_agreed = True
+            self._adopt = agreed.same_order
 
     def reset(self) -> None:
         """After an interrupted iteration (FSDPModule.reset_iter_state): nothing in flight,
@@ -101,20 +147,20 @@ class RootContext:
         self.shared.reduce_queue.clear()
         self.shared.pool.clear()
         self.phase = RootPhase.READY if self.forward_order else RootPhase.FIRST_FORWARD
+        self.sequence.plan_backward([], [])
 
     def finish_backward(self) -> None:
         """End-of-backward callback (queued on the autograd engine)."""
-        # Units the first iteration did not run (a vision tower's first unit, whose input needs
-        # no gradient, in a job whose first batch had no image) follow the recorded ones: they
-        # too may have gradients now, with no _PostBackward of their own to reduce them.
-        order = self.forward_order or self.states
-        unrecorded = [state for state in self.states if state not in order]
-        for state in [*reversed(order), *unrecorded]:
-            state.group.post_backward()
+        self.sequence.end_backward()
         self.shared.reduce_queue.drain()
-        agree_on_usage([state.group for state in self.states], self.shared.stats)
         for state in self.states:
+            if state.group.reduces_now():
+                state.group.usage.settle()
+            state.forget_graph()
             state.group.finish_iteration()
+        if self._adopt:  # every rank ran the units in one order: follow it from now on
+            self.sequence.adopt(self.forward_order)
+            self._adopt = False
         self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
         self.phase = RootPhase.READY
         self.shared.non_finite.end_of_backward()  # compressed gradients: one host sync
@@ -130,24 +176,26 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.group.post_backward()
+        ctx.state.routed_backward_done()
         return (None, *grads)
 
 
 # [Note: the life of a step]
 # - Forward pre-hook of a unit: the root lazily initialises on its first forward (each unit's name,
 #   the data-parallel ranks gradients are averaged over, shared stats, reduce queue and scratch
-#   pool, plan check across ranks). The unit issues its all-gather if not prefetched, prefetches the
-#   next unit's (order recorded in the first iteration), then waits for its own.
-# - Forward post-hook: reshard (unless ``reshard_after_forward=False``, the root, or the unit that
-#   ran forward last when gradients are on: its backward comes first), and hook the outputs so that
-#   the first gradient flowing into them unshards the unit again (pre-backward; the root's
-#   prefetches the unit whose backward follows its own). Inputs that require grad are routed through
-#   :class:`_PostBackward`, whose backward runs when the unit's whole backward is done
-#   (post-backward: reduce-scatter, reshard). A unit's gradient block is taken from the pool when
-#   its first gradient arrives.
-# - The first pre-backward queues an end-of-backward callback: it finishes units whose inputs had no
-#   gradient (the root), waits for every reduce-scatter and leaves all units sharded and idle.
+#   pool, plan check across ranks). The unit catches up the units this rank skipped before it,
+#   issues its all-gather if not prefetched, prefetches the next unit's (in the agreed order,
+#   [Note: ranks whose graphs differ] in ``_sequence.py``), then waits for its own.
+# - Forward post-hook: reshard when the next unit starts (unless ``reshard_after_forward=False``,
+#   the root, or the unit that ran forward last when gradients are on: its backward comes first),
+#   and hook the outputs so that the first gradient flowing into them unshards the unit again
+#   (pre-backward; the root's prefetches the unit whose backward follows its own). Inputs that
+#   require grad are routed through :class:`_PostBackward`, whose backward runs when the unit's
+#   whole backward is done (post-backward: reduce-scatter, reshard). A unit's gradient block is
+#   taken from the pool when its first gradient arrives.
+# - The first pre-backward agrees with the other ranks on what their backwards run and use, and
+#   queues an end-of-backward callback: it finishes units whose inputs had no gradient (the root),
+#   waits for every reduce-scatter and leaves all units sharded and idle.
 # - Under activation checkpointing a unit may run forward again *during* backward; the hooks then
 #   only unshard.
 class FSDPState:
@@ -183,6 +231,12 @@ class FSDPState:
         #: FSDPModule.set_post_optim_event's event, set before the root's lazy init made the
         #: streams that wait for it
         self.post_optim_event: Any = None
+        #: autograd nodes of this iteration's forwards: of the unit's outputs (their gradients
+        #: start its backward) and of its routed inputs (their backward ends it), to tell at the
+        #: start of backward what it runs ([Note: ranks whose graphs differ])
+        self._output_nodes: list[Any] = []
+        self._routed_nodes: list[Any] = []
+        self._routed_left = 0  # routed inputs whose backward is still to run in this backward
         for module in modules:
             self._hook(module)
 
@@ -202,7 +256,14 @@ class FSDPState:
         """The unit back to idle and sharded after an interrupted iteration."""
         self._to_run.clear()
         self._outputs.clear()
+        self.forget_graph()
         self.group.reset()
+
+    def forget_graph(self) -> None:
+        """The iteration's backward is over: let its autograd nodes go."""
+        self._output_nodes.clear()
+        self._routed_nodes.clear()
+        self._routed_left = 0
 
     @property
     def is_root(self) -> bool:
@@ -277,6 +338,7 @@ class FSDPState:
             self._end_forward(ctx)
         if self.is_root:
             ctx.in_forward = True
+            ctx.sequence.begin_forward()
             # The optimizer may have written the shards: the next all-gathers wait for compute
             # (or for FSDPModule.set_post_optim_event's event).
             ctx.shared.streams.compute_moved()
@@ -284,6 +346,8 @@ class FSDPState:
         # module of the unit called on its own, as chunked losses call the output layer once
         # per chunk) one call is a whole forward of the unit.
         self._to_run = {id(m) for m in (self.modules if ctx.in_forward else [module])}
+        if ctx.in_forward and not self.is_root:
+            ctx.sequence.arrive(self)  # the units this rank skipped first: their collectives
         self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
@@ -308,6 +372,7 @@ class FSDPState:
         if not index:
             return args, kwargs
         routed = _PostBackward.apply(self, *(flat[i] for i in index))
+        self._routed_nodes.append(routed[0].grad_fn)
         for i, x in zip(index, routed, strict=True):
             flat[i] = x
         return tree_unflatten(flat, spec)
@@ -331,6 +396,7 @@ class FSDPState:
                 if state._to_run:
                     state._to_run.clear()
                     state._end_forward(ctx)
+            ctx.sequence.end_forward()  # the units this rank skipped last: their collectives
             ctx.in_forward = False
             ctx.phase = RootPhase.READY  # the first forward has recorded the unit order
         self._end_forward(ctx)
@@ -341,10 +407,28 @@ class FSDPState:
     def _end_forward(self, ctx: RootContext) -> None:
         """The unit's forward is done: reshard, and arm its pre-backward on its outputs."""
         grad_enabled = torch.is_grad_enabled()
-        self.group.post_forward(reshard=self._reshards_after_forward(ctx, grad_enabled))
+        reshard = self._reshards_after_forward(ctx, grad_enabled)
+        if ctx.in_forward and not self.is_root:  # until the next unit's forward starts
+            self.group.post_forward(reshard=False)
+            ctx.sequence.defer(self, reshard)
+        else:
+            self.group.post_forward(reshard=reshard)
         outputs, self._outputs = self._outputs, []
         if grad_enabled and outputs:
+            self._output_nodes += [get_gradient_edge(t).node for t in outputs]
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
+
+    def catch_up_forward(self) -> None:
+        """This rank's forward skipped the unit: the collectives of its forward (and of the
+        prefetch it issues), without compute ([Note: ranks whose graphs differ])."""
+        ctx = self.ctx
+        assert ctx is not None
+        self.group.unshard()
+        _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
+        self.group.pre_forward()
+        self.group.post_forward(reshard=False)
+        ctx.sequence.defer(self, self._reshards_after_forward(ctx, torch.is_grad_enabled()))
+        ctx.shared.stats.forward_catch_ups += 1
 
     def _reshards_after_forward(self, ctx: RootContext, grad_enabled: bool) -> bool:
         if self.is_root:
@@ -353,7 +437,7 @@ class FSDPState:
             return not grad_enabled
         # The unit that runs forward last is the first to run backward: freeing it would only
         # make backward gather it straight back (torchtitan sets this by hand).
-        last = ctx.order_recorded and ctx.forward_order[-1] is self
+        last = ctx.order_recorded and ctx.last is self
         return self.reshard_after_forward is not False and not (last and grad_enabled)
 
     # -- backward ------------------------------------------------------------------------------
@@ -361,16 +445,43 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         assert ctx is not None
-        ctx.start_backward()
+        ctx.start_backward(self)
+        ctx.sequence.before_backward_of(self, root=self.is_root)
         self.group.pre_backward()
         # The root's backward (the loss and whatever it computes after its last child) comes
         # first; the unit that ran forward last is next, so its all-gather overlaps the root's.
-        if self.is_root and ctx.order_recorded and ctx.forward_order[-1] is not self:
-            prev = ctx.forward_order[-1]
+        if self.is_root and ctx.order_recorded and ctx.last is not self:
+            prev: FSDPState | None = ctx.last
         else:
             prev = ctx.neighbour(self, -1)
         # prefetch the units whose backward comes next
         _unshard(self.backward_prefetch, prev, backward=True)
+
+    def seen(self, *, runs: bool) -> Seen:
+        """Inside a backward: whether it runs this unit's backward (known to, if ``runs``), and
+        whether that ends with its routed inputs' backward (how many of them are left to run)."""
+        routed = [node for node in self._routed_nodes if will_run(node)]
+        self._routed_left = len(routed)
+        runs = runs or any(will_run(node) for node in self._output_nodes)
+        return Seen(runs=runs, reduces_early=bool(routed))
+
+    def routed_backward_done(self) -> None:
+        """A forward's routed inputs got their gradients; the unit's backward is done when every
+        forward's have (a unit run twice reduces once)."""
+        self._routed_left -= 1
+        if self._routed_left <= 0:
+            self.group.post_backward()
+
+    def catch_up_backward(self, *, reduce: bool) -> None:
+        """This rank's backward skips the unit that another's runs: the collectives of its
+        pre-backward (and prefetch), and, if ``reduce``, its reduction of zeros (else at the end
+        of backward)."""
+        ctx = self.ctx
+        assert ctx is not None
+        self.group.pre_backward()
+        _unshard(self.backward_prefetch, ctx.neighbour(self, -1), backward=True)
+        if reduce:
+            self.group.post_backward()
 
     # -- state dict ----------------------------------------------------------------------------
 

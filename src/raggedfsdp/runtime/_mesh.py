@@ -73,6 +73,13 @@ def mesh_info(mesh: DeviceMesh | None, device: torch.device) -> MeshInfo:
     if mesh.ndim == 1:
         return MeshInfo(mesh, mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0))
     if mesh.ndim == 2:  # HSDP: (replicate, shard)
+        if mesh.mesh_dim_names is None:
+            # FSDP2's type and words: which dim replicates is said by the names
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified (raggedfsdp "
+                "reads a 2-D mesh as (replicate, shard): name them, e.g. "
+                "mesh_dim_names=('replicate', 'shard'))"
+            )
         return MeshInfo(
             mesh,
             mesh.get_group(1),

@@ -88,9 +88,13 @@ class RuntimeStats:
     reduce_scatter_uncompressed_bytes: int = 0
     all_reduce_calls: int = 0
     all_reduce_bytes: int = 0
-    #: the end of backward's all-reduces of which parameters any rank used (``_usage.py``): a
-    #: few bytes per parameter, not counted in the bytes above
+    #: the start of backward's all-reduces of what each rank's backward runs and uses
+    #: (``_usage.py``): a few bytes per unit and parameter, not counted in the bytes above
     usage_all_reduces: int = 0
+    #: units whose forward (backward) this rank skipped while another ran it, whose collectives
+    #: it did without compute ([Note: ranks whose graphs differ] in ``_sequence.py``)
+    forward_catch_ups: int = 0
+    backward_catch_ups: int = 0
     #: seconds the compute was blocked on collectives (exposed communication): on the CPU the
     #: thread in ``Work.wait()``, on an accelerator its compute stream ([Note: timing waits on
     #: an accelerator])
@@ -101,6 +105,12 @@ class RuntimeStats:
     #: unsharded parameter and gradient bytes the framework holds now, and its high-water mark
     unsharded_bytes: int = 0
     peak_unsharded_bytes: int = 0
+    #: ``reshard_after_forward=N`` (``_reshard_to.py``): the pieces kept from forward for
+    #: backward, held now (counted in ``unsharded_bytes`` too), and backward's all-gathers of
+    #: them within groups of N ranks (counted in the all-gathers above too)
+    post_forward_bytes: int = 0
+    post_forward_all_gather_calls: int = 0
+    post_forward_all_gather_bytes: int = 0
     device: InitVar[torch.device | str | None] = None
     make_event: InitVar[Callable[[], Any] | None] = None
 
@@ -121,10 +131,11 @@ class RuntimeStats:
     def reset(self) -> None:
         """Start a new window; what is allocated now stays counted (it is still held). On CUDA
         the device's peak memory restarts from what is allocated now too."""
-        held = self.unsharded_bytes
+        held, kept = self.unsharded_bytes, self.post_forward_bytes
         for name, value in asdict(RuntimeStats()).items():
             setattr(self, name, value)
         self.unsharded_bytes = self.peak_unsharded_bytes = held
+        self.post_forward_bytes = kept
         if self._events is not None:
             self._events.clear()
         if self._device.type == "cuda":

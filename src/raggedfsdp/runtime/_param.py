@@ -16,7 +16,7 @@ from torch import nn
 
 from ._param_placement import ParamPlacement, Plain
 
-__all__ = ["FSDPParam", "Registration", "bucket_name", "qualified_name"]
+__all__ = ["FSDPParam", "Registration", "bucket_name", "named_in", "qualified_name"]
 
 
 @dataclass(frozen=True)
@@ -115,17 +115,25 @@ class FSDPParam:
         """``(state-dict key, what the owner holds)`` under every name the parameter has below
         a module, ``paths`` mapping ``id(module)`` to its path below it (keys start with
         ``prefix``); owners outside that module (another module of the unit) are left out."""
-        out = []
-        for owner, attr in self.owners:
-            path = paths.get(id(owner))
-            if path is None:
-                continue
-            key = f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"
-            out.append((key, owner._parameters[attr]))
-        return out
+        return named_in(self.owners, paths, prefix)
 
     def __repr__(self) -> str:
         return f"FSDPParam({self.fqn!r}, shape={list(self.shape)}, offset={self.offset})"
+
+
+def named_in(
+    owners: tuple[tuple[nn.Module, str], ...], paths: dict[int, str], prefix: str
+) -> list[tuple[str, nn.Parameter]]:
+    """``(state-dict key, what the owner holds)`` for each of ``owners`` below a module, as
+    :meth:`FSDPParam.named_in` says."""
+    out = []
+    for owner, attr in owners:
+        path = paths.get(id(owner))
+        if path is None:
+            continue
+        key = f"{prefix}{path}.{attr}" if path else f"{prefix}{attr}"
+        out.append((key, owner._parameters[attr]))
+    return out
 
 
 def qualified_name(name: str, paths: list[str]) -> str:

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 from torch.autograd.profiler import record_function
 
-from ..planner import ShardPlan, StructAwarePlanner, unit_buckets
+from ..planner import ShardPlan, StructAwarePlanner
 from ._adopt import adopt
-from ._collectives import Pending, all_gather
+from ._collectives import Pending
 from ._comm import (
     BucketReduce,
     ReduceScatter,
@@ -27,10 +27,12 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
+from ._reshard_to import ReshardTo
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
 from ._strategies import UnitComm
 from ._streams import wait_all
+from ._unit_plan import plan_unit_buckets
 from ._usage import Usage
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 from .compression import (
@@ -68,6 +70,9 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.knobs = Knobs()  # FSDP2's per-unit settings (FSDPModule.set_*)
+        #: reshard_after_forward=N: what keeps the buckets sharded over N ranks after forward
+        #: (``_reshard_to.py``); None: freed whole, or kept whole
+        self.reshard_to: ReshardTo | None = None
         self._shared: SharedResources | None = None  # the root's, bound at its lazy init
         self._pending_unshard: list[Pending] = []  # all-gathers issued by unshard(), until waited
         self._gathered_versions: list[int] = []  # the shards' version counters when gathered
@@ -119,15 +124,15 @@ class FSDPParamGroup:
         same function ``plan_model`` uses, named below the unit's module), each planned and
         made a DBuffer with its collectives ([Note: one strategy per bucket] in ``_comm.py``)."""
         by_name = {r.fqn: r for r in registrations}
-        buckets = unit_buckets(
-            "",
-            [(r.fqn, r.local) for r in registrations],
+        planned = plan_unit_buckets(
+            registrations,
+            planner,
+            self.mesh_info.shard_size,
             param_dtype=self.mp_policy.param_dtype,
             buffer_size=self.config.buffer_size,
         )
         out = []
-        for bucket in buckets:
-            plan = planner.plan_bucket(bucket, self.mesh_info.shard_size)
+        for bucket, plan in planned:
             gather, reduce = self._comm.choose(bucket, plan, self.device, self.offload)
             out.append(
                 DBuffer(
@@ -277,6 +282,11 @@ class FSDPParamGroup:
         if self.sharded_state is not ShardedState.SHARDED:
             return
         adopt(self)  # a parameter changed outside the unit is taken back first
+        if self.reshard_to is not None and self.reshard_to.holding:
+            if not self._stale():
+                self._refill()
+                return
+            self.reshard_to.drop(self.stats)  # a step or a load since: gather the shards
         versions = self._shard_versions()
         for bucket, version, gathered in zip(
             self.buckets, versions, self._gathered_versions or versions, strict=True
@@ -301,6 +311,15 @@ class FSDPParamGroup:
                         _full(bucket), shard, self.stats, self._pool, own_ranges=bucket.own_ranges
                     )
                     self._pending_unshard.append(pending)
+        self.sharded_state = ShardedState.UNSHARDING
+
+    def _refill(self) -> None:
+        """Unshard from the pieces kept after forward: an all-gather within the group of
+        ``reshard_after_forward`` ranks (synchronous), then as after any all-gather."""
+        with record_function(f"raggedfsdp::unshard_within({self.label})"):
+            self._allocate(self._gather_storage)
+            p2p = self.config.gloo_point_to_point
+            self.reshard_to.refill(self.buckets, self.stats, gloo_point_to_point=p2p)  # type: ignore[union-attr]
         self.sharded_state = ShardedState.UNSHARDING
 
     def _shard_versions(self) -> list[int]:
@@ -364,8 +383,15 @@ class FSDPParamGroup:
         """This unit's forward is done; free its unsharded parameters if ``reshard``."""
         check_state(self.training_state, TrainingState.FORWARD, unit=self.label)
         if reshard:
-            self.reshard()
+            self.reshard_after_forward()
         self.training_state = TrainingState.IDLE
+
+    def reshard_after_forward(self) -> None:
+        """Free the unsharded parameters after a forward (keeping pieces for backward, over
+        fewer ranks, under ``reshard_after_forward=N``)."""
+        if self.reshard_to is not None and self.sharded_state is ShardedState.UNSHARDED:
+            self.reshard_to.keep(self.buckets, self.stats)
+        self.reshard()
 
     # -- backward ------------------------------------------------------------------------------
 
@@ -548,39 +574,6 @@ class FSDPParamGroup:
         if self.offload is not None:
             self.offload.wait()  # the optimizer may read the gradients and write the shards
         self.training_state = TrainingState.IDLE
-
-    # -- state outside a step ------------------------------------------------------------------
-
-    def full_parameters(self) -> dict[int, torch.Tensor]:
-        """``id(sharded parameter) -> the full parameter`` on CPU; a collective over the shard
-        group (every rank calls it, between steps)."""
-        full: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
-            shard = bucket.local.to(bucket.device)  # itself, unless offloaded to the host
-            all_gather(gathered, shard, self.mesh_info.shard_group, RuntimeStats(), async_op=False)
-            for param in bucket.params:
-                piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
-                piece = param.placement.whole(piece)
-                full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
-        return full
-
-    def error_feedback_state(self, paths: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residual of each bucket that keeps one, by the bucket's
-        name when the unit's modules are ``paths`` below the model (as :meth:`named_plans`):
-        the tensors themselves (loading copies into them)."""
-        out = {}
-        for bucket in self._trainable:
-            residual = _reducer(bucket).error_feedback_state()
-            if residual is not None:
-                out[bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
-        return out
-
-    def persistent_bytes(self) -> int:
-        residuals = self.error_feedback_state().values()
-        return sum(r.numel() * r.element_size() for r in residuals) + sum(
-            bucket.persistent_bytes() for bucket in self.buckets
-        )
 
 
 def _full(bucket: DBuffer) -> torch.Tensor:

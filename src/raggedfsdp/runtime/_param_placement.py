@@ -3,24 +3,28 @@
 Chosen where the unit is built (``fully_shard``'s ``_unit_mesh``), it carries all that differs by
 form: :class:`Plain` (a plain tensor), :class:`SubMesh` (a DTensor split by tensor or expert
 parallelism over a sibling of the data-parallel mesh), :class:`FullMesh` (FSDP2's full-SPMD-mesh
-form, ``_spmd.py``). The runtime asks its parameter's placement and never branches on the form; a
-new form (a pipeline stage's, a tensor subclass's) is a new subclass.
+form, ``_spmd.py``), :class:`DimShard` (FSDP2's ``Shard(dim)``, ``dim > 0``, asked for by
+``shard_placement_fn``). The runtime asks its parameter's placement and never branches on the form;
+a new form (a pipeline stage's, a tensor subclass's) is a new subclass.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..layout import ShardLayout
-from ..tensor import RaggedTensor
+from ..planner import Bucket, PlanEntry, ShardPlan
+from ..tensor import RaggedTensor, placed_like
 from ._mesh import MeshInfo, combined_mesh
 from ._spmd import SpmdParam
 
-__all__ = ["FullMesh", "ParamPlacement", "Plain", "SubMesh", "split_placement"]
+__all__ = ["DimShard", "FullMesh", "ParamPlacement", "Plain", "SubMesh", "split_placement"]
 
 
 class ParamPlacement:
@@ -30,6 +34,9 @@ class ParamPlacement:
     #: the parameter's split over tensor- or expert-parallel dims (its spec there: mesh,
     #: placements, whole shape); ``None`` when it has none
     split: DTensorSpec | None = None
+    #: whether the parameter is a bucket of its own, planned by :meth:`plan` rather than by the
+    #: unit's planner with the unit's other parameters
+    own_bucket: bool = False
 
     def local(self, param: torch.Tensor) -> torch.Tensor:
         """The tensor the unit shards, of the parameter as the caller gave it."""
@@ -40,16 +47,36 @@ class ParamPlacement:
         ``info.mesh``."""
         raise NotImplementedError
 
-    def sharded(self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo) -> RaggedTensor:
+    def sharded(self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo) -> DTensor:
         """The sharded parameter: ``view`` placed by ``layout`` along the data-parallel shard
         dim, on :meth:`shard_mesh`."""
         return self.place(view, layout, info, self.shard_mesh(info))
 
     def place(
         self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo, mesh: DeviceMesh
-    ) -> RaggedTensor:
-        """``view`` placed by ``layout`` along the data-parallel shard dim of ``mesh``, and as
-        the parameter is over its other dims."""
+    ) -> DTensor:
+        """``view`` (this rank's piece, in ``layout``'s local shape) placed by ``layout`` along
+        the data-parallel shard dim of ``mesh``, and as the parameter is over its other dims: a
+        :class:`~raggedfsdp.tensor.RaggedTensor`, or a DTensor of torch's own placements."""
+        raise NotImplementedError
+
+    def piece(self, view: torch.Tensor) -> torch.Tensor:
+        """The sharded parameter's local tensor from ``view``, this rank's piece in its
+        layout's local shape: ``view`` itself, but where the form sees it otherwise."""
+        return view
+
+    def flat(self, local: torch.Tensor) -> torch.Tensor:
+        """The sharded parameter's (or gradient's) local tensor ``local`` as this rank's 1-D
+        piece of the shard buffer, in the buffer's order (a view where the strides allow)."""
+        return local.reshape(-1)
+
+    def placed_grad(self, piece: torch.Tensor, sharded: DTensor) -> DTensor:
+        """``piece`` (1-D, this rank's piece of the reduced gradient, in the buffer's order)
+        placed as the sharded parameter ``sharded``. No copy."""
+        return placed_like(piece, sharded)
+
+    def plan(self, bucket: Bucket, world_size: int) -> ShardPlan:
+        """The plan of the parameter's own bucket (only where :attr:`own_bucket`)."""
         raise NotImplementedError
 
     def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -90,7 +117,7 @@ class Plain(ParamPlacement):
 
     def place(
         self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo, mesh: DeviceMesh
-    ) -> RaggedTensor:
+    ) -> DTensor:
         return RaggedTensor.from_piece(view, layout, mesh, mesh_dim=info.shard_dim)
 
     def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -139,7 +166,7 @@ class SubMesh(_Distributed):
 
     def place(
         self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo, mesh: DeviceMesh
-    ) -> RaggedTensor:
+    ) -> DTensor:
         split = self.split
         return RaggedTensor.from_piece(
             view,
@@ -189,7 +216,7 @@ class FullMesh(_Distributed):
 
     def place(
         self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo, mesh: DeviceMesh
-    ) -> RaggedTensor:
+    ) -> DTensor:
         return self.inner.place(view, layout, info, mesh)
 
     def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -204,6 +231,104 @@ class FullMesh(_Distributed):
 
     def whole(self, piece: torch.Tensor) -> torch.Tensor:
         return self.inner.whole(piece)
+
+
+class DimShard(ParamPlacement):
+    """A parameter for which ``shard_placement_fn`` asked FSDP2's ``Shard(dim)``, ``dim > 0``:
+    split as FSDP2 splits it, evenly as ``torch.chunk`` along ``dim``, so each rank holds FSDP2's
+    piece and the parameter reports ``Shard(dim)``.
+
+    The unit shards the tensor with ``dim`` moved first (``inner``'s local tensor,
+    ``movedim(dim, 0)``: whole rows along ``dim``), in a bucket of its own whose plan gives rank
+    ``r`` the ``r``-th chunk (:meth:`plan`). Its sharded parameter is a DTensor of torch's
+    ``Shard(dim)`` whose local tensor is that piece seen with ``dim`` back in place, and its
+    unsharded parameter the gathered rows seen the same way: strided views of the buffers, so
+    neither collective copies (FSDP2 copies out after the all-gather and in before the
+    reduce-scatter instead, and its local tensors are contiguous)."""
+
+    own_bucket = True
+
+    def __init__(self, dim: int, inner: Plain | SubMesh) -> None:
+        self.dim = dim
+        self.inner = inner
+        self.split = inner.split
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        return self.inner.local(param).movedim(self.dim, 0)
+
+    def shard_mesh(self, info: MeshInfo) -> DeviceMesh:
+        return self.inner.shard_mesh(info)
+
+    def place(
+        self, view: torch.Tensor, layout: ShardLayout, info: MeshInfo, mesh: DeviceMesh
+    ) -> DTensor:
+        placements = [Replicate()] * mesh.ndim
+        if self.split is not None:  # the sub-mesh's dims follow the data-parallel ones
+            placements[info.mesh.ndim :] = self.split.placements
+        placements[info.shard_dim] = Shard(self.dim)
+        shape = self.split.shape if self.split is not None else self._whole(layout.global_shape)
+        spec = DTensorSpec(
+            mesh,
+            tuple(placements),
+            TensorMeta(torch.Size(shape), _contiguous_strides(shape), view.dtype),
+        )
+        return DTensor(self.piece(view), spec, requires_grad=False)
+
+    def _whole(self, moved: torch.Size) -> torch.Size:
+        """The shape with ``dim`` back in place, from the shape the unit shards."""
+        sizes = list(moved[1:])
+        sizes.insert(self.dim, moved[0])
+        return torch.Size(sizes)
+
+    def piece(self, view: torch.Tensor) -> torch.Tensor:
+        return view.movedim(0, self.dim)
+
+    def flat(self, local: torch.Tensor) -> torch.Tensor:
+        return local.movedim(self.dim, 0).reshape(-1)
+
+    def placed_grad(self, piece: torch.Tensor, sharded: DTensor) -> DTensor:
+        rows = sharded._local_tensor.movedim(self.dim, 0).shape
+        return DTensor(self.piece(piece.view(rows)), sharded._spec, requires_grad=False)
+
+    def plan(self, bucket: Bucket, world_size: int) -> ShardPlan:
+        """``torch.chunk``'s split of the rows: ``ceil(rows / W)`` each, the last ranks fewer or
+        none (FSDP2's and DTensor's ``Shard``), the buffer padded at its end only."""
+        ((name, tensor),) = bucket.params.items()
+        rows, row = tensor.shape[0], max(math.prod(tensor.shape[1:]), 1)
+        shard = -(-rows // world_size) * row
+        entry = PlanEntry(name, tuple(tensor.shape), tensor.numel(), 0, row)
+        # The split is the caller's: nothing to search, and no smaller shard holds it.
+        return ShardPlan(
+            world_size,
+            shard,
+            {name: entry},
+            dtype=bucket.plan_dtype,
+            lower_bound=shard,
+            name=bucket.name,
+        )
+
+    def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.inner.unsharded(dtype, device)
+
+    def bind(self, unsharded: torch.Tensor, view: torch.Tensor) -> None:
+        self.inner.bind(unsharded, view.movedim(0, self.dim))
+
+    def values(self, unsharded: torch.Tensor) -> torch.Tensor:
+        return self.inner.values(unsharded).movedim(self.dim, 0)
+
+    def grad(self, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
+        return self.inner.grad(view.movedim(0, self.dim), unsharded)
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        return self.inner.whole(piece.movedim(0, self.dim))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def split_placement(split: DTensorSpec | None) -> Plain | SubMesh:

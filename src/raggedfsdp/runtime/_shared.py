@@ -33,6 +33,9 @@ class Knobs:
     #: gather the parameters for backward (off: the unit's backward needs none, e.g. an
     #: embedding, whose weight gradient comes from its inputs and output gradient alone)
     unshard_in_backward: bool = True
+    #: every rank runs the same units and uses the same parameters in every step (read on the
+    #: root): no agreement at the start of backward ([Note: ranks whose graphs differ])
+    static_graph: bool = False
 
 
 @dataclass(frozen=True)

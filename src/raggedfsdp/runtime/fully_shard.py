@@ -23,6 +23,7 @@ from ..facts import check_cut
 from ..layout import RaggedShard
 from ..planner import StructAwarePlanner, WrapPolicy, wrap_units
 from ._adopt import materialize
+from ._collectives import all_gather
 from ._fsdp_module import (
     FSDPModule,
     UnshardHandle,
@@ -32,11 +33,14 @@ from ._fsdp_module import (
 )
 from ._hooks import FSDPState, state_of, states_under
 from ._mesh import MeshInfo, device_for, mesh_info, parallel_spec
+from ._metrics import RuntimeStats
 from ._offload import HostOffload, check_host_backend, offload_for
+from ._own_mesh import own_mesh_units, placement_of
 from ._param import Registration
-from ._param_group import FSDPParamGroup
-from ._param_placement import FullMesh, ParamPlacement, split_placement
+from ._param_placement import DimShard, FullMesh, ParamPlacement, Plain, SubMesh, split_placement
+from ._reshard_to import reshard_to
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
+from ._subclass import unit_group
 from ._torch_fsdp import adapt_torch
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
@@ -63,7 +67,15 @@ def full_parameters(model: nn.Module) -> dict[int, torch.Tensor]:
     collective (every rank calls it, between steps)."""
     full: dict[int, torch.Tensor] = {}
     for state in states_under(model):
-        full.update(state.group.full_parameters())
+        for bucket in state.group.buckets:
+            gathered = torch.empty(bucket.full_numel, dtype=bucket.dtype, device=bucket.device)
+            shard = bucket.local.to(bucket.device)  # itself, unless offloaded to the host
+            group = state.group.mesh_info.shard_group
+            all_gather(gathered, shard, group, RuntimeStats(), async_op=False)
+            for param in bucket.params:
+                piece = gathered[param.offset : param.offset + param.numel].view(param.shape)
+                piece = param.placement.whole(piece)
+                full[id(param.sharded)] = piece.detach().to("cpu", copy=True)
     return full
 
 
@@ -177,32 +189,38 @@ def _check_reduce_dtype(
     )
 
 
-def _check_placements(
+def _requested_dims(
     registrations: list[Registration],
     placement_fn: Callable[[nn.Parameter], Placement | None] | None,
-) -> None:
-    """``shard_placement_fn`` may only ask for what ragged shards are: dim 0, row-major (also
-    written ``Shard(-1)`` for a 1-D parameter)."""
+) -> dict[str, int]:
+    """``fqn -> dim`` for each parameter ``shard_placement_fn`` asks ``Shard(dim)`` for, ``dim``
+    made non-negative as FSDP2 does (``Shard(-1)``: the last); ``Shard(0)`` and ``None`` are the
+    ragged default and left out. Refused as FSDP2 refuses them: a dim the parameter lacks."""
     if placement_fn is None:
-        return
+        return {}
+    dims = {}
     for registration in registrations:
-        placement = placement_fn(registration.param)
-        if hasattr(placement, "mesh_info"):  # FSDP2's ShardPlacementResult: a mesh of its own
-            raise ValueError(
-                f"shard_placement_fn gave parameter {registration.fqn!r} a mesh of its own "
-                f"(FSDP2's ShardPlacementResult, as torchtitan does for experts): a raggedfsdp "
-                f"unit shards over one mesh; make the experts a unit first, "
-                f"fully_shard(experts, mesh=<their mesh>), then shard the block around them"
+        # a ShardPlacementResult of the unit's own mesh here: the others made units of their own
+        placement = placement_of(placement_fn(registration.param))
+        if placement is None:
+            continue
+        if not isinstance(placement, Shard):
+            raise AssertionError(  # FSDP2's check's type and words (it reads .dim first)
+                f"Expected Shard, got {type(placement).__name__}: shard_placement_fn must "
+                f"return a Shard placement or None, got {placement!r} for parameter "
+                f"{registration.fqn!r}"
             )
         ndim = max(registration.param.dim(), 1)
-        dim_0 = isinstance(placement, Shard) and placement.dim % ndim == 0
-        if placement is not None and not dim_0:
-            raise ValueError(
-                f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} "
-                f"of shape {list(registration.param.shape)}: raggedfsdp shards every parameter "
-                f"as runs of whole units in row-major order (Shard(0)); choose the units with "
-                f"shard_policy=rf.RaggedShard(block_size=...) instead"
+        if not -ndim <= placement.dim < ndim:
+            # AssertionError, as FSDP2 raises it (its callers' tests expect the type)
+            raise AssertionError(
+                f"Shard dim {placement.dim} is invalid for {registration.param.dim()}D tensor: "
+                f"shard_placement_fn asked {placement!r} for parameter {registration.fqn!r} of "
+                f"shape {list(registration.param.shape)}"
             )
+        if placement.dim % ndim:
+            dims[registration.fqn] = placement.dim % ndim
+    return dims
 
 
 # Set on an original parameter once a unit has sharded it: another unit that still finds it (a
@@ -254,20 +272,30 @@ def _unit_mesh(
     dp_mesh_dims: object | None,
     device: torch.device,
     policy: RaggedShard,
+    dims: dict[str, int],
 ) -> tuple[list[Registration], MeshInfo]:
     """The mesh the unit shards over, and ``registrations`` with how each parameter is split
-    over its other (tensor- or expert-parallel) dims, each checked against the shard policy's
-    units; under ``dp_mesh_dims`` with its place on the whole mesh too, every parameter checked
+    over its other (tensor- or expert-parallel) dims and, where ``dims`` names it, along which
+    dim it is sharded (FSDP2's ``Shard(dim)``), each checked against the shard policy's units;
+    under ``dp_mesh_dims`` with its place on the whole mesh too, every parameter checked
     before the data-parallel dims are flattened (which makes process groups)."""
     if dp_mesh_dims is None:
         info = mesh_info(mesh, device)
-        placed = [
-            _placed(r, split_placement(parallel_spec(r.fqn, r.param, info.mesh)))
-            for r in registrations
-        ]
+        placed = []
+        for r in registrations:
+            placement: ParamPlacement = split_placement(parallel_spec(r.fqn, r.param, info.mesh))
+            if r.fqn in dims:
+                placement = _dim_shard(r, dims[r.fqn], placement, info, policy)
+            placed.append(_placed(r, placement))
         for registration in placed:
             _check_parallel_cuts(registration, policy)
         return placed, info
+    if dims:
+        unsupported(
+            f"shard_placement_fn asking Shard(dim > 0) for {sorted(dims)} with dp_mesh_dims",
+            "the full-SPMD-mesh form shards every parameter on dim 0; leave it to the "
+            "default (None or Shard(0))",
+        )
     spmd = spmd_mesh(mesh, dp_mesh_dims)
     placed = []
     for registration in registrations:
@@ -276,6 +304,52 @@ def _unit_mesh(
     for registration in placed:  # before flattening the data-parallel dims makes groups
         _check_parallel_cuts(registration, policy)
     return placed, mesh_info(spmd.data_parallel_mesh(), device)
+
+
+def _dim_shard(
+    registration: Registration,
+    dim: int,
+    inner: Plain | SubMesh,
+    info: MeshInfo,
+    policy: RaggedShard,
+) -> DimShard:
+    """FSDP2's ``Shard(dim)`` for one parameter, its even split checked against the shard
+    policy's blocks, as a tensor-parallel split is (:mod:`raggedfsdp.facts.cuts`)."""
+    local = inner.local(registration.param)
+    split = inner.split
+    if split is not None and any(
+        isinstance(p, Shard) and p.dim % local.dim() == dim for p in split.placements
+    ):
+        unsupported(
+            f"Shard({dim}) from shard_placement_fn for parameter {registration.fqn!r}, which "
+            f"tensor or expert parallelism splits along dim {dim} already",
+            "shard it along another dim, or leave it to the default (Shard(0))",
+        )
+    by = f"Shard({dim}) (shard_placement_fn) over {info.shard_size} ranks"
+    check_cut(registration.fqn, tuple(local.shape), dim, info.shard_size, policy, by=by)
+    return DimShard(dim, inner)
+
+
+def _shard_own_meshes(
+    modules: list[nn.Module],
+    placement_fn: Callable[[nn.Parameter], Any],
+    *,
+    mesh: DeviceMesh | None,
+    ignored_params: set[nn.Parameter] | None,
+    **kwargs: Any,
+) -> None:
+    """Parameters ``placement_fn`` gives meshes of their own (FSDP2's ``ShardPlacementResult``):
+    their modules made units over those meshes first, bottom-up, with the call's other
+    arguments (``kwargs``) and each parameter's placement (``_own_mesh.py``)."""
+    params = [(r.fqn, r.param) for r in _registrations(modules, ignored_params or set())]
+    for own in own_mesh_units(modules, params, placement_fn, mesh):
+        fully_shard(
+            own.modules if len(own.modules) > 1 else own.modules[0],
+            mesh=own.mesh,
+            shard_placement_fn=own.shard_placement_fn,
+            ignored_params=ignored_params,
+            **kwargs,
+        )
 
 
 def _placed(registration: Registration, placement: ParamPlacement) -> Registration:
@@ -329,7 +403,7 @@ def fully_shard(
     module: nn.Module | Sequence[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     shard_placement_fn: Callable[[nn.Parameter], Placement | None] | None = None,
     mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
@@ -348,13 +422,18 @@ def fully_shard(
 
     Apply it bottom-up: to each block, then to the root. FSDP2's arguments keep FSDP2's meanings
     (docs/migrating-from-fsdp2.md): ``reshard_after_forward`` frees the unsharded parameters after
-    forward (``None``: yes, but not the root's); the unit that runs forward last keeps them into
+    forward (``None``: yes, but not the root's; an int ``N``: sharded over groups of ``N`` ranks,
+    which backward all-gathers within, as FSDP2's); the unit that runs forward last keeps them into
     backward, which starts with it. ``mesh`` is 1-D (shard) or 2-D (replicate, shard: HSDP);
-    ``None`` shards over the whole default group. ``shard_placement_fn`` may only ask for
-    ``Shard(0)`` (or ``None``): ragged shards are runs of whole units in row-major order; choose the
-    units with ``shard_policy``. ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU
-    (unless ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer
-    state live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
+    ``None`` shards over the whole default group. ``shard_placement_fn`` returns ``None`` or
+    ``Shard(0)`` for the ragged shards (runs of whole units in row-major order, the units chosen
+    with ``shard_policy``), or ``Shard(dim)`` (``dim > 0`` or negative) for FSDP2's even split along
+    ``dim``: that parameter is a bucket of its own and a DTensor placed ``Shard(dim)``; or FSDP2's
+    ``ShardPlacementResult(placement, mesh_info)``, whose modules on a mesh other than ``mesh``
+    become units of their own over it (torchtitan's experts, ``_own_mesh.py``).
+    ``offload_policy``: a ``CPUOffloadPolicy`` is met as is on CPU (unless
+    ``DBufferConfig.host_copies_on_cpu``); on an accelerator shards, gradients and optimizer state
+    live on the host (not with a compressed all-gather). ``ignored_params`` stay unsharded and
     unmanaged, as in FSDP2. ``compression`` quantizes the all-gather and/or the reduce-scatter by
     blocks (:class:`CommCompression`; a ``planner`` given too must carry the same one,
     ``mp_policy.reduce_dtype`` None or fp32 under a compressed reduce-scatter). With
@@ -362,15 +441,33 @@ def fully_shard(
     leading dims the data-parallel ones named, and every parameter a DTensor on it."""
     modules = _check_fsdp2_arguments(module, reshard_after_forward, offload_policy)
     planner = _resolve_planner(shard_policy, planner, compression, mp_policy)
+    if shard_placement_fn is not None:
+        _shard_own_meshes(
+            modules,
+            shard_placement_fn,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+            planner=planner,
+            dbuffer_config=dbuffer_config,
+        )
     registrations = _registrations(modules, ignored_params or set())
-    _check_placements(registrations, shard_placement_fn)
+    dims = _requested_dims(registrations, shard_placement_fn)
+    if dims and planner.compression is not None and planner.compression.enabled:
+        unsupported(
+            f"shard_placement_fn asking Shard(dim > 0) for {sorted(dims)} with compression",
+            "the quantization blocks follow the parameter's rows; leave the placement to the "
+            "default (None or Shard(0)) or drop the compression",
+        )
     device = device_for([r.param for r in registrations], mesh)
     registrations, info = _unit_mesh(
-        registrations, mesh, dp_mesh_dims, device, planner.shard_policy
+        registrations, mesh, dp_mesh_dims, device, planner.shard_policy, dims
     )
     config = dbuffer_config or DBufferConfig()
     offload = _offload(offload_policy, device, config, planner.compression, info)
-    group = FSDPParamGroup(
+    group = unit_group(
         registrations,
         mesh_info=info,
         planner=planner,
@@ -382,6 +479,7 @@ def fully_shard(
         offload=offload,
     )
     _move_buffers(modules, device)
+    reshard_after_forward, group.reshard_to = reshard_to(reshard_after_forward, info)
     FSDPState(modules, group, reshard_after_forward)
     _become_unit(registrations, modules)
     return module

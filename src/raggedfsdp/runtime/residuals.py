@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from ._hooks import named_states_under
+from ._param import bucket_name
+from ._param_group import FSDPParamGroup
 
-__all__ = ["error_feedback_state", "load_error_feedback_state"]
+__all__ = ["error_feedback_state", "load_error_feedback_state", "unit_residuals"]
 
 
 def error_feedback_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -23,7 +25,20 @@ def error_feedback_state(model: nn.Module) -> dict[str, torch.Tensor]:
     live tensors; empty without error feedback). Not a collective."""
     out: dict[str, torch.Tensor] = {}
     for paths, state in named_states_under(model):
-        out.update(state.group.error_feedback_state(paths))
+        out.update(unit_residuals(state.group, paths))
+    return out
+
+
+def unit_residuals(
+    group: FSDPParamGroup, paths: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The residual of each of a unit's buckets that keeps one, by the bucket's name when the
+    unit's modules are ``paths`` below the model (as its ``named_plans``)."""
+    out = {}
+    for bucket in group.buckets:
+        residual = bucket.reduce.error_feedback_state() if bucket.reduce is not None else None
+        if residual is not None:
+            out[bucket_name(bucket.plan.name, paths[0] if paths else "")] = residual
     return out
 
 

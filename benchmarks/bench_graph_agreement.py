@@ -1,13 +1,13 @@
-"""What the agreement on which parameters any rank used costs a step (``runtime/_usage.py``).
+"""What the agreement at the start of backward costs a step (``runtime/_usage.py``).
 
-gpt-ref (docs/design.md, "Benchmark protocol") on W Gloo ranks, AdamW, every parameter used:
-rounds alternate steps with the agreement and steps without it (the end-of-backward all-reduce
-switched off), so both see the same machine; the medians, their ratio, and the agreement's own
-time per step (its all-reduce and host read, timed around it).
+gpt-ref (docs/design.md, "Benchmark protocol") on W Gloo ranks, AdamW, a static graph: rounds
+alternate steps by default (the agreement on what each rank's backward runs and uses) and steps
+with ``set_static_graph()`` (none), so both see the same machine; the medians, their ratio, and
+the agreement's own time per step (its all-reduce, timed around it).
 
 Usage::
 
-    python benchmarks/bench_usage_agreement.py --world 2 --rounds 5 --steps 3 --out-json usage.json
+    python benchmarks/bench_graph_agreement.py --world 2 --rounds 5 --steps 3 --out-json agree.json
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ def _steps(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     idx = torch.randint(cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-    agree = _hooks.agree_on_usage
+    agree = _hooks.agree
     agreeing: list[float] = []
 
-    def timed(groups: Any, stats: Any) -> None:
+    def timed(*args: Any) -> Any:
         start = time.perf_counter()
-        agree(groups, stats)
-        agreeing.append(time.perf_counter() - start)
+        try:
+            return agree(*args)
+        finally:
+            agreeing.append(time.perf_counter() - start)
 
     def step() -> float:
         start = time.perf_counter()
@@ -54,13 +56,14 @@ def _steps(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     for _ in range(2):  # warm-up: lazy init, the order, the optimizer's state
         step()
     times: dict[str, list[float]] = {"with": [], "without": []}
+    _hooks.agree = timed
     try:
         for _ in range(rounds):
             for mode in ("with", "without"):
-                _hooks.agree_on_usage = timed if mode == "with" else lambda groups, stats: None
+                model.set_static_graph(mode == "without")
                 times[mode] += [step() for _ in range(steps)]
     finally:
-        _hooks.agree_on_usage = agree
+        _hooks.agree = agree
     return {"times": times, "agreement_s": agreeing}
 
 
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     result["agreement_share"] = result["median_agreement_s"] / result["median_with_s"]
     print(
         f"gpt-ref, W={args.world}: step {result['median_with_s']:.3f} s with the agreement, "
-        f"{result['median_without_s']:.3f} s without (ratio {result['ratio']:.4f}); the "
+        f"{result['median_without_s']:.3f} s static (ratio {result['ratio']:.4f}); the "
         f"agreement itself {1e3 * result['median_agreement_s']:.2f} ms "
         f"({100 * result['agreement_share']:.3f}% of a step)"
     )
