@@ -144,8 +144,8 @@ class ImageTextSampler(BatchSampler):
     ``image_fraction``, a text window of ``tokens`` otherwise; which, and which digit, depend on
     ``(seed, k)`` only (as :func:`~raggedfsdp.data.sample_batch`'s windows), so the ranks'
     slices concatenate to the same global batch at every world size and a resumed run sees the
-    same batches. ``per_step``: the draw is made once per step for all its rows (every rank has
-    images in a step or none has), instead of per row (then some ranks may have none).
+    same batches. In some steps some ranks then have no image: their vision tower does not run
+    (raggedfsdp trains ranks whose graphs differ as one process).
 
     A batch is ``(x, y, pixels)``: int64 ``[b, seq_len]`` twice and float ``[b, C, S, S]``
     (zeros in a text row), ``b = global_batch // world_size``.
@@ -163,7 +163,6 @@ class ImageTextSampler(BatchSampler):
         rank: int,
         world_size: int,
         image_fraction: float,
-        per_step: bool = False,
     ) -> None:
         if not 0.0 <= image_fraction <= 1.0:
             raise ValueError(f"image_fraction must be in [0, 1], got {image_fraction!r}")
@@ -177,7 +176,7 @@ class ImageTextSampler(BatchSampler):
             world_size=world_size,
         )
         self.digits, self.fmt = digits, fmt
-        self.image_fraction, self.per_step = image_fraction, per_step
+        self.image_fraction = image_fraction
 
     def batch(
         self, step: int, *, split: str = "train", digits: Digits | None = None
@@ -198,8 +197,7 @@ class ImageTextSampler(BatchSampler):
         )
         draws = torch.rand(self.global_batch, generator=gen)
         which = torch.randint(len(digits), (self.global_batch,), generator=gen)
-        images = (draws[:1] if self.per_step else draws) < self.image_fraction
-        images = images.expand(self.global_batch)
+        images = draws < self.image_fraction
         lo, hi = self.rank * self.local_batch, (self.rank + 1) * self.local_batch
         # Copies: x and y are overlapping views of the same windows.
         x, y, images, which = x[lo:hi].clone(), y[lo:hi].clone(), images[lo:hi], which[lo:hi]
@@ -229,7 +227,6 @@ class ImageTextSampler(BatchSampler):
             rank=self.rank,
             world_size=self.world_size,
             image_fraction=self.image_fraction,
-            per_step=self.per_step,
         )
         return [held.batch(i, split="eval") for i in range(num_batches)]
 

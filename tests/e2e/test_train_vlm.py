@@ -1,10 +1,11 @@
 """A vision-language model in the training job: ``raggedfsdp train --hf-config tiny-llava``.
 
-Six steps at W=2 through the real launcher (Gloo, CPU) on digits mixed with text: every step's
-loss, the validation loss and the held-out digit accuracy equal those of one process on the global
-batch (the worker without torchrun) to 1e-5; the summary and ``metrics.jsonl`` carry the accuracy
-and ``report.png`` is drawn; a run resumed from the step-3 checkpoint ends with the same
-parameters bit for bit; the exported state dict loads into transformers' own
+Six steps at W=2 through the real launcher (Gloo, CPU) on digits mixed with text, drawn per row,
+so that in step 1 rank 1 has no image (its vision tower does not run) and rank 0 four: every
+step's loss, the validation loss and the held-out digit accuracy equal those of one process on
+the global batch (the worker without torchrun) to 1e-5; the summary and ``metrics.jsonl`` carry
+the accuracy and ``report.png`` is drawn; a run resumed from the step-3 checkpoint ends with the
+same parameters bit for bit; the exported state dict loads into transformers' own
 ``LlavaForConditionalGeneration``. (Building, the data, the one-line errors, in this process:
 tests/unit/test_vlm.py.)
 """
@@ -26,6 +27,8 @@ from launches import (
     train_losses,
     workers_in_one_process,
 )
+from raggedfsdp.data import load_corpus
+from raggedfsdp.digits import ImageTextSampler, load_digits
 from raggedfsdp.models import hf
 from raggedfsdp.train.checkpoints import export_checkpoint
 
@@ -67,7 +70,25 @@ def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     return found
 
 
-def test_two_ranks_match_one_process(runs):
+def test_two_ranks_match_one_process(runs, corpus):
+    # What the runs cover: a step in which one rank has images and the other none.
+    fmt = hf.image_format("tiny-llava")
+    digits, _ = load_digits()
+    tokens = load_corpus(corpus, seed=0).train
+    has = [
+        [
+            bool((x == fmt.prefix[0]).any())
+            for x, _, _ in (
+                ImageTextSampler(
+                    tokens, digits, fmt, seq_len=64, global_batch=8, seed=0, rank=rank,
+                    world_size=2, image_fraction=0.5,
+                ).batch(step)
+                for step in range(6)
+            )
+        ]
+        for rank in range(2)
+    ]  # fmt: skip
+    assert any(a != b for a, b in zip(*has, strict=True)), has
     w2, w1 = train_losses(runs["w2"]), train_losses(runs["w1"])
     assert sorted(w2) == [1, 2, 3, 4, 5, 6]
     assert w2[6] < w2[1] - 0.5  # it trains

@@ -49,11 +49,6 @@ T = TypeVar("T")
 #: A batch: ``(x, y)``, or a VLM's ``(x, y, pixels)``.
 Batch = tuple[torch.Tensor, ...]
 
-# Until units run on some ranks only (issue 32, item 1), a step in which one rank has an image and
-# another none aborts in the vision tower's first collective: the VLM's images are drawn per step
-# (every rank has images in a step, or none has), not per row.
-_IMAGES_PER_STEP = True
-
 
 # ---------------------------------------------------------------------------------------------
 # Distributed helpers.
@@ -318,7 +313,6 @@ def _build_data(
             rank=mesh.data_rank,
             world_size=mesh.data_ranks,
             image_fraction=cfg.image_fraction,
-            per_step=_IMAGES_PER_STEP,
         )
         val = mixed.mixed_eval_batches(corpus.val, held_out, cfg.eval_batches)
         return mixed, val, mixed.accuracy_batches(held_out)
