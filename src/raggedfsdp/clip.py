@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
@@ -29,12 +30,16 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    *,
+    pp_mesh: DeviceMesh | None = None,
 ) -> torch.Tensor:
     """Scale gradients in place so that their global ``norm_type``-norm is at most ``max_norm``.
 
     torch's semantics and signature; the norm is that of the full (unsharded) gradients, the same
     on every rank, and every rank of a shard group must call this with the same parameters (it is
-    a collective). ``norm_type`` is a positive number or ``inf``.
+    a collective). ``norm_type`` is a positive number or ``inf``. Under pipeline parallelism pass
+    each rank's stage parameters and the 1-D ``pp_mesh`` over the stages (torchtitan's argument):
+    the stages' norms are reduced over it, so every stage clips by the whole model's norm.
 
     Returns:
         The total norm of the gradients (before clipping), as a scalar tensor.
@@ -43,23 +48,16 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf) or math.isnan(norm_type):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
+    if pp_mesh is not None and pp_mesh.ndim != 1:
+        raise ValueError(
+            f"pp_mesh must be the 1-D mesh over the pipeline stages, got {pp_mesh.ndim} dims"
+        )
     with_grad = [p for p in params if p.grad is not None]
-    if not with_grad:
+    if not with_grad and pp_mesh is None:
         return torch.tensor(0.0)
-    dtype = with_grad[0].grad.dtype
-    device = with_grad[0].grad.device
-    for p in with_grad[1:]:
-        dtype = torch.promote_types(dtype, p.grad.dtype)
-
-    # Norms of the parts that are complete on this rank, and per shard group the global one.
-    plain, groups = _split_by_group(with_grad)
-    norms = [get_total_norm(plain, norm_type, foreach=foreach)] if plain else []
-    norms += [
-        _group_norm(over, grads, norm_type, device, foreach) for over, grads in groups.values()
-    ]
-    total = torch.linalg.vector_norm(
-        torch.stack([n.to(device, torch.float64) for n in norms]), norm_type
-    ).to(dtype)
+    total = _total_norm(with_grad, norm_type, foreach)
+    if pp_mesh is not None:
+        total = _over_stages(total, norm_type, pp_mesh)
     if error_if_nonfinite and not bool(total.isfinite()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -74,6 +72,39 @@ def clip_grad_norm_(
         if same_kind:
             clip_grads_with_norm_(same_kind, max_norm, total, foreach)
     return total
+
+
+def _total_norm(
+    with_grad: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> torch.Tensor:
+    """The global norm of the gradients of ``with_grad`` (a collective over their groups)."""
+    if not with_grad:  # a stage with no gradients still joins the reduction over the stages
+        return torch.tensor(0.0)
+    dtype = with_grad[0].grad.dtype
+    device = with_grad[0].grad.device
+    for p in with_grad[1:]:
+        dtype = torch.promote_types(dtype, p.grad.dtype)
+    # Norms of the parts that are complete on this rank, and per shard group the global one.
+    plain, groups = _split_by_group(with_grad)
+    norms = [get_total_norm(plain, norm_type, foreach=foreach)] if plain else []
+    norms += [
+        _group_norm(over, grads, norm_type, device, foreach) for over, grads in groups.values()
+    ]
+    return torch.linalg.vector_norm(
+        torch.stack([n.to(device, torch.float64) for n in norms]), norm_type
+    ).to(dtype)
+
+
+def _over_stages(total: torch.Tensor, norm_type: float, pp_mesh: DeviceMesh) -> torch.Tensor:
+    """The norm over every stage from each stage's ``total``: one all-reduce over ``pp_mesh``."""
+    partial = total.to(pp_mesh.device_type, torch.float64)
+    if norm_type == math.inf:
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+    else:
+        partial = partial.pow(norm_type)
+        dist.all_reduce(partial, group=pp_mesh.get_group())
+        partial = partial.pow(1.0 / norm_type)
+    return partial.to(total.device, total.dtype)
 
 
 def _split_by_group(

@@ -42,6 +42,7 @@ from ._reshard_to import reshard_to
 from ._spmd import DataParallelMeshDims, spmd_mesh, spmd_param
 from ._subclass import unit_group
 from ._torch_fsdp import adapt_torch
+from ._torch_state import expose_to_torch, torch_facing_state
 from .api import CommCompression, DBufferConfig, MixedPrecisionPolicy
 
 __all__ = [
@@ -480,9 +481,13 @@ def fully_shard(
     )
     _move_buffers(modules, device)
     reshard_after_forward, group.reshard_to = reshard_to(reshard_after_forward, info)
-    FSDPState(modules, group, reshard_after_forward)
+    expose_to_torch(FSDPState(modules, group, reshard_after_forward))
     _become_unit(registrations, modules)
     return module
+
+
+# FSDP2's ``fully_shard.state(module)``: what torch's own lookup returns for a raggedfsdp module.
+fully_shard.state = torch_facing_state  # type: ignore[attr-defined]
 
 
 def FSDPBackend(
