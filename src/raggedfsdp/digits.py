@@ -8,6 +8,7 @@ function of ``(seed, step)`` only, as :class:`~raggedfsdp.data.BatchSampler`'s.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ __all__ = [
     "Digits",
     "ImageFormat",
     "ImageTextSampler",
+    "check_installed",
     "digit_rows",
     "load_digits",
     "to_pixels",
@@ -87,6 +89,13 @@ class Digits:
 
     def __len__(self) -> int:
         return int(self.labels.numel())
+
+
+def check_installed() -> None:
+    """``ValueError`` (:data:`INSTALL_HINT`) without scikit-learn, before any worker starts
+    (nothing is imported: the launcher pays nothing for it)."""
+    if importlib.util.find_spec("sklearn") is None:
+        raise ValueError(INSTALL_HINT)
 
 
 def load_digits() -> tuple[Digits, Digits]:

@@ -192,10 +192,15 @@ def test_bad_input_is_one_line_before_launch(command, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_without_scikit_learn_one_line(monkeypatch):
+def test_without_scikit_learn_one_line(monkeypatch, command, tmp_path):
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
     with pytest.raises(ValueError, match=r"scikit-learn: pip install 'raggedfsdp\[vlm\]'$"):
         dg.load_digits()
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # as if not installed: before launch
+    status, _, err = command("train", "--hf-config=tiny-llava", f"--out={tmp_path / 'o'}")
+    assert status == 2
+    one_error_line(err, "pip install 'raggedfsdp[vlm]'")
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_unit_first_run_after_the_first_step_trains_as_one_process(group_of_one, corpus):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
-from ..digits import ImageFormat
+from ..digits import ImageFormat, check_installed
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
@@ -292,6 +292,7 @@ class TrainConfig:
         if not 0.0 <= self.image_fraction <= 1.0:
             raise ValueError(f"image_fraction: must be in [0, 1], got {self.image_fraction}")
         if self.vlm:
+            check_installed()
             self.image_format().check_fits(self.tokens_per_seq)
         elif self.image_size is not None:
             raise ValueError(
