@@ -16,7 +16,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test,report,hf]'
+	$(BIN)/python -m pip install -q -e '.[test,report,hf,vlm]'
 	touch $@
 
 # A fresh run folder each time: the job refuses to overwrite an earlier run's results.

@@ -30,6 +30,7 @@ __all__ = [
     "Corpus",
     "default_corpus_files",
     "eval_batches",
+    "generator_seed",
     "load_corpus",
     "sample_batch",
 ]
@@ -228,7 +229,8 @@ def _check_split(batch: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def _generator_seed(seed: int, step: int, *, split: str) -> int:
+def generator_seed(seed: int, step: int, *, split: str) -> int:
+    """The seed of the generator that draws batch ``step`` of ``split`` (:func:`sample_batch`)."""
     value = seed * _SEED_STRIDE + step
     if split == "eval":
         value ^= _EVAL_SALT
@@ -262,7 +264,7 @@ def sample_batch(
     """
     _check_tokens(tokens, seq_len)
     lo, hi = _check_split(batch_size, rank, world_size)
-    gen = torch.Generator().manual_seed(_generator_seed(seed, step, split=split))
+    gen = torch.Generator().manual_seed(generator_seed(seed, step, split=split))
     # Valid starts s satisfy s + seq_len < numel, so that y's last token exists.
     starts = torch.randint(0, tokens.numel() - seq_len, (batch_size,), generator=gen)[lo:hi]
     windows = tokens[starts[:, None] + torch.arange(seq_len + 1)].long()

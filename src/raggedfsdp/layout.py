@@ -70,7 +70,8 @@ class RaggedShard:
     """The user's shard policy: which cuts each parameter allows.
 
     Args:
-        block_size: ``None`` cuts anywhere (element granularity); an int ``b`` keeps ``b`` rows
+        block_size: ``None`` cuts anywhere (element granularity), but between the filters of a
+            convolution (one output channel, :func:`row_numel`); an int ``b`` keeps ``b`` rows
             together (so ``b x b`` tiles stay whole; for a 1-D parameter, ``b`` elements);
             ``(rows, cols)`` keeps ``rows`` rows together and checks that ``cols`` divides the row
             length; ``"whole"`` keeps the parameter on exactly one rank.
@@ -133,7 +134,11 @@ class RaggedShard:
 def _block_unit(name: str, shape: Shape, block: BlockSize, policy: RaggedShard) -> int:
     numel = math.prod(shape)
     if block is None:
-        return 1
+        # A Conv2d/Conv3d weight keeps whole output channels even so: a rank's piece is then
+        # whole filters (N-D, a convolution's own weight), and a cut inside a filter would
+        # split the one kernel that every output pixel of that channel uses. A 3-D weight is an
+        # expert stack's as well as a Conv1d's; its rows stay cuttable.
+        return row_numel(shape) if len(shape) >= 4 else 1
     if block == "whole":
         return max(numel, 1)
     row_len = row_numel(shape)

@@ -1,10 +1,11 @@
 """``raggedfsdp train --tp N`` and ``--ep N``: FSDP on the data-parallel ranks of a 2-D mesh, in
 real launches (torchrun's agent, 4 Gloo ranks, CPU).
 
-Three runs of 5 steps, side by side: gpt-tiny at (dp=2, tp=2) with Muon (every block matrix
+Four runs of 5 steps, side by side: gpt-tiny at (dp=2, tp=2) with Muon (every block matrix
 split by tensor parallelism, orthogonalised whole), the tiny Hugging Face Llama at (dp=2, tp=2)
 with AdamW, the tiny Mixtral at (dp=2, ep=2) with AdamW (two of its four experts per rank, tokens
-dispatched by all-to-all). Each trains as one process does on the global batch: the losses
+dispatched by all-to-all), the tiny Qwen2-VL at (dp=2, tp=2) (its language model split, its vision
+tower whole). Each trains as one process does on the global batch: the losses
 agree to 1e-5 at every step (2e-4 with Muon, whose Newton-Schulz runs in bf16). The negative
 control for a split that silently did not happen (the same losses, FSDP over dp alone, tp peers
 holding copies): each rank's optimizer state is a quarter of one process's (and half of what
@@ -48,6 +49,7 @@ CASES: dict[str, tuple[list[str], list[str], dict[str, int]]] = {
     "gpt-tp": (["--model=gpt-tiny", "--optimizer=muon"], ["--tp=2"], {"dp": 2, "tp": 2}),
     "llama-tp": (["--hf-config=tiny-llama"], ["--tp=2"], {"dp": 2, "tp": 2}),
     "mixtral-ep": (["--hf-config=tiny-mixtral"], ["--ep=2"], {"dp": 2, "ep": 2}),
+    "qwen2-vl-tp": (["--hf-config=tiny-qwen2-vl"], ["--tp=2"], {"dp": 2, "tp": 2}),
 }
 #: Resumed under FSDP alone on 2 ranks from the split run's step-3 checkpoint.
 RESUMED = ("gpt-tp", "mixtral-ep")
@@ -106,7 +108,10 @@ def runs(tmp_path_factory, corpus) -> dict[str, dict[str, Any]]:
 #: up to 5.6e-5 from one process by step 5 of this run, (dp=2, tp=2) 1.1e-5 to 8.6e-5 over
 #: three launches. That Muon orthogonalises whole matrices is tested bit for bit, with a
 #: negative control, in tests/distributed/test_tensor_parallel.py. AdamW: under 1e-6.
-TOLERANCE = {"gpt-tp": 2e-4, "llama-tp": 1e-5, "mixtral-ep": 1e-5}
+TOLERANCE = {"gpt-tp": 2e-4, "llama-tp": 1e-5, "mixtral-ep": 1e-5, "qwen2-vl-tp": 1e-5}
+#: The most of one process's optimizer state a rank may hold: a quarter, plus half of what the
+#: split leaves whole (norms, positions; a VLM's vision tower, 29% of tiny-qwen2-vl: 0.32).
+STATE_SHARE = {"gpt-tp": 0.3, "llama-tp": 0.3, "mixtral-ep": 0.3, "qwen2-vl-tp": 0.34}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -126,7 +131,7 @@ def test_each_rank_holds_a_quarter(runs, name):
     split = metrics(runs[name]["split"], "train")[-1]
     one = metrics(runs[name]["one"], "train")[-1]["optimizer_bytes"]
     assert split["world_size"] == 4
-    assert 0.99 * one / 4 <= split["optimizer_bytes"] <= 0.3 * one
+    assert 0.99 * one / 4 <= split["optimizer_bytes"] <= STATE_SHARE[name] * one
     mesh = CASES[name][2]
     words = " x ".join(f"{k}={v}" for k, v in mesh.items())
     assert f"4 rank(s) (gloo, {words})" in runs[name]["console"]

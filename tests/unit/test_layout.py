@@ -21,6 +21,10 @@ from raggedfsdp.layout import row_numel
         ((100,), 32, 32),
         ((4, 6, 8), 2, 2 * 8),  # expert stack: rows of `in` elements
         ((8, 3, 3, 3), 4, 4 * 27),  # convolution: a row is one output filter
+        ((8, 3, 3, 3), None, 27),  # ... kept whole even without a block (Conv2d)
+        ((8, 3, 2, 4, 4), None, 96),  # Conv3d: one filter of in*kt*kh*kw
+        ((8, 3, 2, 4, 4), (2, 32), 2 * 96),  # a band of whole filters, tiles whole
+        ((4, 6, 8), None, 1),  # a 3-D expert stack (or Conv1d) still cuts anywhere
         ((), 32, 1),  # zero-dim: one unit
         ((5, 7), 32, 35),  # block larger than the tensor: the whole tensor
     ],

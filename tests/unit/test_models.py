@@ -112,7 +112,8 @@ def test_gpt_num_params() -> None:
 
 # Public figures: Meta's model cards (8.03B, 70.6B, 405.9B), DeepSeek-V3's 671B main model
 # (685B on the hub includes the 14B MTP module), OpenAI's gpt-oss-120b card (116.8B),
-# DeepSeek-V2-Lite's card (15.7B).
+# DeepSeek-V2-Lite's card (15.7B), the Hugging Face model pages of Qwen2.5-VL-72B-Instruct (73.4B)
+# and Llama-3.2-90B-Vision (88.6B).
 PUBLIC_COUNTS = {
     "llama3-8b": 8.03e9,
     "llama3-70b": 70.6e9,
@@ -120,6 +121,8 @@ PUBLIC_COUNTS = {
     "deepseek-v3-671b": 671e9,
     "gpt-oss-120b": 116.8e9,
     "deepseek-v2-lite": 15.7e9,
+    "qwen2.5-vl-72b": 73.4e9,
+    "llama3.2-90b-vision": 88.6e9,
 }
 
 

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import raggedfsdp as rf
+from raggedfsdp.layout import row_numel
 
 
 def check_invariants(plan: rf.ShardPlan) -> None:
@@ -174,6 +175,30 @@ def test_whole_units_live_on_one_rank():
     for name in plan.entries:
         holders = [r for r in range(3) if plan.layout(name).local_numel(r)]
         assert len(holders) == 1
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 7])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon", "adamw8bit"])
+def test_convolutions_keep_whole_output_channels(world, optimizer):
+    """A Conv2d/Conv3d weight is cut only between output channels, so each rank's piece is
+    whole filters, an N-D tensor of the weight's own shape (negative control: the same
+    elements as a matrix ``[30, 75]`` are cut inside a row, as a Linear may be)."""
+    shapes = {
+        "patch.weight": (30, 3, 5, 5),  # filters of 75 elements
+        "video.weight": (14, 3, 2, 3, 3),  # filters of 54
+        "proj.weight": (37, 11),
+    }
+    plan = rf.StructAwarePlanner(optimizer).plan(shapes, world)
+    check_invariants(plan)
+    for name in ("patch.weight", "video.weight"):
+        layout = plan.layout(name)
+        for rank in range(world):
+            start, end = layout.ranges[rank]
+            assert start % row_numel(shapes[name]) == end % row_numel(shapes[name]) == 0
+            assert layout.local_shape(rank)[1:] == shapes[name][1:]
+    if optimizer == "adamw":
+        matrix = rf.StructAwarePlanner(optimizer).plan({"w": (30, 75)}, world).layout("w")
+        assert any(start % 75 for start, _ in matrix.ranges)
 
 
 @pytest.mark.parametrize(

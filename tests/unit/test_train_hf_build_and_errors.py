@@ -24,6 +24,8 @@ def test_every_builtin_config_shards_by_decoder_layer(group_of_one, corpus):
     pytest.importorskip("transformers")
     x, y = eval_batches(load_corpus(corpus, seed=0).val, 1, seq_len=32, global_batch=2, seed=0)[0]
     for name in hf.TINY_CONFIGS:
+        if hf.is_vlm(hf.hf_config(name)):
+            continue  # with their vision blocks: tests/unit/test_vlm.py
         model = build_model(TrainConfig(hf_config=name), torch.device("cpu"))
         units = sorted({plan.name.split("/")[0] for plan in model.shard_plans()})
         assert units == ["<root>", "model.layers.0", "model.layers.1"], (name, units)
@@ -67,7 +69,7 @@ def test_bad_hf_configs_one_line(command, tmp_path):
     vision.mkdir()
     (vision / "config.json").write_text(json.dumps({"model_type": "vit"}))
     status, _, err = command("train", f"--hf-config={vision}", f"--out={tmp_path / 'o'}")
-    one_error_line(err, "not a causal-LM")
+    one_error_line(err, "neither a causal LM nor an image-text-to-text model")
     status, _, err = command("train", "--hf-config=tiny-llama", "--seq-len=300")
     one_error_line(err, "seq_len", "[1, 256]")
 

@@ -35,6 +35,7 @@ from .cost import (
 from .hardware import Hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes, with_parallel_time
+from .parts import PartCost, part_costs
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
 from .wire import message_bytes
@@ -146,6 +147,8 @@ class SystemCost:
     #: offload ``host_fits`` too
     fits: bool
     host_per_node: int = 0  # under offload: the host bytes of a node's ranks together
+    #: a vision-language model's vision side and language model apart (:mod:`.parts`); () else
+    parts: tuple[PartCost, ...] = ()
     #: under offload: host_per_node <= (1 - reserve) x the node's host RAM (where known)
     host_fits: bool = True
 
@@ -329,6 +332,7 @@ def plan_capacity(
         reserve=options.reserve,
         split=split,
         parallel=parallel_bytes(shape, step, hw, split),
+        plans=plans,
     )
     systems = {system.name: costing.cost(system) for system in SYSTEMS}
     parallel = costing.parallel if split.splits else None
@@ -348,6 +352,7 @@ class _Costing:
     reserve: float
     split: ModelSplit
     parallel: ParallelBytes
+    plans: Sequence[ShardPlan]
 
     def cost(self, system: System) -> SystemCost:
         hw, w, step = self.hw, self.world_size, self.step
@@ -367,6 +372,14 @@ class _Costing:
             fits=memory.peak <= hw.memory_bytes * (1 - self.reserve) and host_fits,
             host_per_node=host_per_node,
             host_fits=host_fits,
+            parts=part_costs(
+                self.plans,
+                self.units,
+                persistent=memory.persistent,
+                step=step,
+                world_size=w,
+                system=system,
+            ),
         )
 
 

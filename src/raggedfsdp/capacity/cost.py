@@ -32,6 +32,7 @@ __all__ = [
     "optimizer_state_bytes",
     "reduction_bytes",
     "unit_bytes",
+    "unit_path",
 ]
 
 #: The runtime starts each bucket's buffer in a unit's storage on this many bytes
@@ -123,7 +124,7 @@ class UnitBytes:
         )
 
 
-def _unit_path(bucket_name: str) -> str:
+def unit_path(bucket_name: str) -> str:
     """``<unit path>/<dtype>[/frozen]/<i>`` -> the unit's path (``""`` for the root)."""
     path = bucket_name.rsplit("/", 3 if "/frozen/" in bucket_name else 2)[0]
     return "" if path == "<root>" else path
@@ -140,7 +141,7 @@ def unit_bytes(
     worlds: dict[str, int] = {}
     sizes = messages if messages is not None else [0] * len(plans)
     for plan, message in zip(plans, sizes, strict=True):
-        path = _unit_path(plan.name)
+        path = unit_path(plan.name)
         if worlds.setdefault(path, plan.world_size) != plan.world_size:
             raise ValueError(f"unit {path!r} has buckets planned at different world sizes")
         shards, trainable, numels, codes = units.setdefault(path, ([], [], [0, 0], []))

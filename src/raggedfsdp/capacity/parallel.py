@@ -14,7 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..facts import FUSED_EXPERTS, PER_HEAD, TP_PLAN, ParallelDims, TPStyle, check_cut, tp_dim
+from ..facts import (
+    FUSED_EXPERTS,
+    PER_HEAD,
+    TP_PLAN,
+    ParallelDims,
+    TPStyle,
+    check_cut,
+    is_vision,
+    tp_dim,
+)
 from ..layout import RaggedShard
 from ..planner import WrapPolicy
 
@@ -24,6 +33,7 @@ __all__ = [
     "ParamSplit",
     "UnsplittableModel",
     "split_model",
+    "token_embedding",
 ]
 
 
@@ -137,7 +147,8 @@ def _heads(module: nn.Module) -> tuple[int, int] | None:
     cfg = getattr(module, "cfg", None)
     if hasattr(cfg, "n_head"):
         return int(cfg.n_head), int(cfg.n_head)
-    config = getattr(module, "config", None)  # a Hugging Face model's
+    config = getattr(module, "config", None)  # a Hugging Face model's (a VLM's: its text model's)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(config, "num_attention_heads", None):
         heads = int(config.num_attention_heads)
         return heads, int(getattr(config, "num_key_value_heads", None) or heads)
@@ -145,6 +156,19 @@ def _heads(module: nn.Module) -> tuple[int, int] | None:
     if heads is None:
         return None
     return int(heads), int(getattr(module, "n_kv_heads", heads))
+
+
+def token_embedding(module: nn.Module) -> nn.Embedding | None:
+    """The model's token embedding: its first ``nn.Embedding`` outside a VLM's vision side
+    (whose position and tile embeddings come first); ``None`` if it has none."""
+    return next(
+        (
+            m
+            for path, m in module.named_modules()
+            if isinstance(m, nn.Embedding) and not is_vision(path)
+        ),
+        None,
+    )
 
 
 def _check_degrees(
@@ -291,14 +315,14 @@ def split_model(
     _check_degrees(module, dims, experts, model)
     policy = policy or RaggedShard()
     owners = dict(module.named_modules())
-    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    embedding = token_embedding(module)
     params = {}
     for name, p in module.named_parameters():
         shape = tuple(p.shape)
         owner = owners[name.rpartition(".")[0]]
         expert = _expert_index(name, experts)
         split_dim = None
-        if dims.tp > 1:
+        if dims.tp > 1 and not is_vision(name):  # a vision tower stays whole over tp
             split_dim = _tp_dim(name, shape, owner, owner is embedding)
             if split_dim is not None:
                 by = f"tensor parallelism (tp={dims.tp})"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..planner import WrapPolicy, model_buckets
-from .parallel import ModelSplit
+from .parallel import ModelSplit, token_embedding
 
 __all__ = ["EXPERTS_PER_TOKEN", "ModelShape", "UnitShape", "model_shape"]
 
@@ -181,7 +181,8 @@ def _params_by_unit(
 
 # The rules, stated once:
 #
-# - **hidden size** ``d`` and **vocabulary** ``V``: the first ``nn.Embedding``'s dimensions.
+# - **hidden size** ``d`` and **vocabulary** ``V``: the token embedding's dimensions (the first
+#   ``nn.Embedding`` outside a VLM's vision side).
 # - **matmul elements per token** of a unit: every weight of two or more dimensions except
 #   embeddings (one tied to the output head counts once, as the head), each a ``[out, in]`` matrix
 #   applied once per token; a routed expert (a 3-D stack ``[E, a, b]`` or a module under
@@ -228,7 +229,7 @@ def model_shape(
     Raises:
         ValueError: no embedding, or experts without ``experts_per_token``.
     """
-    embedding = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+    embedding = token_embedding(module)
     if embedding is None:
         raise ValueError(
             f"{type(module).__name__} has no nn.Embedding: the capacity planner reads the hidden "

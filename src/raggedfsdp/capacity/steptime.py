@@ -25,6 +25,7 @@ __all__ = [
     "StepTime",
     "collective_bytes",
     "collective_costs",
+    "gathers_per_unit",
     "host_copy_bytes",
     "step_time",
 ]
@@ -47,6 +48,13 @@ def _gathers(units: Sequence[UnitBytes], system: System) -> list[UnitBytes]:
     """Units all-gathered in one step: every unit in forward, then in backward the blocks
     ``system`` gathers again (:meth:`System.regathered`)."""
     return [*units, *(units[i] for i in system.regathered(len(units) - 1))]
+
+
+def gathers_per_unit(units: Sequence[UnitBytes], system: System) -> list[int]:
+    """How many times each of ``units`` is all-gathered in one step (1, or 2 when ``system``
+    gathers it again in backward)."""
+    again = set(system.regathered(len(units) - 1))
+    return [1 + (i in again) for i in range(len(units))]
 
 
 def collective_bytes(

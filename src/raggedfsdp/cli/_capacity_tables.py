@@ -110,6 +110,7 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
         *(format_bytes(c.bytes.reduce_scatter_bytes) for c in costs),
     )
     table.add_row("sent on the link per step", *(format_bytes(c.bytes.wire_bytes) for c in costs))
+    _part_rows(table, costs)
     if world.parallel is not None:
         _parallel_rows(table, world, len(costs))
     degrees = {"tp_s": world.dims.tp, "ep_s": world.dims.ep}
@@ -120,6 +121,21 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
     table.add_row("tokens/s per device", *(f"{c.time.tokens_per_s:,.0f}" for c in costs))
     table.add_row("communication share", *(f"{100 * c.time.comm_share:.1f}%" for c in costs))
     return table
+
+
+def _part_rows(table: Table, costs: list[SystemCost]) -> None:
+    """A vision-language model's vision side and language model apart: their persistent bytes
+    on a rank, and what its all-gathers and reduce-scatters take in per step for each."""
+    for index, part in enumerate(costs[0].parts):
+        parts = [c.parts[index] for c in costs]
+        table.add_row(
+            f"{part.name} ({part.param_numel / 1e9:,.2f}B): persistent",
+            *(format_bytes(p.persistent) for p in parts),
+        )
+        table.add_row("  all-gather input", *(format_bytes(p.all_gather_bytes) for p in parts))
+        table.add_row(
+            "  reduce-scatter input", *(format_bytes(p.reduce_scatter_bytes) for p in parts)
+        )
 
 
 #: (label, StepTime key) of the time rows; the tp and ep rows only under tensor or expert
@@ -308,6 +324,7 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
                 ),
                 "bytes": asdict(cost.bytes),
                 "time": cost.time.to_dict(),
+                **({"parts": [asdict(part) for part in cost.parts]} if cost.parts else {}),
             }
             for name, cost in world.systems.items()
         }

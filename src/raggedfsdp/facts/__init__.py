@@ -2,9 +2,9 @@
 
 The parallel degrees of a run (:class:`ParallelDims`, :mod:`.degrees`), tensor parallelism's split
 by module name (:mod:`.tp_plan`), where a tensor- or expert-parallel split may cut a parameter
-(:mod:`.cuts`), and what raggedfsdp and FSDP2 do with a unit's bytes (:mod:`.systems`, which
-``tests/distributed/test_facts_conformance.py`` holds against the runtime). Pure Python over shapes,
-on ``layout`` and under everything that shares these facts.
+(:mod:`.cuts`), a VLM's vision side (:mod:`.vision`), and what raggedfsdp and FSDP2 do with a
+unit's bytes (:mod:`.systems`, which ``tests/distributed/test_facts_conformance.py`` holds against
+the runtime). Pure Python over shapes, on ``layout`` and under everything that shares these facts.
 """
 
 from .cuts import check_cut, chunk_cuts, first_cut_inside_block
@@ -21,6 +21,7 @@ from .systems import (
     as_system,
 )
 from .tp_plan import FUSED_EXPERTS, PER_HEAD, TOKEN_EMBEDDING, TP_PLAN, TPStyle, tp_dim, tp_style
+from .vision import VISION_MODULES, is_vision
 
 __all__ = [
     "FSDP2",
@@ -30,6 +31,7 @@ __all__ = [
     "SYSTEMS",
     "TOKEN_EMBEDDING",
     "TP_PLAN",
+    "VISION_MODULES",
     "GlooReduceScatter",
     "HostCopies",
     "ParallelDims",
@@ -41,6 +43,7 @@ __all__ = [
     "check_cut",
     "chunk_cuts",
     "first_cut_inside_block",
+    "is_vision",
     "tp_dim",
     "tp_style",
 ]

@@ -53,8 +53,8 @@ def _blocks_and_plan(model: nn.Module) -> tuple[list[nn.Module], dict[str, TPSty
     """The model's blocks and the plan each takes: each projection's style from the table."""
     if isinstance(model, GPT):
         return list(model.blocks), {path: _style(path) for path in _GPT_BLOCK}
-    if hf.is_hf_model(model):
-        return hf.decoder_layers(model), {path: _style(path) for path in _HF_LAYER}
+    if hf.is_hf_model(model):  # a VLM's language model: its vision tower stays whole
+        return hf.text_layers(model), {path: _style(path) for path in _HF_LAYER}
     raise ValueError(
         f"tp: tensor parallelism splits a GPT or a Llama-style Hugging Face model, not a "
         f"{type(model).__name__}"
@@ -71,7 +71,7 @@ def _sizes(model: nn.Module) -> dict[str, int]:
             "feed-forward units": cfg.mlp_ratio * cfg.d_model,
             "vocabulary entries": cfg.vocab_size,
         }
-    config: Any = model.config
+    config: Any = hf.text_config(model.config)
     return {
         "attention heads": config.num_attention_heads,
         "key/value heads": getattr(config, "num_key_value_heads", None)

@@ -1,4 +1,4 @@
-"""Parameter shapes of public large language models, as real ``nn.Module`` trees.
+"""Parameter shapes of public large language and vision-language models, as ``nn.Module`` trees.
 
 These models exist for *planning*: the planner walks ``named_parameters()`` of a model built on the
 meta device (no storage), so a 405B- or 671B-parameter model can be planned on a laptop. Their
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raggedfsdp.models._zoo_parts import HFMLP, HFDecoder, PlanningOnly
 from raggedfsdp.models.gpt import GPT, GPT_CONFIGS
+from raggedfsdp.models.zoo_vlm import Llama32Vision, Qwen25VL
 
 __all__ = [
     "DEEPSEEK_V2_LITE",
@@ -27,19 +29,12 @@ __all__ = [
     "DeepSeekV3",
     "GPTOSSConfig",
     "Llama3",
+    "Llama32Vision",
+    "Qwen25VL",
     "build_model",
 ]
 
 DeviceLike = torch.device | str
-
-
-class _PlanningOnly(nn.Module):
-    """Base for shape-only models: a forward that explains itself instead of failing obscurely."""
-
-    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
-        raise NotImplementedError(
-            f"{type(self).__name__} is a shape-only model for sharding plans; it has no forward"
-        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +72,7 @@ class _LlamaBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(hidden)
 
 
-class Llama3(_PlanningOnly):
+class Llama3(PlanningOnly):
     """Llama 3 / 3.1 decoder shapes (Meta's reference ``model.py`` module names).
 
     Shapes from the public ``params.json`` / Hugging Face ``config.json`` of
@@ -251,7 +246,7 @@ class _DeepSeekBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.hidden)
 
 
-class DeepSeekV3(_PlanningOnly):
+class DeepSeekV3(PlanningOnly):
     """DeepSeek-V2/V3 shapes (by default V3's 671B, :data:`DEEPSEEK_V3`), module names after
     DeepSeek's reference inference ``model.py``."""
 
@@ -352,7 +347,7 @@ class _GPTOSSBlock(nn.Module):
         self.mlp = _GPTOSSMoE(cfg)
 
 
-class GPTOSS(_PlanningOnly):
+class GPTOSS(PlanningOnly):
     """GPT-OSS shapes (by default :data:`GPT_OSS_120B`), module names after the Hugging Face
     ``GptOssForCausalLM``: attention and expert projections carry biases, each layer has
     per-head attention sinks."""
@@ -383,25 +378,6 @@ class _NumberedModules(nn.Module):
 
     def __len__(self) -> int:
         return len(self._modules)
-
-
-class _Linear(nn.Linear):
-    """``nn.Linear`` that skips its initialisation on the meta device (there is nothing to
-    initialise there, and tens of thousands of experts would spend seconds doing it)."""
-
-    def reset_parameters(self) -> None:
-        if not self.weight.is_meta:
-            super().reset_parameters()
-
-
-class _HFMLP(nn.Module):
-    """Hugging Face SwiGLU projections: ``down_proj(silu(gate_proj x) * up_proj x)``."""
-
-    def __init__(self, hidden: int, inner: int, bias: bool = False) -> None:
-        super().__init__()
-        self.gate_proj = _Linear(hidden, inner, bias=bias)
-        self.up_proj = _Linear(hidden, inner, bias=bias)
-        self.down_proj = _Linear(inner, hidden, bias=bias)
 
 
 class _HFMLA(nn.Module):
@@ -439,32 +415,22 @@ class _HFMoEGate(nn.Module):
 class _HFDeepSeekMoE(nn.Module):
     def __init__(self, cfg: DeepSeekConfig) -> None:
         super().__init__()
-        experts = [_HFMLP(cfg.hidden, cfg.moe_inner) for _ in range(cfg.n_routed)]
+        experts = [HFMLP(cfg.hidden, cfg.moe_inner) for _ in range(cfg.n_routed)]
         self.experts = _NumberedModules(experts)
         self.gate = _HFMoEGate(cfg)
-        self.shared_experts = _HFMLP(cfg.hidden, cfg.n_shared * cfg.moe_inner)
+        self.shared_experts = HFMLP(cfg.hidden, cfg.n_shared * cfg.moe_inner)
 
 
 class _HFDeepSeekLayer(nn.Module):
     def __init__(self, cfg: DeepSeekConfig, dense: bool) -> None:
         super().__init__()
         self.self_attn = _HFMLA(cfg)
-        self.mlp = _HFMLP(cfg.hidden, cfg.dense_inner) if dense else _HFDeepSeekMoE(cfg)
+        self.mlp = HFMLP(cfg.hidden, cfg.dense_inner) if dense else _HFDeepSeekMoE(cfg)
         self.input_layernorm = nn.RMSNorm(cfg.hidden)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
-class _HFDecoder(nn.Module):
-    """The ``model.`` part of a Hugging Face causal LM: embeddings, layers, final norm."""
-
-    def __init__(self, vocab: int, hidden: int, layers: list[nn.Module]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(layers)
-        self.norm = nn.RMSNorm(hidden)
-
-
-class DeepSeekHF(_PlanningOnly):
+class DeepSeekHF(PlanningOnly):
     """DeepSeek-V2/V3 in the Hugging Face checkpoint layout, one ``nn.Linear`` per expert.
 
     Parameter names as in the public checkpoints (``model.layers.N.self_attn.q_a_proj.weight``,
@@ -480,7 +446,7 @@ class DeepSeekHF(_PlanningOnly):
             _HFDeepSeekLayer(config, dense=i < config.n_dense_layers)
             for i in range(config.n_layers)
         ]
-        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.model = HFDecoder(config.vocab, config.hidden, layers)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
@@ -495,7 +461,7 @@ class _HFGPTOSSMoE(nn.Module):
     def __init__(self, cfg: GPTOSSConfig) -> None:
         super().__init__()
         self.router = _HFGPTOSSRouter(cfg)
-        experts = [_HFMLP(cfg.hidden, cfg.inner, bias=True) for _ in range(cfg.n_experts)]
+        experts = [HFMLP(cfg.hidden, cfg.inner, bias=True) for _ in range(cfg.n_experts)]
         self.experts = _NumberedModules(experts)
 
 
@@ -508,7 +474,7 @@ class _HFGPTOSSLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden)
 
 
-class GPTOSSHF(_PlanningOnly):
+class GPTOSSHF(PlanningOnly):
     """GPT-OSS with its experts unfused: one ``nn.Linear`` (with bias) per expert and
     projection, in the Hugging Face module tree (``model.layers.N.self_attn.q_proj.weight``,
     ``model.layers.N.mlp.router.weight``, ``lm_head.weight``).
@@ -525,7 +491,7 @@ class GPTOSSHF(_PlanningOnly):
         super().__init__()
         self.n_heads, self.n_kv_heads = config.n_heads, config.n_kv_heads  # as GPTOSS's
         layers: list[nn.Module] = [_HFGPTOSSLayer(config) for _ in range(config.n_layers)]
-        self.model = _HFDecoder(config.vocab, config.hidden, layers)
+        self.model = HFDecoder(config.vocab, config.hidden, layers)
         self.lm_head = nn.Linear(config.hidden, config.vocab, bias=False)
 
 
@@ -558,6 +524,16 @@ class GPTOSSHF(_PlanningOnly):
 # gpt-oss-120b-experts        116,829,156,672     116.8B (as ``gpt-oss-120b``)
 # deepseek-v2-lite            15,706,484,224      15.7B
 # ==========================  ==================  ==========================================
+#
+# The vision-language models (their vision side: tower and projector, by
+# :func:`raggedfsdp.facts.is_vision`):
+#
+# ==========================  ==================  ==================  ========================
+# name                        parameters          of them vision      public figure
+# ==========================  ==================  ==================  ========================
+# qwen2.5-vl-72b              73,410,777,344      704,573,696         73.4B
+# llama3.2-90b-vision         88,593,355,323      926,490,131         88.6B
+# ==========================  ==================  ==================  ========================
 _PUBLIC_BUILDERS = {
     "llama3-8b": lambda: Llama3(hidden=4096, n_layers=32, n_heads=32, ffn=14336),
     "llama3-70b": lambda: Llama3(hidden=8192, n_layers=80, n_heads=64, ffn=28672),
@@ -567,6 +543,8 @@ _PUBLIC_BUILDERS = {
     "deepseek-v3-671b-experts": DeepSeekHF,
     "gpt-oss-120b-experts": GPTOSSHF,
     "deepseek-v2-lite": lambda: DeepSeekHF(DEEPSEEK_V2_LITE),
+    "qwen2.5-vl-72b": Qwen25VL,
+    "llama3.2-90b-vision": Llama32Vision,
 }
 
 MODEL_NAMES: tuple[str, ...] = (*GPT_CONFIGS, *_PUBLIC_BUILDERS)

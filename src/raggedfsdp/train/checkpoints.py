@@ -301,6 +301,23 @@ def _make_room(final: Path, job: object) -> None:
     print(f"checkpoint: moved the damaged {final} aside, to {aside.name}", flush=True)
 
 
+def _drop_unsaved_state(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, optim: dict[str, Any]
+) -> None:
+    """Forget the template's optimizer state (``optim``, by parameter name) of each parameter
+    whose state the checkpoint holds none of: a parameter that had no gradient in any step
+    before the save (a vision tower before the first image, a layer the model never uses), whose
+    optimizer made no state, as it has none in an uninterrupted run (a zero state would count a
+    step its first real update has not had)."""
+    saved = _read_metadata(path).state_dict_metadata
+    params = dict(model.named_parameters())
+    for fqn in list(optim):
+        keys = [key for key, _ in expected_entries(optim[fqn], f"optim.{fqn}.")]
+        if not any(key in saved for key in keys):
+            del optim[fqn]
+            optimizer.state.pop(params[fqn], None)
+
+
 def load_checkpoint(
     path: str | Path,
     *,
@@ -317,6 +334,7 @@ def load_checkpoint(
     meta = read_meta(path)
     init_optimizer_state(model, optimizer)
     state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
+    _drop_unsaved_state(path, model, optimizer, state["optim"])
     check_entries(path, dict(expected_entries(state)), meta)
     try:
         dcp.load(state, storage_reader=SafeReader(str(path)))

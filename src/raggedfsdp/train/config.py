@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
+from ..digits import ImageFormat, check_installed
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
@@ -58,12 +59,23 @@ class TrainConfig:
     """Model shape, one of the GPT_CONFIGS (gpt-tiny, gpt-small, gpt-medium, gpt-ref)."""
 
     hf_config: str | None = field(default=None, metadata={"metavar": "PATH|NAME"})
-    """Train a Hugging Face causal LM instead of --model (not both): any architecture of
-    transformers, from a config.json (or a folder holding one) or a built-in tiny config
-    (tiny-llama, tiny-llama-tied, tiny-mixtral, tiny-qwen2-moe), with random weights, never
-    downloaded; each decoder layer is a unit. Its vocab_size becomes 256, the byte-level data's
-    token ids (special-token ids above 255 are dropped); --seq-len defaults to its
-    max_position_embeddings, at most 1024. Needs pip install 'raggedfsdp[hf]'."""
+    """Train a Hugging Face causal LM or vision-language model instead of --model (not both): any
+    causal-LM architecture of transformers, or LLaVA, Qwen2-VL or Qwen2.5-VL, from a config.json
+    (or a folder holding one) or a built-in tiny config (tiny-llama, tiny-llama-tied,
+    tiny-mixtral, tiny-qwen2-moe, tiny-llava, tiny-qwen2-vl), with random weights, never
+    downloaded; each decoder layer (and vision block) is a unit. Its vocab_size becomes 256, the
+    byte-level data's token ids (special-token ids above 255 are dropped; a VLM's image tokens
+    follow the bytes); --seq-len defaults to its max_position_embeddings, at most 1024. Needs pip
+    install 'raggedfsdp[hf]' (a VLM: 'raggedfsdp[vlm]', for scikit-learn's digits)."""
+
+    image_fraction: float = 0.5
+    """With a vision-language --hf-config: the share of samples that are an image of a
+    handwritten digit and its text ("<image> this is the digit 7"); the others are text of the
+    corpus. In [0, 1]."""
+
+    image_size: int | None = None
+    """With a vision-language --hf-config: the side in pixels of the images (the 8x8 digits
+    upscaled); default: the vision tower's own."""
 
     tp: int = 1
     """Tensor-parallel degree: split every block's projections, the embedding and the head over
@@ -232,6 +244,7 @@ class TrainConfig:
                 f"got {self.seq_len}"
             )
         self._check_numbers()
+        self._check_images()
         if not self.out:
             raise ValueError("out: the output folder must not be empty")
         try:
@@ -272,6 +285,29 @@ class TrainConfig:
                 f"optimizer: {self.optimizer} keeps whole matrices or blocks, which --{flag} "
                 f"{degree} splits over ranks; use --optimizer adamw or muon"
             )
+
+    def _check_images(self) -> None:
+        """``--image-fraction`` in [0, 1]; ``--image-size`` only for a VLM, one that fits its
+        tower; a sequence that holds an image-text sample."""
+        if not 0.0 <= self.image_fraction <= 1.0:
+            raise ValueError(f"image_fraction: must be in [0, 1], got {self.image_fraction}")
+        if self.vlm:
+            check_installed()
+            self.image_format().check_fits(self.tokens_per_seq)
+        elif self.image_size is not None:
+            raise ValueError(
+                f"image_size: {self.model_name} is not a vision-language model; it takes no image"
+            )
+
+    @property
+    def vlm(self) -> bool:
+        """Whether the model is a vision-language model (trained on images and text)."""
+        return self.hf_config is not None and hf.is_vlm(hf.hf_config(self.hf_config))
+
+    def image_format(self) -> ImageFormat:
+        """How the VLM takes one image (:func:`raggedfsdp.models.hf.image_format`)."""
+        assert self.hf_config is not None
+        return hf.image_format(self.hf_config, self.image_size)
 
     def _check_numbers(self) -> None:
         """Every count, rate, timeout and ratio in its range (``ValueError`` naming it)."""

@@ -28,6 +28,7 @@ from torch import nn
 from .._console import write_whole
 from .._host import local_device
 from ..data import BatchSampler, Corpus, eval_batches, load_corpus
+from ..digits import ImageTextSampler, load_digits
 from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
@@ -41,9 +42,12 @@ from .preflight import dry_run_report
 from .run_dir import current_job, prepare_out_dir, remove_partial, resume_checkpoint
 from .step import train_step
 
-__all__ = ["build_parser", "evaluate", "main", "train"]
+__all__ = ["build_parser", "digit_accuracy", "evaluate", "main", "train"]
 
 T = TypeVar("T")
+
+#: A batch: ``(x, y)``, or a VLM's ``(x, y, pixels)``.
+Batch = tuple[torch.Tensor, ...]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,15 +71,34 @@ def _rank0_decides(fn: Callable[[], T]) -> T:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list, device: torch.device) -> float:
+def evaluate(model: nn.Module, batches: list[Batch], device: torch.device) -> float:
     """Mean validation loss over the fixed batches and all ranks."""
     model.eval()
     total = torch.zeros((), device=device)
-    for x, y in batches:
-        total += model(x.to(device), y.to(device)).float()
+    for batch in batches:
+        total += model(*(t.to(device) for t in batch)).float()
     model.train()
     dist.all_reduce(total)
     return total.item() / (len(batches) * dist.get_world_size())
+
+
+@torch.no_grad()
+def digit_accuracy(
+    model: nn.Module, batches: list[Batch], answer_position: int, device: torch.device
+) -> float:
+    """The share of held-out digits (over all ranks) whose greedy next token after the prompt
+    is the digit's byte; ``batches`` as
+    :meth:`~raggedfsdp.digits.ImageTextSampler.accuracy_batches` gives them."""
+    model.eval()
+    counts = torch.zeros(2, device=device)  # correct, counted
+    for x, pixels, labels, counted in batches:
+        logits = model(x.to(device), None, pixels.to(device))
+        guess = logits[:, answer_position].argmax(dim=-1)
+        right = (guess == labels.to(device) + ord("0")) & counted.to(device)
+        counts += torch.stack([right.sum(), counted.to(device).sum()]).float()
+    model.train()
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,10 +141,11 @@ class _Run:
     optimizer: torch.optim.Optimizer
     params: list[torch.Tensor]
     sampler: BatchSampler
-    val_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    val_batches: list[Batch]
     monitor: Monitor
     watchdog: health.StepWatchdog
     preemption: Preemption
+    accuracy_batches: list[Batch] | None = None  # a VLM's held-out digits
     consecutive_skips: int = 0  # steps skipped in a row for a non-finite loss or gradient
     skipped_steps: int = 0  # ... in this launch
 
@@ -156,9 +180,15 @@ class _Run:
         so the crash is a worker's, not the one that writes the reports."""
         return 1 if self.world.size > 1 else 0
 
-    def evaluate(self) -> float:
-        """The validation loss now (a collective: every rank calls it)."""
-        return evaluate(self.model, self.val_batches, self.device)
+    def evaluate(self, step: int) -> None:
+        """Record the validation loss now, and a VLM's held-out digit accuracy (collectives:
+        every rank calls it)."""
+        val_loss = evaluate(self.model, self.val_batches, self.device)
+        accuracy = None
+        if self.accuracy_batches is not None:
+            answer = self.cfg.image_format().answer_position
+            accuracy = digit_accuracy(self.model, self.accuracy_batches, answer, self.device)
+        self.monitor.eval(step, val_loss, digit_accuracy=accuracy)
 
     def _checkpoint_meta(self) -> dict[str, Any]:
         """What ``COMPLETE.json`` records beside the files: the run's config and data position,
@@ -266,10 +296,26 @@ def _write_config(cfg: TrainConfig, out: Path, world: _World) -> None:
 
 def _build_data(
     cfg: TrainConfig, corpus: Corpus, mesh: JobMesh
-) -> tuple[BatchSampler, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """This rank's training batches and its fixed validation batches: its data rank's slice
-    (tensor-parallel peers read the same sequences). Both depend on the world size only through
-    the slice, so a resumed run sees the same data at any world size and mesh."""
+) -> tuple[BatchSampler, list[Batch], list[Batch] | None]:
+    """This rank's training batches, its fixed validation batches and, for a VLM, its held-out
+    digits: its data rank's slice (tensor-parallel peers read the same sequences). All depend
+    on the world size only through the slice, so a resumed run sees the same data at any world
+    size and mesh."""
+    if cfg.vlm:
+        digits, held_out = load_digits()
+        mixed = ImageTextSampler(
+            corpus.train,
+            digits,
+            cfg.image_format(),
+            seq_len=cfg.tokens_per_seq,
+            global_batch=cfg.batch_size,
+            seed=cfg.seed,
+            rank=mesh.data_rank,
+            world_size=mesh.data_ranks,
+            image_fraction=cfg.image_fraction,
+        )
+        val = mixed.mixed_eval_batches(corpus.val, held_out, cfg.eval_batches)
+        return mixed, val, mixed.accuracy_batches(held_out)
     sampler = BatchSampler(
         corpus.train,
         seq_len=cfg.tokens_per_seq,
@@ -287,7 +333,7 @@ def _build_data(
         rank=mesh.data_rank,
         world_size=mesh.data_ranks,
     )
-    return sampler, val_batches
+    return sampler, list(val_batches), None
 
 
 def _resume(
@@ -382,7 +428,7 @@ def _run_step(run: _Run, step: int) -> None:
     )
     run.count_skip(done, result.skipped)
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-        run.monitor.eval(done, run.evaluate())
+        run.evaluate(done)
     due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.steps
     if due:
         run.save(done)
@@ -407,7 +453,7 @@ def _train_loop(run: _Run, start_step: int) -> None:
     """Steps ``start_step..cfg.steps-1``; a fresh run first evaluates, to show where the loss
     starts (a resumed one already logged that)."""
     if start_step == 0:
-        run.monitor.eval(0, run.evaluate())
+        run.evaluate(0)
     for step in range(start_step, run.cfg.steps):
         _run_step(run, step)
 
@@ -484,7 +530,7 @@ def _run_job(
 
     # -- data ------------------------------------------------------------------------------------
     corpus = load_corpus(cfg.data, seed=cfg.seed)
-    sampler, val_batches = _build_data(cfg, corpus, mesh)
+    sampler, val_batches, accuracy_batches = _build_data(cfg, corpus, mesh)
 
     # -- model -----------------------------------------------------------------------------------
     model = build_model(cfg, device, mesh)
@@ -506,7 +552,7 @@ def _run_job(
     )  # fmt: skip
     monitor.print(_banner(cfg, params, mesh, backend, padding_ratio, corpus))
     parts = (model, optimizer, params, sampler, val_batches, monitor, watchdog, preemption)
-    run = _Run(cfg, world, mesh, device, out, *parts)
+    run = _Run(cfg, world, mesh, device, out, *parts, accuracy_batches=accuracy_batches)
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)

@@ -98,7 +98,8 @@ def window_peaks(
 # The fields of a record:
 #
 # - ``kind``: ``"train"`` (step 1, every ``--log-every`` steps, the last step) or ``"eval"``
-#   (``val_loss``; at step 0 of a fresh run, every ``--eval-every`` steps, the last step);
+#   (``val_loss``, a VLM's ``digit_accuracy``; at step 0 of a fresh run, every ``--eval-every``
+#   steps, the last step);
 # - ``loss`` (mean over the window, global over ranks), ``lr``, ``grad_norm``, ``skipped_steps``;
 # - ``tokens_per_s`` and ``samples_per_s`` (global: all ranks together), ``step_s``;
 # - the step-time breakdown ``compute_s`` (forward and backward, minus waits), ``comm_exposed_s``
@@ -311,12 +312,18 @@ class Monitor:
             f"peak RSS {format_bytes(rss)}"
         )
 
-    def eval(self, step: int, val_loss: float) -> None:
-        """Record a validation loss (rank 0 writes; other ranks ignore)."""
+    def eval(self, step: int, val_loss: float, *, digit_accuracy: float | None = None) -> None:
+        """Record a validation loss, and a VLM's held-out digit accuracy (rank 0 writes; other
+        ranks ignore)."""
         if self.rank != 0:
             return
-        self._write({"kind": "eval", "step": step, "val_loss": val_loss})
-        self.print(f"step {step} | val loss {val_loss:.4f}")
+        record: dict[str, Any] = {"kind": "eval", "step": step, "val_loss": val_loss}
+        line = f"step {step} | val loss {val_loss:.4f}"
+        if digit_accuracy is not None:
+            record["digit_accuracy"] = digit_accuracy
+            line += f" | held-out digit accuracy {100 * digit_accuracy:.1f}%"
+        self._write(record)
+        self.print(line)
 
     # -- the end -------------------------------------------------------------------------------
 
@@ -358,9 +365,7 @@ class Monitor:
             ),
         ]
         rows.append(("skipped steps (non-finite)", f"{last['skipped_steps']:,}"))
-        if evals:
-            best = min(evals, key=lambda r: r["val_loss"])
-            rows.append(("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})"))
+        rows += _eval_rows(evals)
         step_s = median("step_s")
         rows += [
             ("tokens/s (global, median)", f"{median('tokens_per_s'):,.0f}"),
@@ -395,8 +400,27 @@ class Monitor:
         return table
 
 
+def _eval_rows(evals: list[dict]) -> list[tuple[str, str]]:
+    """The summary's rows of the evaluations: the validation loss, a VLM's digit accuracy."""
+    if not evals:
+        return []
+    best = min(evals, key=lambda r: r["val_loss"])
+    rows = [("val loss", f"{evals[-1]['val_loss']:.4f} (best {best['val_loss']:.4f})")]
+    if "digit_accuracy" in evals[-1]:
+        first, last = evals[0], evals[-1]
+        rows.append(
+            (
+                "held-out digit accuracy",
+                f"{100 * first['digit_accuracy']:.1f}% (step {first['step']}) -> "
+                f"{100 * last['digit_accuracy']:.1f}% (chance 10%)",
+            )
+        )
+    return rows
+
+
 def write_report(records: list[dict[str, Any]], path: Path, cfg: TrainConfig) -> Path:
-    """``report.png``: loss and validation loss, throughput, and peak memory over steps."""
+    """``report.png``: loss and validation loss (and a VLM's held-out digit accuracy),
+    throughput, and peak memory over steps."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; also safe when imported after another backend
@@ -412,7 +436,19 @@ def write_report(records: list[dict[str, Any]], path: Path, cfg: TrainConfig) ->
             [r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation"
         )
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
-    ax_loss.legend()
+    ax_loss.legend(loc="upper left")
+    scored = [r for r in evals if "digit_accuracy" in r]
+    if scored:  # a VLM's held-out digits, on a second axis
+        ax_acc = ax_loss.twinx()
+        ax_acc.plot(
+            [r["step"] for r in scored],
+            [100 * r["digit_accuracy"] for r in scored],
+            "s--",
+            color="tab:green",
+            label="held-out digit accuracy",
+        )
+        ax_acc.set(ylabel="held-out digit accuracy (%)", ylim=(0, 100))
+        ax_acc.legend(loc="upper right")
     ax_speed.plot(steps, [r["tokens_per_s"] for r in train], label="tokens/s")
     ax_speed.set(xlabel="step", ylabel="tokens/s (global)", title="throughput")
     ax_comm = ax_speed.twinx()

@@ -60,17 +60,18 @@ class StepResult:
 
 
 def _forward_backward(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, grad_accum: int, device: torch.device
+    model: nn.Module, batch: Sequence[torch.Tensor], *, grad_accum: int, device: torch.device
 ) -> torch.Tensor:
-    """Forward and backward over ``grad_accum`` micro-batches of ``(x, y)``; this rank's summed
-    loss, still on the device (no host sync, so backward is not stalled). Gradients are reduced
-    only in the last micro-batch's backward: the others accumulate locally under ``no_sync``."""
+    """Forward and backward over ``grad_accum`` micro-batches of ``batch`` (``(x, y)``, a VLM's
+    ``(x, y, pixels)``: tensors of the same rows); this rank's summed loss, still on the device
+    (no host sync, so backward is not stalled). Gradients are reduced only in the last
+    micro-batch's backward: the others accumulate locally under ``no_sync``."""
     loss_sum = torch.zeros((), device=device)
-    micro = list(zip(x.chunk(grad_accum), y.chunk(grad_accum), strict=True))
-    for i, (xb, yb) in enumerate(micro):
+    micro = list(zip(*(t.chunk(grad_accum) for t in batch), strict=True))
+    for i, tensors in enumerate(micro):
         # Reduce gradients only after the last micro-batch; the others accumulate.
         with nullcontext() if i == len(micro) - 1 else model.no_sync():
-            loss = model(xb.to(device), yb.to(device)) / len(micro)
+            loss = model(*(t.to(device) for t in tensors)) / len(micro)
             loss.backward()
         loss_sum += loss.detach()
     return loss_sum
@@ -88,7 +89,7 @@ def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     params: Sequence[torch.Tensor],
-    batches: Iterator[tuple[torch.Tensor, torch.Tensor]],
+    batches: Iterator[tuple[torch.Tensor, ...]],
     *,
     step: int,
     cfg: TrainConfig,
@@ -109,8 +110,7 @@ def train_step(
     started = time.perf_counter()
     model.reset_stats()
     _set_lr(optimizer, step, cfg)
-    x, y = next(batches)
-    loss_sum = _forward_backward(model, x, y, grad_accum=cfg.grad_accum, device=device)
+    loss_sum = _forward_backward(model, next(batches), grad_accum=cfg.grad_accum, device=device)
     synchronize(device)
     backward_done = time.perf_counter()
     loss_value = health.global_loss(loss_sum)
