@@ -4,9 +4,9 @@ expert (its own unit) that no token reached on some rank, and a unit run twice o
 on another. AdamW with weight decay, W = 2 and 3 (and HSDP 2 x 2), against one process on the
 global batch: parameters within 1e-5, and a gradient of ``None`` where no rank used a parameter, as
 one process leaves it. With ``reshard_after_forward=False``, gradient accumulation under
-``no_sync``, and bf16 parameters. FSDP2 is not run: on these cases it aborts or hangs (its outcome
-per case is in docs/results/runtime.md). Every rank issues the same collectives: their counts are
-equal on every rank, and the skipping ranks count their catch-ups.
+``no_sync``, bf16 parameters and int8 communication. FSDP2 is not run: on these cases it aborts
+or hangs (its outcome per case is in docs/results/runtime.md). Every rank issues the same
+collectives: their counts are equal on every rank, and the skipping ranks count their catch-ups.
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ def _cases(rank: int, world: int, group: object) -> dict[str, Any]:
     out["rf"]["no_sync/all"] = _train(_shard(copy.deepcopy(base)), "all", rank, world, micro=2)
     bf16 = rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out["rf"]["bf16/all"] = _train(_shard(copy.deepcopy(base), mp_policy=bf16), "all", rank, world)
+    int8 = rf.CommCompression(all_gather=torch.int8, reduce_scatter=torch.int8)
+    out["rf"]["int8/all"] = _train(
+        _shard(copy.deepcopy(base), compression=int8), "all", rank, world
+    )
     return out
 
 
@@ -199,6 +203,13 @@ def test_bf16(grid: Grid, world: int) -> None:
     """bf16 parameters, fp32 reductions: within what four AdamW steps of lr 1e-2 can move apart
     from the fp32 process."""
     _check(grid, world, "bf16/all", atol=2 * STEPS * 1e-2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_communication(grid: Grid, world: int) -> None:
+    """int8 all-gathers and reduce-scatters (block-quantized): within what four AdamW steps of
+    lr 1e-2 can move apart from the fp32 process."""
+    _check(grid, world, "int8/all", atol=2 * STEPS * 1e-2)
 
 
 @pytest.mark.parametrize("world", [2, 3])
