@@ -46,20 +46,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "test files live in a tier's folder (tests/unit, tests/distributed, tests/e2e; see "
             f"tests/conftest.py), not: {', '.join(sorted(outside))}"
         )
-    # Whole jobs first, then launches, then the unit tier's many short tests: the Makefile's
-    # workers take files in this order (--no-loadscope-reorder), so the slow files with few tests
-    # start early and the short ones fill the end, rather than xdist's default order (files with
-    # the most tests first) leaving the whole jobs as a tail on one worker.
-    items.sort(key=lambda item: _START_ORDER.get(_tier(item), len(_START_ORDER)))
-
-
-#: The order in which the tiers' files start (a stable sort: files and tests keep their order).
-_START_ORDER = {"e2e": 0, "distributed": 1, "unit": 2}
-
-
-def _tier(item: pytest.Item) -> str:
-    path = item.path.resolve()
-    return path.relative_to(TESTS).parts[0] if path.is_relative_to(TESTS) else ""
 
 
 @pytest.fixture
