@@ -5,6 +5,7 @@ So that ranks whose graphs differ issue the same collectives: [Note: ranks whose
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch import nn
@@ -139,6 +140,6 @@ class UnitSequence:
         for unit in reversed(self.order):
             unit.group.post_backward()
 
-    def _catch_up(self, due: Any) -> None:
+    def _catch_up(self, due: Callable[[int], bool]) -> None:
         for i in sorted((i for i in self._to_catch_up if due(i)), reverse=True):
             self.order[i].catch_up_backward(reduce=self._to_catch_up.pop(i))
