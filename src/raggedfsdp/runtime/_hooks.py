@@ -120,7 +120,7 @@ class RootContext:
         # will run: the unit whose output gradient arrived runs)
         seen = [state.seen(runs=state is first) for state in order]
         if self.root.group.knobs.static_graph:  # every rank runs and uses what this one does
-            self.sequence.plan_backward([False] * len(order), [False] * len(order))
+            self.sequence.catch_up_nothing()
             for state in order:
                 state.reduce_once = False
             self._adopt = not self._order_agreed and len(self.forward_order) == len(order)
@@ -134,7 +134,7 @@ class RootContext:
             digest = order_digest(positions)
         agreed = agree([state.group for state in order], seen, digest, self.shared.stats)
         if agreed is None:
-            self.sequence.plan_backward([False] * len(order), [False] * len(order))
+            self.sequence.catch_up_nothing()
             return
         skipped = [anywhere and not s.runs for anywhere, s in zip(agreed.runs, seen, strict=True)]
         self.sequence.plan_backward(skipped, agreed.reduces_early)
@@ -151,7 +151,7 @@ class RootContext:
         self.shared.reduce_queue.clear()
         self.shared.pool.clear()
         self.phase = RootPhase.READY if self.forward_order else RootPhase.FIRST_FORWARD
-        self.sequence.plan_backward([], [])
+        self.sequence.catch_up_nothing()
 
     def finish_backward(self) -> None:
         """End-of-backward callback (queued on the autograd engine)."""
@@ -355,12 +355,9 @@ class FSDPState:
         self._to_run = {id(m) for m in (self.modules if ctx.in_forward else [module])}
         if ctx.in_forward and not self.is_root:
             ctx.sequence.arrive(self)  # the units this rank skipped first: their collectives
-        self.group.unshard()
         if not ctx.order_recorded:
             ctx.forward_order.append(self)
-        # Prefetch: overlaps the next all-gathers with this compute.
-        _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
-        self.group.pre_forward()
+        self._gather_for_forward(ctx)
         args, kwargs = self._cast_inputs(args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = self._route_inputs(args, kwargs)
@@ -425,14 +422,19 @@ class FSDPState:
             self._output_nodes += [get_gradient_edge(t).node for t in outputs]
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
 
+    def _gather_for_forward(self, ctx: RootContext) -> None:
+        """Issue the unit's all-gather (unless prefetched), prefetch the next unit's (overlapping
+        it with this compute), and wait for its own."""
+        self.group.unshard()
+        _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
+        self.group.pre_forward()
+
     def catch_up_forward(self) -> None:
         """This rank's forward skipped the unit: the collectives of its forward (and of the
         prefetch it issues), without compute ([Note: ranks whose graphs differ])."""
         ctx = self.ctx
         assert ctx is not None
-        self.group.unshard()
-        _unshard(self.forward_prefetch, ctx.neighbour(self, +1))
-        self.group.pre_forward()
+        self._gather_for_forward(ctx)
         self.group.post_forward(reshard=False)
         ctx.sequence.defer(self, self._reshards_after_forward(ctx, torch.is_grad_enabled()))
         ctx.shared.stats.forward_catch_ups += 1

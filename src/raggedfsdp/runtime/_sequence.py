@@ -118,6 +118,10 @@ class UnitSequence:
 
     # -- backward ------------------------------------------------------------------------------
 
+    def catch_up_nothing(self) -> None:
+        """This backward skips no unit another rank's runs (or is abandoned)."""
+        self._to_catch_up = {}
+
     def plan_backward(self, skipped: list[bool], reduce_early: list[bool]) -> None:
         """Per unit in order: whether this rank's backward skips it while another's runs it, and
         whether the ranks that run it reduce when its backward ends (else at the end)."""
