@@ -120,14 +120,20 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """``tower``: with a layer (a vision tower's stand-in) that a forward runs only where its
+    batch has an image."""
+
+    def __init__(self, tower: bool = False) -> None:
         super().__init__()
         self.embed = nn.Linear(6, DIM)
+        self.tower = nn.Linear(6, DIM) if tower else None
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.output = nn.Linear(DIM, 5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image: bool = False) -> torch.Tensor:
         h = self.embed(x)
+        if image:
+            h = h + self.tower(x)
         for block in self.blocks:
             h = block(h)
         out = self.output(h)
@@ -276,7 +282,38 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     out["rf_clipped"] = _train(clipped, data_rank, rf.clip_grad_norm_)
     out["checkpoints"] = _checkpoints(base, meshes, models, data_rank, path)
     out["muon"] = _muon(base, meshes)
+    out["uneven"] = _uneven(meshes, data_rank)
     out["errors"] = _errors(base, meshes)
+    return out
+
+
+def _uneven(meshes: tuple[Any, Any], data_rank: int) -> dict[str, Any]:
+    """Ranks whose graphs differ beside expert parallelism: the tower (a unit of its own over the
+    dense mesh) runs on the data ranks whose batch has an image (two of four in the first two
+    steps, none in the third), AdamW; raggedfsdp and one process on the global batch (the mean of
+    the ranks' losses, each with its plan). The agreement runs over both meshes."""
+    torch.manual_seed(0)
+    base = Net(tower=True)
+    out = {}
+    for where in (None, data_rank):
+        model = copy.deepcopy(base)
+        if where is not None:
+            rf.fully_shard(model.tower, mesh=meshes[1])
+            _parallelize("rf", model, meshes, divide=False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step, x in enumerate(_batches(3)):
+            ranks = range(WORLD) if where is None else [where]
+            losses = [
+                model(x[r * TOKENS : (r + 1) * TOKENS], image=(r + step) % 2 == 0 and step < 2)
+                for r in ranks
+            ]
+            torch.stack(losses).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if where is None:
+            out["reference"] = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            out["rf"] = full_state(model)
     return out
 
 
@@ -437,6 +474,13 @@ def _short_mesh(base: Net, x: torch.Tensor) -> str:
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory) -> list[dict[str, Any]]:
     return run_distributed(_grid, WORLD, str(tmp_path_factory.mktemp("ep_dcp")))
+
+
+def test_ranks_whose_graphs_differ_beside_expert_parallelism(grid):
+    """A unit skipped on some data ranks, beside experts on a mesh of their own: one process's
+    parameters on every rank (FSDP2 is not run: it hangs there)."""
+    for rank in grid:
+        assert_close_dicts(rank["uneven"]["rf"], rank["uneven"]["reference"])
 
 
 @pytest.mark.parametrize("impl", ["rf", "fsdp2", "rf_default_divide"])

@@ -3,11 +3,12 @@ counted on this CPU machine with :class:`raggedfsdp.runtime.HostSyncCounter` (th
 a tensor's value on the host, data-dependent sizes, device-to-host copies) and the host reads
 that dispatch no op on the CPU (``tolist``), 2 Gloo ranks.
 
-- uncompressed (fp32 and bf16 mixed precision): none in forward, backward or an SGD step;
-- a parameter no rank uses: one in backward, the read of which parameters any rank used;
-- a block rank 1 skips (ranks whose graphs differ): one in backward on rank 1, the read of what the
-  other ranks' backwards run; none on rank 0, which runs every unit;
-- compressed: one per compressed direction and forward+backward, at the end of the root's
+- uncompressed (fp32 and bf16 mixed precision): none in forward or an SGD step, one in backward:
+  the read of the agreement on what each rank's backward runs and uses (``runtime/_usage.py``);
+  none at all after ``set_static_graph()``;
+- a parameter no rank uses, a block rank 1 skips (ranks whose graphs differ): that same one read,
+  on every rank, and the same collectives on both;
+- compressed: one more per compressed direction and forward+backward, at the end of the root's
   forward (all-gather) and of backward (reduce-scatter) ([Note: one finiteness check per step]);
 - negative control: with the per-message checks the runtime made before (one host read per
   all-gather message, ``W`` per reduce-scatter received and one per sealed send), the counter
@@ -68,11 +69,13 @@ def _syncs() -> Iterator[list[int]]:
     counted.append(ops.total + reads[0])
 
 
-def _count(setting: str, *, spare: bool = False, skip: int | None = None) -> dict[str, Any]:
+def _count(
+    setting: str, *, spare: bool = False, skip: int | None = None, static: bool = False
+) -> dict[str, Any]:
     """Host syncs of the forward, the backward and an SGD step of the second step of a
     4-block GPT (the first forward checks the plans across ranks once), and the collectives;
     ``spare``: the first block has a parameter that no rank uses; ``skip``: the rank whose second
-    forward skips the second block."""
+    forward skips the second block; ``static``: after ``set_static_graph()``."""
     all_gather, reduce_scatter, param_dtype = SETTINGS[setting]
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
     torch.manual_seed(0)
@@ -86,6 +89,8 @@ def _count(setting: str, *, spare: bool = False, skip: int | None = None) -> dic
     for block in model.blocks:
         rf.fully_shard(block, compression=compression, mp_policy=mp)
     rf.fully_shard(model, compression=compression, mp_policy=mp)
+    if static:
+        model.set_static_graph()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     idx = torch.randint(cfg.vocab_size, (2, cfg.seq_len + 1))
     counts: dict[str, Any] = {}
@@ -142,6 +147,7 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     out = {setting: _count(setting) for setting in SETTINGS}
     out["spare"] = _count("fp32", spare=True)
     out["skip"] = _count("fp32", skip=1)
+    out["static"] = _count("fp32", static=True)
     originals = {name: getattr(BucketCodec, name) for name in ("find_non_finite", "find_poison")}
     originals["seal"] = BucketCodec.seal
     for name, old in _per_message_checks(BucketCodec).items():
@@ -159,38 +165,34 @@ def counts() -> list[dict[str, Any]]:
     return run_distributed(_cases, 2, timeout=300.0)
 
 
-@pytest.mark.parametrize("setting", ["fp32", "bf16"])
-def test_uncompressed_steps_never_wait_for_the_device(counts, setting):
+@pytest.mark.parametrize("setting", ["fp32", "bf16", "spare", "skip"])
+def test_uncompressed_steps_wait_once_for_the_agreement(counts, setting):
+    """The agreement at the start of backward ([Note: ranks whose graphs differ] in
+    ``runtime/_sequence.py``) is read on the host by every rank, once, whether its graph is
+    static, leaves a parameter unused or skips a block; the skipping rank catches up, so both
+    issue the same collectives."""
     for rank_counts in counts:
         got = rank_counts[setting]
-        assert (got["forward"], got["backward"], got["step"]) == (0, 0, 0), got
-
-
-def test_a_parameter_no_rank_uses_costs_one_read(counts):
-    """The agreement on usage (``runtime/_usage.py``): read on the host only by a rank that did
-    not use some parameter, once (the fp32 steps above, which use every one, read nothing)."""
-    for rank_counts in counts:
-        got = rank_counts["spare"]
         assert (got["forward"], got["backward"], got["step"]) == (0, 1, 0), got
+    gathers = [(c[setting]["gathers"], c[setting]["reductions"]) for c in counts]
+    assert gathers[0] == gathers[1], gathers
+    if setting == "skip":
+        assert gathers[0] == (counts[0]["fp32"]["gathers"], 5), gathers
 
 
-def test_a_block_one_rank_skips_costs_that_rank_one_read(counts):
-    """The agreement at the start of backward ([Note: ranks whose graphs differ] in
-    ``runtime/_sequence.py``): read once by the rank that skipped a block, never by the other;
-    both issue the same collectives (the skipping rank's catch-ups)."""
-    want = {0: (0, 0, 0), 1: (0, 1, 0)}
-    for rank, rank_counts in enumerate(counts):
-        got = rank_counts["skip"]
-        assert (got["forward"], got["backward"], got["step"]) == want[rank], got
-    gathers = [(c["skip"]["gathers"], c["skip"]["reductions"]) for c in counts]
-    assert gathers[0] == gathers[1] == (counts[0]["fp32"]["gathers"], 5), gathers
+def test_a_static_graph_never_waits_for_the_device(counts):
+    """``set_static_graph()``: no agreement, so no host sync in forward, backward or the step."""
+    for rank_counts in counts:
+        got = rank_counts["static"]
+        assert (got["forward"], got["backward"], got["step"]) == (0, 0, 0), got
 
 
 @pytest.mark.parametrize(
     ("setting", "expected"),
-    [("all_gather", (1, 0)), ("reduce_scatter", (0, 1)), ("both", (1, 1))],
+    [("all_gather", (1, 1)), ("reduce_scatter", (0, 2)), ("both", (1, 2))],
 )
 def test_compressed_steps_wait_once_per_direction(counts, setting, expected):
+    """One per compressed direction, besides the agreement's one in backward."""
     for rank_counts in counts:
         got = rank_counts[setting]
         assert (got["forward"], got["backward"]) == expected, got

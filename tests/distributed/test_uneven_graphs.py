@@ -31,10 +31,20 @@ BATCH, DIM, STEPS = 2, 8, 4
 
 class Plan:
     """What one rank's batch makes its forward run: an image or not, how often the second block
-    runs, which rows each expert gets."""
+    runs, which rows each expert gets; whether the first block's input needs no gradient
+    (``detach``, as behind frozen embeddings without an image) and whether the first block runs
+    again after the second (``again``)."""
 
-    def __init__(self, image: bool, repeat: int, expert_rows: list[list[int]]) -> None:
+    def __init__(
+        self,
+        image: bool,
+        repeat: int,
+        expert_rows: list[list[int]],
+        detach: bool = False,
+        again: bool = False,
+    ) -> None:
         self.image, self.repeat, self.expert_rows = image, repeat, expert_rows
+        self.detach, self.again = detach, again
 
 
 #: case -> (rank, world, step) -> Plan
@@ -45,7 +55,14 @@ CASES: dict[str, Callable[[int, int, int], Plan]] = {
     "expert": lambda r, w, s: Plan(True, 1, [[] if s == 3 else [0, 1], [] if r == s % w else [1]]),
     # the second block runs twice on rank 0 and once elsewhere
     "repeat": lambda r, w, s: Plan(True, 2 if r == 0 else 1, [[0, 1], [0, 1]]),
-    "all": lambda r, w, s: Plan((r + s) % 2 == 0, 2 if r == s % w else 1, [[0], [] if r else [1]]),
+    # the first block's input needs no gradient on rank (step % world) only
+    "detach": lambda r, w, s: Plan(True, 1, [[0, 1], [0, 1]], detach=r == s % w),
+    # every rank runs the first block again after the second in steps 1 and 2; an image on
+    # rank 0 only
+    "again": lambda r, w, s: Plan(r == 0, 1, [[0, 1], [0, 1]], again=s in (1, 2)),
+    "all": lambda r, w, s: Plan(
+        (r + s) % 2 == 0, 2 if r == s % w else 1, [[0], [] if r else [1]], r == (s + 1) % w
+    ),
 }
 
 
@@ -83,9 +100,11 @@ class Net(nn.Module):
         h = self.embed(x)
         if plan.image:
             h = h + self.tower(image)
-        h = self.blocks[0](h)
+        h = self.blocks[0](h.detach() if plan.detach else h)
         for _ in range(plan.repeat):
             h = self.blocks[1](h)
+        if plan.again:
+            h = self.blocks[0](h)
         routed = h
         for expert, rows in zip(self.experts, plan.expert_rows, strict=True):
             if rows:  # as mixture-of-experts layers skip an expert no token reached
@@ -149,6 +168,27 @@ def _shard(model: Net, mesh: Any = None, **kwargs: Any) -> Net:
     return model
 
 
+def _again_on_one_rank(base: Net, rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 alone runs the first block again after the second, in the second step: what each
+    rank raises there, and whether its parameters are still those of the first step."""
+    model = _shard(copy.deepcopy(base))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mine = slice(rank * BATCH, (rank + 1) * BATCH)
+    for step, (x, image) in enumerate(_data(world)[:2]):
+        before = [p.to_local().clone() for p in model.parameters()]
+        plan = Plan(True, 1, [[0, 1], [0, 1]], again=step == 1 and rank == 0)
+        try:
+            model(x[mine], image[mine], plan).backward()
+        except RuntimeError as error:
+            model.reset_iter_state()  # FSDP2's way back after a step that raised
+            after = [p.to_local() for p in model.parameters()]
+            unchanged = all(map(torch.equal, before, after))
+            return {"step": step, "error": str(error), "unchanged": unchanged}
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"step": None}
+
+
 def _cases(rank: int, world: int, group: object) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -172,6 +212,7 @@ def _cases(rank: int, world: int, group: object) -> dict[str, Any]:
     out["rf"]["int8/all"] = _train(
         _shard(copy.deepcopy(base), compression=int8), "all", rank, world
     )
+    out["again_on_one_rank"] = _again_on_one_rank(base, rank, world)  # last: it raises
     return out
 
 
@@ -231,3 +272,19 @@ def test_skipping_ranks_catch_up(grid: Grid, world: int) -> None:
     for rank, results in enumerate(grid[world]):
         got = results["rf"]["vision"]["catch_ups"]
         assert got == {"forward_catch_ups": 4, "backward_catch_ups": 2}, (rank, got)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_unit_run_again_later_on_one_rank_stops_every_rank(grid: Grid, world: int) -> None:
+    """Rank 0's forward runs the first block again after the second; the others' do not: every
+    rank raises the same error in that step (rank 0 in its forward, the others at the start of
+    their backward), none hangs, and no parameter has changed. (Run again at the same point on
+    every rank, the "again" case above trains as one process.)"""
+    errors = set()
+    for rank, results in enumerate(grid[world]):
+        got = results["again_on_one_rank"]
+        assert got["step"] == 1 and got["unchanged"], (rank, got)
+        assert "ran their units in different orders" in got["error"], got["error"]
+        assert ("ran blocks.0 again" in got["error"]) == (rank == 0), got["error"]
+        errors.add(got["error"].split(" (")[0])
+    assert len(errors) == 1, errors

@@ -1,6 +1,7 @@
 """Which parameters any rank used (``runtime/_usage.py``), in a group of one: units on two
 meshes (two groups, each its own all-reduce and its own padded mask), parameters used or not in
-each, read back to the right units; and nothing read when every parameter was used."""
+each, read back to the right units; one read per backward, used or not, and none (nor the
+all-reduce) after ``set_static_graph()``."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def test_units_on_two_meshes_get_their_own_flags(group_of_one) -> None:
     assert _none(model.b) == [False, True, False]
 
 
-def test_nothing_read_when_every_parameter_was_used(group_of_one, monkeypatch) -> None:
+def test_one_read_per_backward_none_for_a_static_graph(group_of_one, monkeypatch) -> None:
     model = Model()
     rf.fully_shard(model.a)
     rf.fully_shard(model)
@@ -64,7 +65,10 @@ def test_nothing_read_when_every_parameter_was_used(group_of_one, monkeypatch) -
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(1) or tolist(t))
     model(torch.randn(3, 2), set(range(9)), set(range(3))).backward()
-    assert reads == []
-    model(torch.randn(3, 2), set(range(8)), set(range(3))).backward()  # negative control
-    assert reads == [1]
+    model(torch.randn(3, 2), set(range(8)), set(range(3))).backward()
+    assert reads == [1, 1]
     assert model.a.layers[8].weight.grad is not None  # held from the first backward
+    model.set_static_graph()
+    before = model.stats()["usage_all_reduces"]
+    model(torch.randn(3, 2), set(range(9)), set(range(3))).backward()
+    assert reads == [1, 1] and model.stats()["usage_all_reduces"] == before

@@ -1,4 +1,4 @@
-"""The hooks of a ``fully_shard``-ed module, and what the units under one root share.
+"""The hooks of a ``fully_shard``-ed module.
 
 Hooks are bound methods of :class:`FSDPState`, registered once, that decide *when*; the unit's
 :class:`~._param_group.FSDPParamGroup` does the work. When each runs, forward to the end of
@@ -23,13 +23,12 @@ from ._collectives import all_gather
 from ._data_parallel import data_parallel_ranks
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
-from ._sequence import UnitSequence, module_order
-from ._shared import SharedResources
+from ._root import RootContext
 from ._state_dict import state_dict_post_hook
-from ._state_machine import RootPhase, TrainingState, check_state
-from ._usage import Seen, agree, order_digest, will_run
+from ._state_machine import RootPhase, TrainingState
+from ._usage import Seen, will_run
 
-__all__ = ["FSDPState", "RootContext", "named_states_under", "state_of", "states_under"]
+__all__ = ["FSDPState", "named_states_under", "state_of", "states_under"]
 
 # The attribute of a sharded module that holds its FSDPState; read only through state_of().
 _STATE_ATTR = "_raggedfsdp_state"
@@ -60,114 +59,6 @@ def named_states_under(module: nn.Module) -> list[tuple[list[str], FSDPState]]:
 def states_under(module: nn.Module) -> list[FSDPState]:
     """The states of :func:`named_states_under`, in its order."""
     return [state for _, state in named_states_under(module)]
-
-
-class RootContext:
-    """What all units under one root share: their resources, the unit order and the phase."""
-
-    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
-        self.root = root
-        self.states = states
-        self.shared = SharedResources.new(root.group.device)
-        self.phase = RootPhase.FIRST_FORWARD
-        #: units in the order their forwards ran in the first iteration
-        self.forward_order: list[FSDPState] = []
-        #: the order every rank follows ([Note: ranks whose graphs differ])
-        self.sequence = UnitSequence(module_order(root.module, states))
-        #: the first backward's agreement is to tell whether every rank ran the units in the same
-        #: order, which the sequence then follows from the next step
-        self._order_agreed = False
-        self._adopt = False
-        #: whether the root's forward is under way (a unit's modules called outside it are
-        #: each a forward of their own)
-        self.in_forward = False
-
-    @property
-    def order_recorded(self) -> bool:
-        return self.phase is not RootPhase.FIRST_FORWARD
-
-    def neighbour(self, state: FSDPState, step: int) -> FSDPState | None:
-        """The unit ``step`` places after ``state`` in the agreed order, once the first forward
-        is over."""
-        if not self.order_recorded:
-            return None
-        order = self.sequence.order
-        i = self.sequence.position(state) + step
-        return order[i] if 0 <= i < len(order) else None
-
-    @property
-    def last(self) -> FSDPState:
-        """The unit the agreed order runs last (whose backward comes first after the root's)."""
-        return self.sequence.order[-1]
-
-    def start_backward(self, first: FSDPState) -> None:
-        """The first gradient reached a unit (``first``): queue the end-of-backward callback and
-        agree with the other ranks, once."""
-        if self.phase is RootPhase.BACKWARD:
-            return
-        check_state(self.phase, RootPhase.READY, unit=self.root.group.label)
-        self.phase = RootPhase.BACKWARD
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-        self._agree(first)
-
-    def _agree(self, first: FSDPState) -> None:
-        """Inside the first pre-backward: agree with the other ranks on what their backwards run
-        and use, and plan this rank's catch-ups ([Note: ranks whose graphs differ])."""
-        order = self.sequence.order
-        for state in order:
-            state.group.usage.begin_backward()
-        # (the engine does not count the node of a tensor backward() was called on as one it
-        # will run: the unit whose output gradient arrived runs)
-        seen = [state.seen(runs=state is first) for state in order]
-        if self.root.group.knobs.static_graph:  # every rank runs and uses what this one does
-            self.sequence.catch_up_nothing()
-            for state in order:
-                state.reduce_once = False
-            self._adopt = not self._order_agreed and len(self.forward_order) == len(order)
-            self._order_agreed = True
-            return
-        digest = None
-        if not self._order_agreed:
-            complete = len(self.forward_order) == len(order)
-            index = {id(state): i for i, state in enumerate(order)}
-            positions = [index[id(state)] for state in self.forward_order] if complete else None
-            digest = order_digest(positions)
-        agreed = agree([state.group for state in order], seen, digest, self.shared.stats)
-        if agreed is None:
-            self.sequence.catch_up_nothing()
-            return
-        skipped = [anywhere and not s.runs for anywhere, s in zip(agreed.runs, seen, strict=True)]
-        self.sequence.plan_backward(skipped, agreed.reduces_early)
-        for state, differ in zip(order, agreed.passes_differ, strict=True):
-            state.reduce_once = differ
-        self.shared.stats.backward_catch_ups += sum(skipped)
-        if digest is not None:
-            self._order_agreed = True
-            self._adopt = agreed.same_order
-
-    def reset(self) -> None:
-        """After an interrupted iteration (FSDPModule.reset_iter_state): nothing in flight,
-        ready for a forward; the unit order, once recorded, is kept."""
-        self.shared.reduce_queue.clear()
-        self.shared.pool.clear()
-        self.phase = RootPhase.READY if self.forward_order else RootPhase.FIRST_FORWARD
-        self.sequence.catch_up_nothing()
-
-    def finish_backward(self) -> None:
-        """End-of-backward callback (queued on the autograd engine)."""
-        self.sequence.end_backward()
-        self.shared.reduce_queue.drain()
-        for state in self.states:
-            if state.group.reduces_now():
-                state.group.usage.settle()
-            state.forget_graph()
-            state.group.finish_iteration()
-        if self._adopt:  # every rank ran the units in one order: follow it from now on
-            self.sequence.adopt(self.forward_order)
-            self._adopt = False
-        self.shared.pool.clear()  # nothing pooled through forward, where the memory peak is
-        self.phase = RootPhase.READY
-        self.shared.non_finite.end_of_backward()  # compressed gradients: one host sync
 
 
 class _PostBackward(torch.autograd.Function):
@@ -244,6 +135,9 @@ class FSDPState:
         #: whether this backward reduces the unit once, after its last pass, rather than after
         #: each (FSDP2's way, kept where every rank runs it as often)
         self.reduce_once = True
+        #: whether it reduces at the end of backward though its inputs had gradients (some
+        #: rank's had none)
+        self.reduce_late = False
         for module in modules:
             self._hook(module)
 
@@ -345,7 +239,8 @@ class FSDPState:
             self._end_forward(ctx)
         if self.is_root:
             ctx.in_forward = True
-            ctx.sequence.begin_forward()
+            static = self.group.knobs.static_graph
+            ctx.sequence.begin_forward(check_revisits=torch.is_grad_enabled() and not static)
             # The optimizer may have written the shards: the next all-gathers wait for compute
             # (or for FSDPModule.set_post_optim_event's event).
             ctx.shared.streams.compute_moved()
@@ -472,6 +367,7 @@ class FSDPState:
         routed = [node for node in self._routed_nodes if will_run(node)]
         self._routed_left = len(routed)
         self.reduce_once = True  # unless the agreement says every rank runs it as often
+        self.reduce_late = False
         runs = runs or any(will_run(node) for node in self._output_nodes)
         return Seen(runs=runs, routed=len(routed))
 
@@ -480,6 +376,8 @@ class FSDPState:
         It reduces after each pass, as FSDP2, where every rank runs it as often; else once, when
         every pass is done (a unit run twice on one rank and once on another)."""
         self._routed_left -= 1
+        if self.reduce_late:
+            return
         if self._routed_left <= 0 or not self.reduce_once:
             self.group.post_backward()
 

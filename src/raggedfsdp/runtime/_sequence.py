@@ -52,13 +52,21 @@ def module_order(root: nn.Module, units: list[Unit]) -> list[Unit]:
 # their backward ends (their inputs need gradients) rather than at the end of backward; a rank
 # whose backward skips a unit does its pre-backward collectives and a reduction of zeros where
 # the others do theirs: before the next unit (in reverse order) that its backward runs, else at
-# the end. Not covered: ranks that run units in different orders, other than by skipping.
+# the end. A unit some rank runs with no input needing a gradient reduces at the end on every
+# rank. A unit run again after others (its position behind the cursor) is agreed on: the rank
+# catches up the rest of the order, as a forward's end does, and sends the agreement's message
+# with the unit's position, where every other rank either runs it again too (they go on, from
+# that position) or is starting its backward (every rank raises the same error).
 class UnitSequence:
     """The agreed order of a root's units, and where this rank's forward and backward are in
     it."""
 
-    def __init__(self, order: list[Unit]) -> None:
+    def __init__(self, order: list[Unit], agree_on_revisit: Callable[[Unit], None]) -> None:
         self.order = order
+        #: inside a forward that runs ``unit`` again after others, once the rest of the order is
+        #: caught up: agree with the other ranks that each does, or raise on every rank
+        self._agree_on_revisit = agree_on_revisit
+        self._check_revisits = False
         self._position = {id(unit): i for i, unit in enumerate(order)}
         self._cursor = 0  # the last position this forward reached
         #: the unit whose reshard after forward waits for the next unit's forward, and whether
@@ -79,9 +87,11 @@ class UnitSequence:
 
     # -- forward -------------------------------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        """The root's forward starts (the root is first in the order)."""
+    def begin_forward(self, *, check_revisits: bool) -> None:
+        """The root's forward starts (the root is first in the order); ``check_revisits``: a
+        unit run again after others is agreed on (where the others may not run it again)."""
         self._cursor = 0
+        self._check_revisits = check_revisits
         self._deferred = None
 
     def arrive(self, unit: Unit) -> None:
@@ -91,9 +101,11 @@ class UnitSequence:
             return
         self._flush()
         here = self.position(unit)
-        for skipped in self.order[self._cursor + 1 : here]:
-            skipped.catch_up_forward()
-            self._flush()
+        if here <= self._cursor and self._check_revisits:
+            self._catch_up_forward(len(self.order))  # every rank is then past the last unit
+            self._agree_on_revisit(unit)
+            self._cursor = here  # every rank runs it again: from here on, as from the start
+        self._catch_up_forward(here)
         self._cursor = max(self._cursor, here)
 
     def defer(self, unit: Unit, reshard: bool) -> None:
@@ -104,10 +116,14 @@ class UnitSequence:
     def end_forward(self) -> None:
         """The root's forward ends: catch up the units after the last one reached."""
         self._flush()
-        for skipped in self.order[self._cursor + 1 :]:
+        self._catch_up_forward(len(self.order))
+        self._cursor = len(self.order)
+
+    def _catch_up_forward(self, until: int) -> None:
+        """The forward collectives of the units between the cursor and position ``until``."""
+        for skipped in self.order[self._cursor + 1 : until]:
             skipped.catch_up_forward()
             self._flush()
-        self._cursor = len(self.order)
 
     def _flush(self) -> None:
         if self._deferred is not None:

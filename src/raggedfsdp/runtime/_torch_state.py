@@ -10,8 +10,9 @@ from torch import nn
 from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from ._hooks import FSDPState, RootContext
+from ._hooks import FSDPState
 from ._param_group import FSDPParamGroup
+from ._root import RootContext
 from ._state_machine import TrainingState, check_state
 
 __all__ = ["TorchFacingState", "expose_to_torch", "torch_facing_state"]

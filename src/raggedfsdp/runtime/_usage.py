@@ -83,31 +83,42 @@ class Seen:
 
 @dataclass(frozen=True)
 class Agreed:
-    """Per unit, over the data-parallel ranks: whether any rank's backward runs it, whether any
-    reduces it early, and whether every rank ran the units in the order ``agree`` was given the
-    digest of."""
+    """Per unit, over the data-parallel ranks: whether any rank's backward runs it, whether they
+    reduce it when its backward ends (every rank that runs it has routed inputs), and whether
+    every rank ran the units in the order ``agree`` was given the digest of; and whether some
+    rank's forward ran a unit again after others (``revisit``), and every rank the same one."""
 
     runs: list[bool]
     reduces_early: list[bool]
     #: whether the ranks' counts of routed passes differ (then each reduces once, at its last)
     passes_differ: list[bool]
     same_order: bool
+    revisit: bool = False
+    revisit_alike: bool = False
 
 
 # One all-reduce (MAX, bytes) per distinct mesh at the start of each backward (one for FSDP, one
 # per mesh beside expert parallelism; over both dims for HSDP) carries, per unit, what this rank's
 # backward runs (``Seen``) and, per parameter, whether it was used; the first one also a digest of
-# the order the first forward ran the units in. Read on the host once, by a rank that skips a unit
-# or did not use a parameter (or the first time), and never by the others: a rank whose backward
-# runs every unit and uses every parameter needs nothing from the others (a static graph costs the
-# all-reduce, never a host sync).
+# the order the first forward ran the units in. A forward that runs a unit again after others
+# sends the same message with the unit's position instead, where the other ranks are either
+# running it again too or starting their backward (``_sequence.py``). Every rank reads it on the
+# host (a sync on an accelerator): even a rank whose backward runs and uses everything must learn
+# that another rank's forward went on or that another reduces a unit later
+# (``set_static_graph()`` makes neither the all-reduce nor the read).
 def agree(
-    units: list[Unit], seen: list[Seen], digest: bytes | None, stats: RuntimeStats
-) -> Agreed | None:
+    units: list[Unit],
+    seen: list[Seen],
+    digest: bytes | None,
+    stats: RuntimeStats,
+    *,
+    revisit: int | None = None,
+) -> Agreed:
     """Start of a backward: agree over the data-parallel ranks on ``seen`` (per unit) and on the
-    units' usage records (every rank calls it, with the units in the same order). ``None``:
-    nothing to read (this rank runs and uses everything, ``digest`` is ``None``). The units'
-    usage records become what any rank used."""
+    units' usage records (every rank calls it, with the units in the same order); the usage
+    records become what any rank used. With ``revisit`` (a position in the units' order),
+    inside a forward that runs that unit again: the same message with nothing seen or used,
+    only the position, and the records are left alone."""
     by_mesh: dict[tuple[int, int], list[int]] = {}
     for i, unit in enumerate(units):
         info = unit.mesh_info
@@ -115,9 +126,11 @@ def agree(
     masks = []
     for members in by_mesh.values():
         info = units[members[0]].mesh_info
-        # per unit: runs, its routed passes and their complement (MAX of which is 255 - MIN)
-        data = [v for i in members for v in _unit_bytes(seen[i])]
-        data += [int(f) for i in members for f in units[i].usage.used] + list(_order_bytes(digest))
+        data = list(_revisit_bytes(revisit))
+        # per unit: runs, runs with no routed input, its routed passes and their complement
+        data += [v for i in members for v in _unit_bytes(seen[i])]
+        data += [int(f and revisit is None) for i in members for f in units[i].usage.used]
+        data += list(_order_bytes(digest))
         data += [1] * (-len(data) % 16)  # 16 bytes, as every message NCCL moves here
         mask = torch.tensor(data, dtype=torch.uint8, device=units[members[0]].device)
         with record_function("raggedfsdp::agree_on_usage"):
@@ -126,35 +139,48 @@ def agree(
                     dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
                     stats.usage_all_reduces += 1
         masks.append(mask)
-    # (a unit run more than once here may run a different number of times elsewhere)
-    everything = all(s.runs and s.routed <= 1 for s in seen)
-    everything = everything and all(all(u.usage.used) for u in units)
-    if digest is None and everything:
-        return None
     read = torch.cat(masks).tolist()  # the one host read, a sync on an accelerator
     runs, early, differ = [False] * len(units), [False] * len(units), [False] * len(units)
-    same_order = True
+    same_order, again, alike = True, False, True
     at = 0
     for members, mask in zip(by_mesh.values(), masks, strict=True):
         values = read[at : at + mask.numel()]
         at += mask.numel()
-        for k, i in enumerate(members):
-            ran, most, least = values[3 * k], values[3 * k + 1], 255 - values[3 * k + 2]
-            runs[i], early[i], differ[i] = bool(ran), most > 0, most != least
-        pos = 3 * len(members)
+        again = again or values[0] > 0
+        alike = alike and _agrees(values[:2]) and _agrees(values[2:18])
+        pos = 18
+        for i in members:
+            ran, late, most, least = *values[pos : pos + 3], 255 - values[pos + 3]
+            runs[i], early[i], differ[i] = bool(ran), most > 0 and not late, most != least
+            pos += 4
         for i in members:
             used = units[i].usage.used
-            used[:] = [bool(v) for v in values[pos : pos + len(used)]]
+            if revisit is None:
+                used[:] = [bool(v) for v in values[pos : pos + len(used)]]
             pos += len(used)
         if digest is not None:
-            ours, theirs = values[pos : pos + 8], values[pos + 8 : pos + 16]
-            same_order &= all(a + b == 255 for a, b in zip(ours, theirs, strict=True))
-    return Agreed(runs, early, differ, same_order)
+            same_order &= _agrees(values[pos : pos + 16])
+    return Agreed(runs, early, differ, same_order, again, again and alike)
 
 
-def _unit_bytes(seen: Seen) -> tuple[int, int, int]:
+def _revisit_bytes(revisit: int | None) -> bytes:
+    """Whether this rank runs a unit again, its complement, and the unit's position as
+    ``_order_bytes`` sends a digest (agreeing only where every rank sends the same)."""
+    flag = int(revisit is not None)
+    digest = order_digest(None if revisit is None else [revisit])
+    return bytes([flag, 255 - flag]) + _order_bytes(digest)
+
+
+def _agrees(values: list[int]) -> bool:
+    """After a MAX over ranks of bytes followed by their complements: every rank sent the same
+    bytes (the complement's MAX is the complement of the MIN)."""
+    half = len(values) // 2
+    return all(a + b == 255 for a, b in zip(values[:half], values[half:], strict=True))
+
+
+def _unit_bytes(seen: Seen) -> tuple[int, int, int, int]:
     passes = min(seen.routed, 255)
-    return int(seen.runs), passes, 255 - passes
+    return int(seen.runs), int(seen.runs and not seen.routed), passes, 255 - passes
 
 
 def order_digest(positions: list[int] | None) -> bytes:
