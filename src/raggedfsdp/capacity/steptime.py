@@ -8,6 +8,7 @@ model, term by term, is the comment at :func:`step_time`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,12 +43,10 @@ class CollectiveBytes:
     reduce_scatter_calls: int
     reduce_scatter_bytes: int
     wire_bytes: int
-
-
-def _gathers(units: Sequence[UnitBytes], system: System) -> list[UnitBytes]:
-    """Units all-gathered in one step: every unit in forward, then in backward the blocks
-    ``system`` gathers again (:meth:`System.regathered`)."""
-    return [*units, *(units[i] for i in system.regathered(len(units) - 1))]
+    #: ``reshard_after_forward=N``: backward's all-gathers of the pieces kept from forward,
+    #: within groups of ``N`` ranks (in the all-gathers above too, as the runtime counts them)
+    post_forward_all_gather_calls: int = 0
+    post_forward_all_gather_bytes: int = 0
 
 
 def gathers_per_unit(units: Sequence[UnitBytes], system: System) -> list[int]:
@@ -68,17 +67,53 @@ def collective_bytes(
     collectives run over its own FSDP group (:meth:`UnitBytes.group`)."""
     system = as_system(system)
     w = world_size
-    gathered = _gathers(units, system)
+    again = _regathered(units, step, w, system)
     reduced = [u for u in units if u.trainable_shard_numel]
-    ag = [(u.group(w), u.gather_bytes(system, step)) for u in gathered]
+    ag = [(u.group(w), u.gather_bytes(system, step)) for u in units]
+    ag += [(u.group(w), u.gather_bytes(system, _plain(step))) for u in again]
     rs = [(u.group(w), u.scatter_share(system, step)) for u in reduced]
+    pieces = _pieces(units, step, w, system)
     return CollectiveBytes(
-        all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
+        all_gather_calls=sum(system.collective_calls(u.buckets) for u in [*units, *again]),
         all_gather_bytes=sum(b for _, b in ag),
         reduce_scatter_calls=sum(system.collective_calls(u.trainable_buckets) for u in reduced),
         reduce_scatter_bytes=sum(g * b for g, b in rs),
         wire_bytes=sum((g - 1) * b for g, b in ag + rs),
+        post_forward_all_gather_calls=sum(system.collective_calls(u.buckets) for u in pieces),
+        post_forward_all_gather_bytes=sum(u.gather_bytes(system, _plain(step)) for u in pieces),
     )
+
+
+def _plain(step: StepShape) -> StepShape:
+    """``step`` as backward's all-gather of kept pieces runs it: the pieces are already on the
+    device, in ``param_dtype``, uncompressed."""
+    if step.reshard_after_forward is None:
+        return step
+    return dataclasses.replace(step, offload=False, compression=None)
+
+
+def _pieces(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[UnitBytes]:
+    """The blocks whose backward all-gathers a piece kept from forward (``1 < N <`` their
+    group, :meth:`UnitBytes.within`) rather than their shard."""
+    n = step.reshard_after_forward
+    again = [units[i] for i in system.regathered(len(units) - 1)]
+    if n is None or n == 1:
+        return []
+    return [u.within(n, world_size) for u in again if n < u.group(world_size)]
+
+
+def _regathered(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[UnitBytes]:
+    """The blocks all-gathered again for their backward, as that all-gather sees them: their
+    kept pieces within groups of ``N`` under ``reshard_after_forward=N``
+    (:meth:`UnitBytes.within`), none for ``N = 1`` (never resharded), else the units."""
+    again = [units[i] for i in system.regathered(len(units) - 1)]
+    if step.reshard_after_forward == 1:
+        return []
+    return step.post_forward(again, world_size)
 
 
 @dataclass(frozen=True)
@@ -364,15 +399,17 @@ def step_time(
     system = as_system(system)
     w = world_size
     gathers, scatters = collective_costs(units, step, hw, w, system)
+    regathers = _regather_costs(units, step, hw, w, system) or gathers
     fwd, bwd = _compute_s(shape, step, hw)
     forward = _forward_s(fwd, gathers)
-    backward = _backward_s(bwd, gathers, scatters, system)
+    backward = _backward_s(bwd, regathers, scatters, system)
     optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
     regathered = system.regathered(len(units) - 1)
     copies = _host_copy_s(units, step, hw, w, system)
-    codec = _codec_s(units, step, hw, w, system.compression(step.compression), set(regathered))
+    again = set(regathered) if step.reshard_after_forward is None else set()
+    codec = _codec_s(units, step, hw, w, system.compression(step.compression), again)
     total = forward + backward + optimizer + codec + host_overhead_s + copies
-    comm_s = sum(gathers.total) + sum(gathers.total[i] for i in regathered) + sum(scatters.total)
+    comm_s = sum(gathers.total) + sum(regathers.total[i] for i in regathered) + sum(scatters.total)
     return StepTime(
         forward_s=forward,
         backward_s=backward,
@@ -385,6 +422,23 @@ def step_time(
         host_overhead_s=host_overhead_s,
         host_copy_s=copies,
     )
+
+
+def _regather_costs(
+    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, system: System
+) -> CollectiveCosts | None:
+    """Under ``reshard_after_forward=N``, the all-gathers backward runs again, per unit: each
+    a ring over its group of ``N`` consecutive ranks (on NVLink when ``N`` fits a node) of its
+    kept pieces (:meth:`UnitBytes.within`), no host copies or compression; zeros for ``N = 1``
+    (nothing is gathered again). ``None`` without it: backward gathers as forward does."""
+    n = step.reshard_after_forward
+    if n is None:
+        return None
+    if n == 1:
+        zeros = (0.0,) * len(units)
+        return CollectiveCosts(zeros, zeros, zeros)
+    gathers, _ = collective_costs(step.post_forward(units, world_size), _plain(step), hw, n, system)
+    return gathers
 
 
 def host_copy_bytes(

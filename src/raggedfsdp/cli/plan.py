@@ -68,6 +68,7 @@ _CAPACITY_FLAGS = (
     "pin_memory",
     "tp",
     "ep",
+    "reshard_after_forward",
 )
 #: Default bucket cap of ``plan`` (see docs/results/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -206,6 +207,14 @@ def _configure_parallel(group: argparse._ArgumentGroup) -> None:
         help="expert-parallel degree, borrowed from the data-parallel ranks (mixture-of-experts "
         "models); also searches the (dp, tp, ep) that fit (default: 1)",
     )
+    group.add_argument(
+        "--reshard-after-forward",
+        type=_positive(int, "--reshard-after-forward"),
+        metavar="N",
+        help="every block reshards after forward to groups of N ranks (fully_shard's "
+        "reshard_after_forward=N): keeps a 1/N piece, all-gathers within the N in backward "
+        "(default: reshard to all ranks)",
+    )
 
 
 def _configure_offload(group: argparse._ArgumentGroup) -> None:
@@ -300,6 +309,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
         pin_memory=bool(args.pin_memory),
         tp=dims.tp,
         ep=dims.ep,
+        reshard_after_forward=args.reshard_after_forward,
     )
     searched = args.tp is not None or args.ep is not None
     report = capacity_report(args.model, args.world, hw, options, search_meshes=searched)
@@ -309,7 +319,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
     else:
         render_capacity(report, sys.stdout)
     if args.plot:
-        worlds = [w for w in PLOT_WORLDS if w % dims.world_multiple == 0]
+        multiple = dims.world_multiple * (args.reshard_after_forward or 1)
+        worlds = [w for w in PLOT_WORLDS if w % multiple == 0]
         curve = capacity_report(
             args.model, worlds, hw, options, find_smallest=False, up_to_shardable=True
         )
