@@ -26,7 +26,9 @@ __all__ = [
     "SHAMPOO_DIM",
     "MemoryBreakdown",
     "UnitBytes",
+    "activation_bytes",
     "compression_state_bytes",
+    "kept_activation_bytes",
     "last_block_activation_bytes",
     "memory_breakdown",
     "offload_staging_bytes",
@@ -344,15 +346,28 @@ def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
     blocks = shape.blocks
     if not blocks:
         return round(step.tokens * (2 * shape.hidden * act + 3 * shape.vocab * 4)), 0
-    if step.checkpointing:  # each block keeps its input; one is recomputed whole in backward
-        kept = shape.hidden * len(blocks)
-        recomputed = max(shape.block_activation_per_token(b) for b in blocks)
-    else:
-        kept, recomputed = sum(u.activation_per_token for u in shape.inner), 0
+    kept, recomputed = _kept_per_token(shape, step)
     widest = max(u.widest_per_token for u in shape.inner)
     loss = step.tokens * ((kept + 2 * shape.hidden) * act + 3 * shape.vocab * 4)
     block = step.tokens * (kept + recomputed + shape.hidden + widest) * act
     return round(loss), round(block + shape.tied_numel * act)
+
+
+def _kept_per_token(shape: ModelShape, step: StepShape) -> tuple[float, float]:
+    """``(kept, recomputed)`` activation elements per token: what the blocks keep for their
+    backward, and what one block's recomputation adds under checkpointing (each block then keeps
+    its input)."""
+    blocks = shape.blocks
+    if step.checkpointing:
+        recomputed = max((shape.block_activation_per_token(b) for b in blocks), default=0.0)
+        return float(shape.hidden * len(blocks)), recomputed
+    return float(sum(u.activation_per_token for u in shape.inner)), 0.0
+
+
+def kept_activation_bytes(shape: ModelShape, step: StepShape) -> int:
+    """What the blocks keep for their backward over ``step``'s tokens: the part of
+    :func:`activation_bytes` each micro-batch in flight adds under pipeline parallelism."""
+    return round(step.tokens * _kept_per_token(shape, step)[0] * step.param_dtype.itemsize)
 
 
 # Memory per rank, term by term (raggedfsdp, then FSDP2):
