@@ -216,7 +216,7 @@ def test_cut_refusals_name_the_fault():
         plan_pipeline(llama, 6, hw, options, PipelineSchedule("1f1b", 4, 4))
 
 
-def test_plan_pp_command(capsys: pytest.CaptureFixture[str]):
+def test_plan_pp_command(capsys: pytest.CaptureFixture[str], tmp_path):
     args = ["plan", "--model", "llama3-8b", "--world", "16", "--gpu", "h100", "--seq", "4096"]
     assert main([*args, "--pp", "4", "--json"]) == 0
     (record,) = json.loads(capsys.readouterr().out)
@@ -227,5 +227,12 @@ def test_plan_pp_command(capsys: pytest.CaptureFixture[str]):
     assert main([*args, "--pp", "4", "--pp-schedule", "zero-bubble"]) == 0
     out = capsys.readouterr().out
     assert "rank 3: 7 layers + head" in out and "fastest that fits" in out
-    assert main([*args, "--pp", "5"]) == 2
-    assert "does not divide the world size 16" in capsys.readouterr().err
+    for extra, named in (
+        (["--pp", "5"], "does not divide the world size 16"),
+        (["--pp", "4", "--plot", str(tmp_path / "curve.png")], "does not take --pp"),
+        (["--pp", "4", "--reshard-after-forward", "2"], "no reshard after forward"),
+        (["--pp", "4", "--microbatches", "3"], "1f1b needs at least as many micro-batches"),
+    ):
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and named in err, err

@@ -273,8 +273,8 @@ def _options_for(options: CapacityOptions, tp: int, ep: int) -> CapacityOptions:
 #   the last backward (not overlapped: an upper bound; a rank later in the pipeline could hide its
 #   gathers in the warm-up), tensor and expert parallelism's collectives of every micro-batch,
 #   the stage-to-stage sends (``M v`` activations forward, ``M v`` gradients back, each ``b s
-#   d / tp`` over the inter-node link: the pipeline dim is outermost, as torchtitan's mesh orders
-#   it) and the optimizer step. Backward splits into the input gradients (with the
+#   d / tp`` over the link ``W / pp`` ranks away: the pipeline dim is outermost, as torchtitan's
+#   mesh orders it) and the optimizer step. Backward splits into the input gradients (with the
 #   recomputation) and the weight gradients, half each of its matmuls.
 def plan_pipeline(
     module: nn.Module,
@@ -477,7 +477,9 @@ def _plan(
     split = (slowest.forward_s, slowest.backward_s - weight, weight)
     bubble = schedule.bubble_s(*split)
     message = options.batch * options.seq_len * shape.hidden * options.param_dtype.itemsize
-    reach = world_size  # the pipeline dim is outermost: its neighbours are W / pp ranks apart
+    # the pipeline dim is outermost (torchtitan's mesh): a stage's neighbour is W / pp ranks
+    # away, across the inter-node link once that span leaves a node
+    reach = min(world_size, world_size // schedule.pp + 1)
     one = hw.hop_latency_s(reach) + message / hw.link_bytes_per_s(reach)
     p2p = 2 * m * v * one if schedule.pp > 1 else 0.0
     extra = max(r.fsdp_s + r.parallel_s + r.optimizer_s for r in ranks)

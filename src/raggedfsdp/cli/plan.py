@@ -376,6 +376,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
 def _run_pipeline(args: argparse.Namespace, hw: Hardware, options: CapacityOptions) -> int:
     """``plan --pp``: each world size's layout (memory per stage, bubble, step) and the
     search for the fastest ``(dp, tp, pp, ep)`` that fits."""
+    if args.plot:
+        raise ValueError("--plot draws FSDP's curve against W; it does not take --pp")
     looped = args.pp_schedule in ("interleaved-1f1b", "zero-bubble")
     stages = args.stages_per_rank or (2 if looped else 1)
     schedule = PipelineSchedule(args.pp_schedule, args.pp, args.microbatches or 4 * args.pp, stages)
