@@ -14,7 +14,10 @@ import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 from torch.distributed.pipelining.schedules import _ComputationType
 
+import pipeline_cases
+import raggedfsdp as rf
 from raggedfsdp.capacity import CapacityOptions, hardware
+from raggedfsdp.capacity.cost import unit_bytes
 from raggedfsdp.capacity.pipeline import plan_pipeline, search_pipeline, stage_layers
 from raggedfsdp.capacity.schedules import PP_SCHEDULES, PipelineSchedule
 from raggedfsdp.cli import main
@@ -204,6 +207,25 @@ def test_405b_search_runs_under_ten_seconds(llama405b):
     layouts = {(f.dp, f.tp, f.pp, f.ep) for f in search.fits}
     assert (8, 8, 8, 1) in layouts  # torchtitan's
     assert all(f.dp * f.tp * f.pp == 512 for f in search.fits)
+
+
+def test_stages_plan_as_the_pipeline_tests_cut_and_shard_them():
+    """The decoder tests/distributed/test_pipeline.py runs (its layers in a ``ModuleDict``, as
+    torchtitan's models hold them), cut by its own ``cut`` and planned as ``fully_shard`` on each
+    layer and the stage plans it over dp = 2: the model's shards and whole-step unsharded bytes
+    per rank equal that stage's plans'."""
+    hw, options = hardware("cpu-gloo"), CapacityOptions(batch=2, seq_len=pipeline_cases.SEQ)
+    model = pipeline_cases.Decoder()
+    plan = plan_pipeline(model, 4, hw, options, PipelineSchedule("1f1b", 2, 4))["raggedfsdp"]
+    for rank in plan.ranks:
+        part = pipeline_cases.cut(model, rank.rank, 2)
+        layers = set(part.layers.values())
+        plans = rf.StructAwarePlanner().plan_model(part, 2, wrap=lambda m, ls=layers: m in ls)
+        units = unit_bytes(plans)
+        assert rank.params == sum(u.shard_numel for u in units) * 4
+        whole = sum(u.storage_bytes(2, 4) + u.storage_bytes(2, 4, trainable=True) for u in units)
+        assert rank.unsharded == whole
+        assert (rank.layers, rank.embedding, rank.head) == (2, rank.rank == 0, rank.rank == 1)
 
 
 def test_cut_refusals_name_the_fault():

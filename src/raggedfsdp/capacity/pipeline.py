@@ -85,23 +85,33 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
 
 @dataclass(frozen=True)
 class _Cut:
-    """How a model divides into stages: its blocks' container and the root's other children,
-    those before it (with the first stage) and after it (with the last)."""
+    """How a model divides into stages: its blocks' container (a ``ModuleList``, or a
+    ``ModuleDict`` as torchtitan's models hold them) and the root's other children, those before
+    it (with the first stage) and after it (with the last)."""
 
     blocks_name: str
-    blocks: nn.ModuleList
+    keys: tuple[str, ...]  # each block's name in its container
+    blocks: tuple[nn.Module, ...]
     before: tuple[str, ...]
     after: tuple[str, ...]
+
+    @property
+    def unit_ids(self) -> frozenset[int]:
+        """The blocks as FSDP units (a wrap policy's ids)."""
+        return frozenset(id(b) for b in self.blocks)
 
 
 def _cut(module: nn.Module, model: str) -> _Cut:
     """The model's cut (torchtitan's: embedding first, norm and head last), or a clear error."""
-    lists = [(n, c) for n, c in module.named_children() if isinstance(c, nn.ModuleList)]
-    if len(lists) != 1 or any(is_vision(n) for n, _ in module.named_parameters()):
+    containers = [
+        (n, c) for n, c in module.named_children() if isinstance(c, (nn.ModuleList, nn.ModuleDict))
+    ]
+    if len(containers) != 1 or any(is_vision(n) for n, _ in module.named_parameters()):
         raise UnsplittableModel(
-            f"pipeline parallelism: {model} is not a decoder with one list of blocks (found "
-            f"{len(lists)}{', and a vision side' if len(lists) == 1 else ''}); the planner "
-            f"cuts a decoder's blocks into stages"
+            f"pipeline parallelism: {model} is not a decoder with one list of blocks among "
+            f"its root's children (found {len(containers)}"
+            f"{', and a vision side' if len(containers) == 1 else ''}); the planner cuts such a "
+            f"decoder's blocks into stages (a Hugging Face model's, nested under .model, not yet)"
         )
     if any(True for _ in module.parameters(recurse=False)):
         raise UnsplittableModel(
@@ -118,10 +128,11 @@ def _cut(module: nn.Module, model: str) -> _Cut:
                     f"stages, untied"
                 )
             weights[id(p)] = sub
-    name, blocks = lists[0]
+    name, container = containers[0]
+    keys, blocks = zip(*container.named_children(), strict=True) if len(container) else ((), ())
     children = [n for n, _ in module.named_children()]
     at = children.index(name)
-    return _Cut(name, blocks, tuple(children[:at]), tuple(children[at + 1 :]))
+    return _Cut(name, tuple(keys), tuple(blocks), tuple(children[:at]), tuple(children[at + 1 :]))
 
 
 def _stage_module(
@@ -134,7 +145,8 @@ def _stage_module(
     children = dict(module.named_children())
     for name in (cut.before if first else ()) + (cut.after if last else ()):
         stage.add_module(name, children[name])
-    stage.add_module(cut.blocks_name, nn.ModuleDict({str(i): cut.blocks[i] for i in layers}))
+    blocks = nn.ModuleDict({cut.keys[i]: cut.blocks[i] for i in layers})
+    stage.add_module(cut.blocks_name, blocks)
     return stage
 
 
@@ -144,7 +156,7 @@ def _stage_shape(
     """The rank's share of the whole model's :class:`~.shapes.ModelShape`: its blocks' units
     (and the units nested in them), and a root of what the stage's root holds: the head's
     matmul on the last rank, no matmul elsewhere (an embedding is a lookup)."""
-    paths = {f"{cut.blocks_name}.{i}" for i in layers}
+    paths = {f"{cut.blocks_name}.{cut.keys[i]}" for i in layers}
     units = [u for u in full.inner if any(u.path == p or u.path.startswith(p + ".") for p in paths)]
     own = sum(
         p.numel()
@@ -300,7 +312,7 @@ def plan_pipeline(
     model = model_name or type(module).__name__
     _check_layout(world_size, options, schedule)
     cut = _cut(module, model)
-    split, full = _split_and_shape(module, options, experts_per_token, model)
+    split, full = _split_and_shape(module, cut, options, experts_per_token, model)
     return _plan_layout(module, cut, split, full, world_size, hw, options, schedule, systems, start)
 
 
@@ -321,10 +333,15 @@ def _check_layout(world_size: int, options: CapacityOptions, schedule: PipelineS
 
 
 def _split_and_shape(
-    module: nn.Module, options: CapacityOptions, experts_per_token: int | None, model: str
+    module: nn.Module,
+    cut: _Cut,
+    options: CapacityOptions,
+    experts_per_token: int | None,
+    model: str,
 ) -> tuple[ModelSplit, ModelShape]:
     """The whole model's split under ``options``' ``tp`` and ``ep`` (:func:`~.parallel.
-    split_model`; :meth:`ModelSplit.whole` without them) and one rank's shape with it."""
+    split_model`; :meth:`ModelSplit.whole` without them), its FSDP units the cut's blocks (and
+    the expert containers under ``ep``), and one rank's shape with it."""
     dims = options.dims
     split = ModelSplit.whole()
     if dims.model_parallel > 1:
@@ -332,8 +349,12 @@ def _split_and_shape(
         split = split_model(
             module, dims, policy=policy, experts_per_token=experts_per_token, model_name=model
         )
+    split = dataclasses.replace(split, unit_ids=split.unit_ids | cut.unit_ids)
     full = model_shape(
-        module, experts_per_token=experts_per_token, split=split if split.splits else None
+        module,
+        experts_per_token=experts_per_token,
+        wrap=split.wrap,
+        split=split if split.splits else None,
     )
     return split, full
 
@@ -356,9 +377,6 @@ def _plan_layout(
     stage_world = world_size // pp
     micro = options.step(hw)
     planner, _ = _planner(options, micro)
-    wrap_split = dataclasses.replace(
-        split, unit_ids=split.unit_ids | frozenset(id(b) for b in cut.blocks)
-    )
     # ranks whose blocks have the same shapes plan the same: each kind is planned once
     kinds = [_signature(b) for b in cut.blocks]
     planned: dict[tuple, tuple] = {}
@@ -369,7 +387,7 @@ def _plan_layout(
         key = (first, last, tuple(kinds[i] for i in layers))
         if key not in planned:
             stage = _stage_module(module, cut, layers, first, last)
-            plans = _plans(stage, planner, wrap_split, stage_world, options)
+            plans = _plans(stage, planner, split, stage_world, options)
             units = unit_bytes(plans)
             if not units or units[-1].path:  # a middle rank's root holds nothing
                 units.append(UnitBytes("", (), (), 0, 0, world_size=stage_world))
@@ -568,7 +586,7 @@ def search_pipeline(
             opts = _options_for(options, tp, ep)
             try:
                 split, full = _split_and_shape(
-                    module, opts, experts_per_token, model_name or type(module).__name__
+                    module, cut, opts, experts_per_token, model_name or type(module).__name__
                 )
             except UnsplittableModel:
                 continue
