@@ -4,6 +4,8 @@ tests/distributed/test_reshard_to.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from raggedfsdp.capacity import CapacityOptions, hardware
 from raggedfsdp.capacity.cost import StepShape, memory_breakdown, post_forward_bytes, unit_bytes
 from raggedfsdp.capacity.shapes import model_shape
 from raggedfsdp.capacity.steptime import collective_bytes, step_time
+from raggedfsdp.capacity.wire import CompressionSpec
 from raggedfsdp.facts.systems import SYSTEMS
 from raggedfsdp.models import GPT, GPT_CONFIGS
 
@@ -48,6 +51,12 @@ def test_whole_group_is_the_default_and_one_never_gathers_again(gpt, system):
         for n in (None, W)
     ]
     assert times[0] == times[1]
+    # N equal to the group is plain resharding under compression too (the pieces would not be)
+    spec = CompressionSpec.parse("int8", None, False)
+    packed = [dataclasses.replace(u, messages=tuple(s + 4 for s in u.shards)) for u in units]
+    compressed = [dataclasses.replace(_step(n), compression=spec) for n in (None, W)]
+    got = [collective_bytes(packed, c, W, system) for c in compressed]
+    assert got[0] == got[1]
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -230,12 +230,6 @@ class StepShape:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"reshard_after_forward must be an integer >= 1, got {n!r}")
 
-    def post_forward(self, units: Sequence[UnitBytes], world_size: int) -> list[UnitBytes]:
-        """What each of ``units`` keeps after forward under ``reshard_after_forward=N``
-        (:meth:`UnitBytes.within`); ``units`` themselves without it."""
-        n = self.reshard_after_forward
-        return list(units) if n is None else [u.within(n, world_size) for u in units]
-
     @property
     def tokens(self) -> int:
         return self.batch * self.seq_len
@@ -616,10 +610,9 @@ def post_forward_bytes(
     if n is None:
         return kept
     again = set(system.regathered(len(units) - 1))
-    pieces = step.post_forward(units, world_size)
-    for i, (unit, piece) in enumerate(zip(units, pieces, strict=True)):
+    for i, unit in enumerate(units):
         if i in again and n < unit.group(world_size):
-            kept[i] = piece.shard(system) * step.param_dtype.itemsize
+            kept[i] = unit.within(n, world_size).shard(system) * step.param_dtype.itemsize
     return kept
 
 

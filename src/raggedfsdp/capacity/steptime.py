@@ -67,14 +67,15 @@ def collective_bytes(
     collectives run over its own FSDP group (:meth:`UnitBytes.group`)."""
     system = as_system(system)
     w = world_size
-    again = _regathered(units, step, w, system)
-    reduced = [u for u in units if u.trainable_shard_numel]
-    ag = [(u.group(w), u.gather_bytes(system, step)) for u in units]
-    ag += [(u.group(w), u.gather_bytes(system, _plain(step))) for u in again]
-    rs = [(u.group(w), u.scatter_share(system, step)) for u in reduced]
+    whole = [units[i] for i in _gathered_whole(units, step, w, system)]
     pieces = _pieces(units, step, w, system)
+    reduced = [u for u in units if u.trainable_shard_numel]
+    ag = [(u.group(w), u.gather_bytes(system, step)) for u in [*units, *whole]]
+    ag += [(u.group(w), u.gather_bytes(system, _plain(step))) for u in pieces]
+    rs = [(u.group(w), u.scatter_share(system, step)) for u in reduced]
+    gathered = [*units, *whole, *pieces]
     return CollectiveBytes(
-        all_gather_calls=sum(system.collective_calls(u.buckets) for u in [*units, *again]),
+        all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
         all_gather_bytes=sum(b for _, b in ag),
         reduce_scatter_calls=sum(system.collective_calls(u.trainable_buckets) for u in reduced),
         reduce_scatter_bytes=sum(g * b for g, b in rs),
@@ -87,33 +88,36 @@ def collective_bytes(
 def _plain(step: StepShape) -> StepShape:
     """``step`` as backward's all-gather of kept pieces runs it: the pieces are already on the
     device, in ``param_dtype``, uncompressed."""
-    if step.reshard_after_forward is None:
-        return step
     return dataclasses.replace(step, offload=False, compression=None)
+
+
+def _keeps_piece(unit: UnitBytes, step: StepShape, world_size: int) -> bool:
+    """Whether ``unit``, resharded after forward, keeps a piece for backward (``1 < N <`` its
+    group) rather than its shard (no ``N``, or ``N`` its group) or all of it (``N = 1``)."""
+    n = step.reshard_after_forward
+    return n is not None and 1 < n < unit.group(world_size)
+
+
+def _gathered_whole(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[int]:
+    """The blocks that backward all-gathers again from their shards, as forward did: every
+    one ``system`` reshards (:meth:`System.regathered`) but those keeping a piece, none under
+    ``N = 1``."""
+    if step.reshard_after_forward == 1:
+        return []
+    again = system.regathered(len(units) - 1)
+    return [i for i in again if not _keeps_piece(units[i], step, world_size)]
 
 
 def _pieces(
     units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
 ) -> list[UnitBytes]:
-    """The blocks whose backward all-gathers a piece kept from forward (``1 < N <`` their
-    group, :meth:`UnitBytes.within`) rather than their shard."""
+    """The blocks whose backward all-gathers the piece they kept from forward, each as that
+    all-gather sees it (:meth:`UnitBytes.within`)."""
     n = step.reshard_after_forward
     again = [units[i] for i in system.regathered(len(units) - 1)]
-    if n is None or n == 1:
-        return []
-    return [u.within(n, world_size) for u in again if n < u.group(world_size)]
-
-
-def _regathered(
-    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
-) -> list[UnitBytes]:
-    """The blocks all-gathered again for their backward, as that all-gather sees them: their
-    kept pieces within groups of ``N`` under ``reshard_after_forward=N``
-    (:meth:`UnitBytes.within`), none for ``N = 1`` (never resharded), else the units."""
-    again = [units[i] for i in system.regathered(len(units) - 1)]
-    if step.reshard_after_forward == 1:
-        return []
-    return step.post_forward(again, world_size)
+    return [u.within(n, world_size) for u in again if _keeps_piece(u, step, world_size)]
 
 
 @dataclass(frozen=True)
@@ -399,14 +403,14 @@ def step_time(
     system = as_system(system)
     w = world_size
     gathers, scatters = collective_costs(units, step, hw, w, system)
-    regathers = _regather_costs(units, step, hw, w, system) or gathers
+    regathers = _regather_costs(units, step, hw, w, system, gathers)
     fwd, bwd = _compute_s(shape, step, hw)
     forward = _forward_s(fwd, gathers)
     backward = _backward_s(bwd, regathers, scatters, system)
     optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
     regathered = system.regathered(len(units) - 1)
     copies = _host_copy_s(units, step, hw, w, system)
-    again = set(regathered) if step.reshard_after_forward is None else set()
+    again = set(_gathered_whole(units, step, w, system))
     codec = _codec_s(units, step, hw, w, system.compression(step.compression), again)
     total = forward + backward + optimizer + codec + host_overhead_s + copies
     comm_s = sum(gathers.total) + sum(regathers.total[i] for i in regathered) + sum(scatters.total)
@@ -425,20 +429,35 @@ def step_time(
 
 
 def _regather_costs(
-    units: Sequence[UnitBytes], step: StepShape, hw: Hardware, world_size: int, system: System
-) -> CollectiveCosts | None:
-    """Under ``reshard_after_forward=N``, the all-gathers backward runs again, per unit: each
-    a ring over its group of ``N`` consecutive ranks (on NVLink when ``N`` fits a node) of its
-    kept pieces (:meth:`UnitBytes.within`), no host copies or compression; zeros for ``N = 1``
-    (nothing is gathered again). ``None`` without it: backward gathers as forward does."""
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    hw: Hardware,
+    world_size: int,
+    system: System,
+    gathers: CollectiveCosts,
+) -> CollectiveCosts:
+    """Each unit's all-gather again for its backward: as in forward (``gathers``), or under
+    ``reshard_after_forward=N`` a ring over its group of ``N`` consecutive ranks (on NVLink when
+    ``N`` fits a node) of the piece it kept (:meth:`UnitBytes.within`), no host copies or
+    compression; nothing for ``N = 1`` (never resharded)."""
     n = step.reshard_after_forward
     if n is None:
-        return None
+        return gathers
     if n == 1:
         zeros = (0.0,) * len(units)
         return CollectiveCosts(zeros, zeros, zeros)
-    gathers, _ = collective_costs(step.post_forward(units, world_size), _plain(step), hw, n, system)
-    return gathers
+    keeps = [_keeps_piece(u, step, world_size) for u in units]
+    views = [u.within(n, world_size) if k else u for u, k in zip(units, keeps, strict=True)]
+    pieces, _ = collective_costs(views, _plain(step), hw, n, system)
+
+    def pick(kept: tuple[float, ...], whole: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(a if k else b for a, b, k in zip(kept, whole, keeps, strict=True))
+
+    return CollectiveCosts(
+        pick(pieces.total, gathers.total),
+        pick(pieces.host, gathers.host),
+        pick(pieces.cpu, gathers.cpu),
+    )
 
 
 def host_copy_bytes(
