@@ -194,7 +194,8 @@ class RankCost:
             (the last).
         params, grads, optimizer: its shards (master dtype) and optimizer state.
         unsharded: its units' unsharded parameters and gradients, held for the whole step (no
-            reshard after forward under PP; gradients accumulate over the micro-batches).
+            reshard after forward under PP; gradients accumulate over the micro-batches, in
+            the reduce dtype where it differs).
         in_flight: local-stage micro-batches whose activations it holds at its peak.
         activations: their activations at the peak, and the backward's working set.
         peak: the larger of the step's (all of the above but the gradients' shards) and the
@@ -274,8 +275,11 @@ def _options_for(options: CapacityOptions, tp: int, ep: int) -> CapacityOptions:
 #   stage's blocks units, and its root: the embedding on the first rank, the norm and head on
 #   the last); shards and gradients in the master dtype, the optimizer's state, as without PP.
 # - **unsharded for the whole step**: every unit's parameters (gathered at the schedule's
-#   UNSHARD, kept to its RESHARD) and their gradients (accumulated over the micro-batches,
-#   reduce-scattered once, at REDUCE_GRAD), in the communication dtype.
+#   UNSHARD, kept to its RESHARD) in the communication dtype, and their gradients
+#   (accumulated over the micro-batches, reduce-scattered once, at REDUCE_GRAD) in the reduce
+#   dtype (``MixedPrecisionPolicy.reduce_dtype``: raggedfsdp's ``CastReduceScatter.accumulate``,
+#   FSDP2's ``unsharded_accumulated_grad``), else the communication dtype. The reduce-scatters'
+#   own buffers at the step's end (on Gloo a receive buffer, one unit at a time) are left out.
 # - **activations**: ``in_flight / v`` micro-batches' worth of what the rank's blocks keep
 #   (:meth:`PipelineSchedule.in_flight`), the one in backward at its working peak (the loss's
 #   logits on the last rank): :func:`~.cost.activation_bytes` of one micro-batch, plus what each
