@@ -28,8 +28,10 @@ from harness import error_message, run_distributed
 from pipeline_cases import (
     DP,
     LR,
+    MICROBATCHES,
     PP,
     SCHEDULES,
+    SEQ,
     SPLIT_BACKWARD,
     Decoder,
     batches,
@@ -42,6 +44,7 @@ from pipeline_cases import (
     step,
     train_pipeline,
 )
+from raggedfsdp.capacity import CapacityOptions, PipelineSchedule, hardware, plan_pipeline
 
 CLIP = 0.5  # below the gradients' norm: clipping scales them
 OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
@@ -239,6 +242,24 @@ def test_gradients_reduced_once_per_unit_per_step(grid, schedule):
         for stage in rank["rf", schedule, "titan"]["counts"][-1]:
             assert stage["reduce_scatters"] == stage["buckets"]
             assert stage["all_gathers"] == stage["buckets"]
+
+
+def test_capacity_model_predicts_each_stages_unsharded_bytes(grid):
+    """``raggedfsdp plan --pp``'s model (:func:`raggedfsdp.capacity.plan_pipeline`) against the
+    runtime's high-water mark of unsharded bytes in step 2 of 1F1B with torchtitan's settings:
+    each stage holds every unit's parameters and gradient block for the whole step (no reshard
+    after forward, gradients accumulated over the micro-batches), which the model predicts, and
+    at the step's end one block's Gloo reduce-scatter receive buffer beside them (``(W - 1) S``
+    fp32, a layer's shard from the other data rank), which it leaves out of ``unsharded``."""
+    hw, options = hardware("cpu-gloo"), CapacityOptions(batch=1, seq_len=SEQ)
+    schedule = PipelineSchedule("1f1b", PP, MICROBATCHES)
+    model = plan_pipeline(initial_model(), PP * DP, hw, options, schedule)["raggedfsdp"]
+    layer = sum(p.numel() for p in Decoder().layers["0"].parameters())
+    receive = (DP - 1) * layer // DP * 4
+    for index, rank in enumerate(grid):
+        (stage,) = rank["rf", "Schedule1F1B", "titan"]["counts"][-1]
+        predicted = model.ranks[index // DP]  # the mesh is (pp, dp): pp outermost
+        assert stage["peak_unsharded_bytes"] == predicted.unsharded + receive, index
 
 
 def test_fully_shard_state_finds_raggedfsdp_units(grid):

@@ -6,6 +6,7 @@ kept and the pairs' all-gathers, and ``reshard_after_forward=True`` (the control
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -17,6 +18,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import raggedfsdp as rf
 from harness import run_distributed
 from parity_models import OddModel, make_batches
+from raggedfsdp.capacity.cost import StepShape, post_forward_bytes, unit_bytes
+from raggedfsdp.capacity.steptime import collective_bytes
+from raggedfsdp.facts.systems import RAGGEDFSDP
 
 WORLD, STEPS, PAIR = 4, 2, 2
 
@@ -40,16 +44,19 @@ def _train(
     """Parameters after ``STEPS`` SGD steps (linear in the gradient: round-off is not
     amplified as AdamW's first steps amplify it at 4 ranks) on this rank's quarter of the
     global batch (``None``: all of it, one process); ``record``: raggedfsdp's counters after
-    the first forward, and after the steps."""
+    each forward and each step, and after the steps."""
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
-    for step, (idx, targets) in enumerate(make_batches(STEPS, 2 * WORLD)):
+    for idx, targets in make_batches(STEPS, 2 * WORLD):
         mine = slice(None) if rank is None else slice(rank * 2, rank * 2 + 2)
         loss = model(idx[mine], targets[mine])
-        if record is not None and step == 0:
-            record["after_forward"] = model.stats()
+        if record is not None:
+            record.setdefault("forwards", []).append(model.stats())
+            record["after_forward"] = record["forwards"][0]
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if record is not None:
+            record.setdefault("steps", []).append(model.stats())
     if record is not None:
         record["after_steps"] = model.stats()
         record["block_0_buffer"] = model.blocks[0].shard_plans()[0].total_numel
@@ -114,6 +121,30 @@ def test_pieces_kept_after_forward_and_gathered_within_pairs(results):
         assert control["after_steps"]["post_forward_all_gather_calls"] == 0
         kept = rank["pair_stats"]["after_forward"]["peak_unsharded_bytes"]
         assert kept - control["after_forward"]["peak_unsharded_bytes"] == 2 * half
+
+
+def test_capacity_model_predicts_the_pieces_and_their_all_gathers(results):
+    """The capacity model (``StepShape(reshard_after_forward=2)`` over the plans ``fully_shard``
+    makes at W = 4) against a steady step's counters (the second: the first forward also
+    reshards the last block, recording the order): after forward the pieces block 0 keeps,
+    and backward's all-gather of them within the pair, calls and bytes; the whole step's
+    all-gather bytes too (each unit's shard in forward, the piece in backward). The control:
+    at ``N = 4`` (resharded in full) the model keeps and gathers no piece, as the run counts."""
+    model = OddModel()
+    units = unit_bytes(rf.StructAwarePlanner().plan_model(model, WORLD, dtype=torch.float32))
+    pair = StepShape(batch=2, seq_len=6, gloo=True, reshard_after_forward=PAIR)
+    whole = dataclasses.replace(pair, reshard_after_forward=WORLD)
+    kept = post_forward_bytes(units, pair, WORLD, RAGGEDFSDP)
+    predicted, control = collective_bytes(units, pair, WORLD), collective_bytes(units, whole, WORLD)
+    assert kept[0] > 0 and control.post_forward_all_gather_bytes == 0
+    assert sum(post_forward_bytes(units, whole, WORLD, RAGGEDFSDP)) == 0
+    for rank in results:
+        forward, (first, second) = rank["pair_stats"]["forwards"][1], rank["pair_stats"]["steps"]
+        assert forward["post_forward_bytes"] == sum(kept)
+        for key in ("post_forward_all_gather_calls", "post_forward_all_gather_bytes"):
+            assert second[key] - first[key] == getattr(predicted, key), key
+        assert second["all_gather_bytes"] - first["all_gather_bytes"] == predicted.all_gather_bytes
+        assert predicted.all_gather_bytes != control.all_gather_bytes
 
 
 def test_an_int_that_is_no_factor_of_the_shard_group_is_refused_as_fsdp2_does(results):

@@ -235,6 +235,7 @@ def _counts(part: nn.Module) -> dict[str, int]:
         "all_gathers": int(stats["all_gather_calls"]),
         "all_reduces": int(stats["all_reduce_calls"]),
         "buckets": len(part.shard_plans()),
+        "peak_unsharded_bytes": int(stats["peak_unsharded_bytes"]),
     }
 
 

@@ -26,6 +26,8 @@ from .cost import MemoryBreakdown, StepShape, UnitBytes, memory_breakdown, unit_
 from .hardware import HARDWARE, Hardware, hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes
+from .pipeline import PipelinePlan, PipelineSearch, plan_pipeline, search_pipeline, stage_layers
+from .schedules import PP_SCHEDULES, PipelineSchedule
 from .shapes import ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
 from .wire import CODE_DTYPES, CompressionSpec
@@ -35,6 +37,7 @@ __all__ = [
     "DEFAULT_RESERVE",
     "FSDP2",
     "HARDWARE",
+    "PP_SCHEDULES",
     "RAGGEDFSDP",
     "SYSTEMS",
     "CapacityOptions",
@@ -49,6 +52,9 @@ __all__ = [
     "ModelSplit",
     "ParallelBytes",
     "ParallelDims",
+    "PipelinePlan",
+    "PipelineSchedule",
+    "PipelineSearch",
     "StepShape",
     "StepTime",
     "System",
@@ -64,8 +70,11 @@ __all__ = [
     "model_shape",
     "parallel_bytes",
     "plan_capacity",
+    "plan_pipeline",
     "search_mesh",
+    "search_pipeline",
     "split_model",
+    "stage_layers",
     "step_time",
     "unit_bytes",
 ]

@@ -91,6 +91,10 @@ class CapacityOptions:
         tp: tensor-parallel degree (:mod:`.parallel`: ``batch`` is then the sequences of a
             tensor-parallel group, which its ``tp`` devices share).
         ep: expert-parallel degree, borrowed from the data-parallel ranks.
+        reshard_after_forward: ``fully_shard(block, reshard_after_forward=N)`` on every block
+            for both systems (:attr:`~.cost.StepShape.reshard_after_forward`); ``None``: the
+            default, ``True``. Like the runtime, only where every unit is sharded over the
+            whole world (no ``tp`` or ``ep``).
     """
 
     batch: int
@@ -107,9 +111,16 @@ class CapacityOptions:
     pin_memory: bool = False
     tp: int = 1
     ep: int = 1
+    reshard_after_forward: int | None = None
 
     def __post_init__(self) -> None:
         ParallelDims(tp=self.tp, ep=self.ep)  # positive integers
+        if self.reshard_after_forward is not None and self.dims.model_parallel > 1:
+            raise ValueError(
+                f"reshard_after_forward={self.reshard_after_forward} with tp={self.tp}, "
+                f"ep={self.ep}: raggedfsdp keeps pieces within groups of ranks only where a "
+                f"unit's mesh spans every rank (runtime/_reshard_to.py); use tp=1, ep=1"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZERS)}"
@@ -133,6 +144,7 @@ class CapacityOptions:
             if self.compression is not None and self.compression.enabled
             else None,
             offload=self.offload,
+            reshard_after_forward=self.reshard_after_forward,
         )
 
 
@@ -395,6 +407,9 @@ def _smallest_world(
     or the model cannot be sharded further."""
     w = options.dims.world_multiple
     while w <= _SEARCH_LIMIT:
+        if w % (options.reshard_after_forward or 1):  # groups of N need N to divide W
+            w *= 2
+            continue
         try:
             cost = plan_capacity(module, shape, w, hw, options, split=split)
         except UnshardableWorld:

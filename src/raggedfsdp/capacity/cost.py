@@ -8,6 +8,7 @@ optimizer's state holds (:mod:`.optimizer_state`, re-exported here).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -25,11 +26,14 @@ __all__ = [
     "SHAMPOO_DIM",
     "MemoryBreakdown",
     "UnitBytes",
+    "activation_bytes",
     "compression_state_bytes",
+    "kept_activation_bytes",
     "last_block_activation_bytes",
     "memory_breakdown",
     "offload_staging_bytes",
     "optimizer_state_bytes",
+    "post_forward_bytes",
     "reduction_bytes",
     "unit_bytes",
     "unit_path",
@@ -112,6 +116,26 @@ class UnitBytes:
             return self.trainable_messages
         return self.trainable_shard(system) * step.param_dtype.itemsize
 
+    def within(self, size: int, world_size: int) -> UnitBytes:
+        """The unit as ``reshard_after_forward=size`` keeps it after forward: each bucket's
+        gathered buffer (``W S``) cut into ``size`` pieces, one per rank of a group of ``size``
+        consecutive ranks, which backward's all-gather within that group refills
+        (``runtime/_reshard_to.py``; FSDP2's post-forward mesh). Its ``shards`` are the pieces,
+        its group the ``size`` ranks."""
+        w = self.group(world_size)
+        if size < 1 or w % size:
+            raise ValueError(
+                f"reshard_after_forward={size} is not a factor of the {w} ranks unit "
+                f"{self.path or '<root>'!r} is sharded over; use a factor of {w}"
+            )
+        return dataclasses.replace(
+            self,
+            shards=tuple(w * s // size for s in self.shards),
+            dim0_shard_numel=w * self.dim0_shard_numel // size,
+            messages=(),
+            world_size=size,
+        )
+
     def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
         """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
         bucket's ``W S`` elements (``W`` its group's, :meth:`group`), each started on
@@ -191,12 +215,20 @@ class StepShape:
     #: ``CastReduceScatter``; FSDP2: its reduce-scatter input), and the Gloo receive buffer and
     #: divisor are in it.
     reduce_dtype: torch.dtype | None = None
+    #: ``reshard_after_forward=N`` on every block (``None``: ``True``, the default): after
+    #: forward a block keeps a ``1 / N`` piece of its gathered buffer, and backward all-gathers
+    #: the pieces within groups of ``N`` consecutive ranks (:meth:`UnitBytes.within`); the root
+    #: stays unsharded, as both systems keep it.
+    reshard_after_forward: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "seq_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        n = self.reshard_after_forward
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"reshard_after_forward must be an integer >= 1, got {n!r}")
 
     @property
     def tokens(self) -> int:
@@ -253,6 +285,9 @@ class MemoryBreakdown:
     #: raggedfsdp under offload and mixed precision: the master-dtype device buffers the shards
     #: are copied into before their cast, pooled, one per shard size, until backward ends
     staging: int = 0
+    #: ``reshard_after_forward=N``: the pieces the blocks keep from forward at the peak (in
+    #: ``unsharded``; the runtime's ``post_forward_bytes``)
+    post_forward: int = 0
 
     @property
     def persistent(self) -> int:
@@ -305,15 +340,28 @@ def activation_bytes(shape: ModelShape, step: StepShape) -> tuple[int, int]:
     blocks = shape.blocks
     if not blocks:
         return round(step.tokens * (2 * shape.hidden * act + 3 * shape.vocab * 4)), 0
-    if step.checkpointing:  # each block keeps its input; one is recomputed whole in backward
-        kept = shape.hidden * len(blocks)
-        recomputed = max(shape.block_activation_per_token(b) for b in blocks)
-    else:
-        kept, recomputed = sum(u.activation_per_token for u in shape.inner), 0
+    kept, recomputed = _kept_per_token(shape, step)
     widest = max(u.widest_per_token for u in shape.inner)
     loss = step.tokens * ((kept + 2 * shape.hidden) * act + 3 * shape.vocab * 4)
     block = step.tokens * (kept + recomputed + shape.hidden + widest) * act
     return round(loss), round(block + shape.tied_numel * act)
+
+
+def _kept_per_token(shape: ModelShape, step: StepShape) -> tuple[float, float]:
+    """``(kept, recomputed)`` activation elements per token: what the blocks keep for their
+    backward, and what one block's recomputation adds under checkpointing (each block then keeps
+    its input)."""
+    blocks = shape.blocks
+    if step.checkpointing:
+        recomputed = max((shape.block_activation_per_token(b) for b in blocks), default=0.0)
+        return float(shape.hidden * len(blocks)), recomputed
+    return float(sum(u.activation_per_token for u in shape.inner)), 0.0
+
+
+def kept_activation_bytes(shape: ModelShape, step: StepShape) -> int:
+    """What the blocks keep for their backward over ``step``'s tokens: the part of
+    :func:`activation_bytes` each micro-batch in flight adds under pipeline parallelism."""
+    return round(step.tokens * _kept_per_token(shape, step)[0] * step.param_dtype.itemsize)
 
 
 # Memory per rank, term by term (raggedfsdp, then FSDP2):
@@ -373,7 +421,14 @@ def memory_breakdown(
     system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
     local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
+    kept = post_forward_bytes(units, step, w, system)
     moments = _peak_moments(shape, units, step, w, system, params, grads, gathered)
+    n = len(units) - 1
+    # the pieces kept from forward at each moment: every regathered block's at the loss, less
+    # those refilled by then (the block in backward and the one prefetched)
+    held = {"loss": sum(kept[:n]), "block": sum(kept[: max(0, n - 2)])}
+    held["reduce"] = sum(kept[: max(0, n - 3)])
+    moments = {k: (u + held[k], a) for k, (u, a) in moments.items()}
     phase = max(moments, key=lambda name: sum(moments[name]))
     unsharded, activations = moments[phase]
     staged = system.host_copies.staging is Staging.POOLED_CAST
@@ -385,7 +440,8 @@ def memory_breakdown(
         unsharded=unsharded,
         activations=activations,
         phase=phase,
-        unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system),
+        unsharded_peak=staging + _unsharded_high_water(params, grads, units, step, w, system, kept),
+        post_forward=held[phase],
         constants=(
             step.reduce_output_itemsize(system) if system.reduces_point_to_point(step.gloo) else 0
         ),
@@ -521,16 +577,17 @@ def _unsharded_high_water(
     step: StepShape,
     world_size: int,
     system: System,
+    kept: Sequence[int],
 ) -> int:
     """The most unsharded bytes held at once: block ``i``'s backward with its parameters and
     gradients, block ``i-1`` prefetched, block ``i+1``'s reduction in flight (its gradients,
-    their cast to the reduce dtype, and the Gloo receive buffer) until it completes; the
-    root's for the whole step."""
+    their cast to the reduce dtype, and the Gloo receive buffer) until it completes, the pieces
+    the blocks before ``i-1`` keep from forward (``kept``); the root's for the whole step."""
     n = len(units) - 1
     root = params[-1] + grads[-1]
     best = root
     for i in range(n):
-        held = params[i] + grads[i] + (params[i - 1] if i else 0)
+        held = params[i] + grads[i] + (params[i - 1] if i else 0) + sum(kept[: max(0, i - 1)])
         if i + 1 < n:
             held += grads[i + 1] + reduction_bytes(units[i + 1], step, world_size, system)
         if not system.zero_copy:  # the reduce-scatter input it copies block i's gradients into
@@ -538,6 +595,25 @@ def _unsharded_high_water(
             held += unit.group(world_size) * unit.shard(system) * step.reduce_input_itemsize(system)
         best = max(best, root + held)
     return best
+
+
+def post_forward_bytes(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[int]:
+    """Per unit, the bytes it keeps from forward to its backward under
+    ``reshard_after_forward=N`` below its group: its piece of the gathered buffer
+    (:meth:`UnitBytes.within`; ``stats()["post_forward_bytes"]`` for ``N > 1``), the whole
+    buffer for ``N = 1`` (never resharded); 0 for ``N`` equal to its group (resharded in full)
+    and for the root and the block kept unsharded into backward (never resharded)."""
+    n = step.reshard_after_forward
+    kept = [0] * len(units)
+    if n is None:
+        return kept
+    again = set(system.regathered(len(units) - 1))
+    for i, unit in enumerate(units):
+        if i in again and n < unit.group(world_size):
+            kept[i] = unit.within(n, world_size).shard(system) * step.param_dtype.itemsize
+    return kept
 
 
 def reduction_bytes(unit: UnitBytes, step: StepShape, world_size: int, system: System) -> int:

@@ -8,6 +8,7 @@ model, term by term, is the comment at :func:`step_time`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -42,12 +43,10 @@ class CollectiveBytes:
     reduce_scatter_calls: int
     reduce_scatter_bytes: int
     wire_bytes: int
-
-
-def _gathers(units: Sequence[UnitBytes], system: System) -> list[UnitBytes]:
-    """Units all-gathered in one step: every unit in forward, then in backward the blocks
-    ``system`` gathers again (:meth:`System.regathered`)."""
-    return [*units, *(units[i] for i in system.regathered(len(units) - 1))]
+    #: ``reshard_after_forward=N``: backward's all-gathers of the pieces kept from forward,
+    #: within groups of ``N`` ranks (in the all-gathers above too, as the runtime counts them)
+    post_forward_all_gather_calls: int = 0
+    post_forward_all_gather_bytes: int = 0
 
 
 def gathers_per_unit(units: Sequence[UnitBytes], system: System) -> list[int]:
@@ -68,17 +67,57 @@ def collective_bytes(
     collectives run over its own FSDP group (:meth:`UnitBytes.group`)."""
     system = as_system(system)
     w = world_size
-    gathered = _gathers(units, system)
+    whole = [units[i] for i in _gathered_whole(units, step, w, system)]
+    pieces = _pieces(units, step, w, system)
     reduced = [u for u in units if u.trainable_shard_numel]
-    ag = [(u.group(w), u.gather_bytes(system, step)) for u in gathered]
+    ag = [(u.group(w), u.gather_bytes(system, step)) for u in [*units, *whole]]
+    ag += [(u.group(w), u.gather_bytes(system, _plain(step))) for u in pieces]
     rs = [(u.group(w), u.scatter_share(system, step)) for u in reduced]
+    gathered = [*units, *whole, *pieces]
     return CollectiveBytes(
         all_gather_calls=sum(system.collective_calls(u.buckets) for u in gathered),
         all_gather_bytes=sum(b for _, b in ag),
         reduce_scatter_calls=sum(system.collective_calls(u.trainable_buckets) for u in reduced),
         reduce_scatter_bytes=sum(g * b for g, b in rs),
         wire_bytes=sum((g - 1) * b for g, b in ag + rs),
+        post_forward_all_gather_calls=sum(system.collective_calls(u.buckets) for u in pieces),
+        post_forward_all_gather_bytes=sum(u.gather_bytes(system, _plain(step)) for u in pieces),
     )
+
+
+def _plain(step: StepShape) -> StepShape:
+    """``step`` as backward's all-gather of kept pieces runs it: the pieces are already on the
+    device, in ``param_dtype``, uncompressed."""
+    return dataclasses.replace(step, offload=False, compression=None)
+
+
+def _keeps_piece(unit: UnitBytes, step: StepShape, world_size: int) -> bool:
+    """Whether ``unit``, resharded after forward, keeps a piece for backward (``1 < N <`` its
+    group) rather than its shard (no ``N``, or ``N`` its group) or all of it (``N = 1``)."""
+    n = step.reshard_after_forward
+    return n is not None and 1 < n < unit.group(world_size)
+
+
+def _gathered_whole(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[int]:
+    """The blocks that backward all-gathers again from their shards, as forward did: every
+    one ``system`` reshards (:meth:`System.regathered`) but those keeping a piece, none under
+    ``N = 1``."""
+    if step.reshard_after_forward == 1:
+        return []
+    again = system.regathered(len(units) - 1)
+    return [i for i in again if not _keeps_piece(units[i], step, world_size)]
+
+
+def _pieces(
+    units: Sequence[UnitBytes], step: StepShape, world_size: int, system: System
+) -> list[UnitBytes]:
+    """The blocks whose backward all-gathers the piece they kept from forward, each as that
+    all-gather sees it (:meth:`UnitBytes.within`)."""
+    n = step.reshard_after_forward
+    again = [units[i] for i in system.regathered(len(units) - 1)]
+    return [u.within(n, world_size) for u in again if _keeps_piece(u, step, world_size)]
 
 
 @dataclass(frozen=True)
@@ -364,15 +403,17 @@ def step_time(
     system = as_system(system)
     w = world_size
     gathers, scatters = collective_costs(units, step, hw, w, system)
+    regathers = _regather_costs(units, step, hw, w, system, gathers)
     fwd, bwd = _compute_s(shape, step, hw)
     forward = _forward_s(fwd, gathers)
-    backward = _backward_s(bwd, gathers, scatters, system)
+    backward = _backward_s(bwd, regathers, scatters, system)
     optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
     regathered = system.regathered(len(units) - 1)
     copies = _host_copy_s(units, step, hw, w, system)
-    codec = _codec_s(units, step, hw, w, system.compression(step.compression), set(regathered))
+    again = set(_gathered_whole(units, step, w, system))
+    codec = _codec_s(units, step, hw, w, system.compression(step.compression), again)
     total = forward + backward + optimizer + codec + host_overhead_s + copies
-    comm_s = sum(gathers.total) + sum(gathers.total[i] for i in regathered) + sum(scatters.total)
+    comm_s = sum(gathers.total) + sum(regathers.total[i] for i in regathered) + sum(scatters.total)
     return StepTime(
         forward_s=forward,
         backward_s=backward,
@@ -384,6 +425,38 @@ def step_time(
         codec_s=codec,
         host_overhead_s=host_overhead_s,
         host_copy_s=copies,
+    )
+
+
+def _regather_costs(
+    units: Sequence[UnitBytes],
+    step: StepShape,
+    hw: Hardware,
+    world_size: int,
+    system: System,
+    gathers: CollectiveCosts,
+) -> CollectiveCosts:
+    """Each unit's all-gather again for its backward: as in forward (``gathers``), or under
+    ``reshard_after_forward=N`` a ring over its group of ``N`` consecutive ranks (on NVLink when
+    ``N`` fits a node) of the piece it kept (:meth:`UnitBytes.within`), no host copies or
+    compression; nothing for ``N = 1`` (never resharded)."""
+    n = step.reshard_after_forward
+    if n is None:
+        return gathers
+    if n == 1:
+        zeros = (0.0,) * len(units)
+        return CollectiveCosts(zeros, zeros, zeros)
+    keeps = [_keeps_piece(u, step, world_size) for u in units]
+    views = [u.within(n, world_size) if k else u for u, k in zip(units, keeps, strict=True)]
+    pieces, _ = collective_costs(views, _plain(step), hw, n, system)
+
+    def pick(kept: tuple[float, ...], whole: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(a if k else b for a, b, k in zip(kept, whole, keeps, strict=True))
+
+    return CollectiveCosts(
+        pick(pieces.total, gathers.total),
+        pick(pieces.host, gathers.host),
+        pick(pieces.cpu, gathers.cpu),
     )
 
 

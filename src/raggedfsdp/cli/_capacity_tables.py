@@ -48,6 +48,8 @@ def _options_text(report: CapacityReport) -> str:
         parts.append(f"raggedfsdp compressed: {_compression_text(o.compression)}")
     if o.offload:
         parts.append(f"CPU offload ({'pinned' if o.pin_memory else 'pageable'})")
+    if o.reshard_after_forward is not None:
+        parts.append(f"reshard after forward to {o.reshard_after_forward}")
     return ", ".join(parts)
 
 
@@ -110,6 +112,15 @@ def _world_table(report: CapacityReport, world: WorldCapacity) -> Table:
         *(format_bytes(c.bytes.reduce_scatter_bytes) for c in costs),
     )
     table.add_row("sent on the link per step", *(format_bytes(c.bytes.wire_bytes) for c in costs))
+    if report.options.reshard_after_forward is not None:
+        table.add_row(
+            "  pieces kept from forward, at the peak",
+            *(format_bytes(c.memory.post_forward) for c in costs),
+        )
+        table.add_row(
+            "  their all-gather input per step",
+            *(format_bytes(c.bytes.post_forward_all_gather_bytes) for c in costs),
+        )
     _part_rows(table, costs)
     if world.parallel is not None:
         _parallel_rows(table, world, len(costs))
@@ -308,6 +319,7 @@ def capacity_records(report: CapacityReport) -> list[dict[str, object]]:
         "pin_memory": o.pin_memory,
         "tp": o.tp,
         "ep": o.ep,
+        "reshard_after_forward": o.reshard_after_forward,
     }
     if o.offload:
         head["smallest_world_without_offload"] = report.smallest_world_without_offload

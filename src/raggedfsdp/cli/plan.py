@@ -21,13 +21,17 @@ import torch
 from .._console import arg_type, check_writable, format_bytes
 from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_report
 from ..capacity.hardware import HARDWARE, Hardware, hardware
+from ..capacity.pipeline import plan_pipeline, search_pipeline
 from ..capacity.report import PlanReport, WorldReport, plan_report
+from ..capacity.schedules import PP_SCHEDULES, PipelineSchedule
+from ..capacity.shapes import EXPERTS_PER_TOKEN
 from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
 from ..facts import ParallelDims
 from ..layout import BlockSize, parse_block_size
-from ..models import GPT_CONFIGS, MODEL_NAMES
+from ..models import GPT_CONFIGS, MODEL_NAMES, build_model
 from ..planner import OPTIMIZER_TYPES, parse_buffer_size
 from ._capacity_tables import PLOT_WORLDS, capacity_records, plot_capacity, render_capacity
+from ._pipeline_tables import pipeline_records, render_pipeline
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -68,6 +72,9 @@ _CAPACITY_FLAGS = (
     "pin_memory",
     "tp",
     "ep",
+    "reshard_after_forward",
+    "pp",
+    "reduce_dtype",
 )
 #: Default bucket cap of ``plan`` (see docs/results/planner.md for the measurements behind it).
 DEFAULT_BUFFER_SIZE = "none"
@@ -113,6 +120,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="communication dtype (with --gpu: param_dtype of mixed precision); default "
         "float32, bfloat16 for a capacity plan on a GPU",
+    )
+    parser.add_argument(
+        "--reduce-dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="with capacity flags: what gradients are reduced (and accumulated) in "
+        "(MixedPrecisionPolicy.reduce_dtype; default: --dtype's)",
     )
     parser.add_argument(
         "--json", action="store_true", help="print JSON: a list, one object per world size"
@@ -206,6 +220,40 @@ def _configure_parallel(group: argparse._ArgumentGroup) -> None:
         help="expert-parallel degree, borrowed from the data-parallel ranks (mixture-of-experts "
         "models); also searches the (dp, tp, ep) that fit (default: 1)",
     )
+    group.add_argument(
+        "--pp",
+        type=_positive(int, "--pp"),
+        metavar="N",
+        help="pipeline ranks: memory per stage, the bubble and the step for this (dp, tp, pp, "
+        "ep), then the fastest (dp, tp, pp, ep) that fits each --world (--batch: sequences "
+        "per micro-batch)",
+    )
+    group.add_argument(
+        "--pp-schedule",
+        choices=tuple(PP_SCHEDULES),
+        default="1f1b",
+        help="torch's schedule (default: 1f1b)",
+    )
+    group.add_argument(
+        "--microbatches",
+        type=_positive(int, "--microbatches"),
+        metavar="M",
+        help="micro-batches per step (default: 4 x pp)",
+    )
+    group.add_argument(
+        "--stages-per-rank",
+        type=_positive(int, "--stages-per-rank"),
+        metavar="V",
+        help="stages per rank of interleaved-1f1b and zero-bubble (default: 2; 1 otherwise)",
+    )
+    group.add_argument(
+        "--reshard-after-forward",
+        type=_positive(int, "--reshard-after-forward"),
+        metavar="N",
+        help="every block reshards after forward to groups of N ranks (fully_shard's "
+        "reshard_after_forward=N): keeps a 1/N piece, all-gathers within the N in backward "
+        "(default: reshard to all ranks)",
+    )
 
 
 def _configure_offload(group: argparse._ArgumentGroup) -> None:
@@ -292,6 +340,7 @@ def _run_capacity(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         buffer_size=args.buffer_size,
         param_dtype=_DTYPES[args.dtype or default_dtype],
+        reduce_dtype=_DTYPES[args.reduce_dtype] if args.reduce_dtype else None,
         reserve=DEFAULT_RESERVE if args.reserve is None else args.reserve,
         compression=CompressionSpec.parse(
             args.compress_all_gather, args.compress_reduce_scatter, bool(args.error_feedback)
@@ -300,7 +349,10 @@ def _run_capacity(args: argparse.Namespace) -> int:
         pin_memory=bool(args.pin_memory),
         tp=dims.tp,
         ep=dims.ep,
+        reshard_after_forward=args.reshard_after_forward,
     )
+    if args.pp is not None:
+        return _run_pipeline(args, hw, options)
     searched = args.tp is not None or args.ep is not None
     report = capacity_report(args.model, args.world, hw, options, search_meshes=searched)
     if args.json:
@@ -309,7 +361,8 @@ def _run_capacity(args: argparse.Namespace) -> int:
     else:
         render_capacity(report, sys.stdout)
     if args.plot:
-        worlds = [w for w in PLOT_WORLDS if w % dims.world_multiple == 0]
+        multiple = dims.world_multiple * (args.reshard_after_forward or 1)
+        worlds = [w for w in PLOT_WORLDS if w % multiple == 0]
         curve = capacity_report(
             args.model, worlds, hw, options, find_smallest=False, up_to_shardable=True
         )
@@ -317,6 +370,43 @@ def _run_capacity(args: argparse.Namespace) -> int:
             sys.stderr.write("raggedfsdp plan: matplotlib is not installed; no plot written\n")
         elif not args.json:
             sys.stdout.write(f"plot: {args.plot}\n")
+    return 0
+
+
+def _run_pipeline(args: argparse.Namespace, hw: Hardware, options: CapacityOptions) -> int:
+    """``plan --pp``: each world size's layout (memory per stage, bubble, step) and the
+    search for the fastest ``(dp, tp, pp, ep)`` that fits."""
+    if args.plot:
+        raise ValueError("--plot draws FSDP's curve against W; it does not take --pp")
+    looped = args.pp_schedule in ("interleaved-1f1b", "zero-bubble")
+    stages = args.stages_per_rank or (2 if looped else 1)
+    schedule = PipelineSchedule(args.pp_schedule, args.pp, args.microbatches or 4 * args.pp, stages)
+    module = build_model(args.model, device="meta")
+    k = EXPERTS_PER_TOKEN.get(args.model)
+    usable = int(hw.memory_bytes * (1 - options.reserve))
+    records = []
+    for world in args.world:
+        plans = plan_pipeline(
+            module, world, hw, options, schedule, experts_per_token=k, model_name=args.model
+        )
+        search = search_pipeline(
+            module,
+            world,
+            hw,
+            options,
+            schedule=args.pp_schedule,
+            microbatches=args.microbatches,
+            stages_per_rank=stages,
+            experts_per_token=k,
+            model_name=args.model,
+        )
+        if args.json:
+            records.append(pipeline_records(args.model, world, plans, search))
+        else:
+            render_pipeline(args.model, world, plans, search, usable, sys.stdout)
+    if args.json:
+        json.dump(records, sys.stdout, indent=2, default=str)
+        sys.stdout.write("\n")
     return 0
 
 

@@ -1,0 +1,632 @@
+"""Pipeline parallelism in the capacity model: memory per stage, the bubble, and the search.
+
+A layout ``(dp, tp, pp, ep)`` over ``W = dp x tp x pp`` ranks (``ep`` borrowed from ``dp``, as
+without PP). The model is cut torchtitan's way (:func:`stage_layers`), each pipeline rank's stages
+are FSDP-sharded over the ``W / pp`` ranks of its stage (the planner's own plans, with tensor and
+expert parallelism inside as :mod:`.parallel` splits them), and the schedule
+(:class:`~.schedules.PipelineSchedule`) says how many micro-batches' activations are held. What
+is costed, term by term, is the comment at :func:`plan_pipeline`. Pure Python over shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..facts import is_vision
+from ..facts.systems import RAGGEDFSDP, SYSTEMS, System
+from ..layout import RaggedShard
+from .capacity import (
+    CapacityOptions,
+    MeshFit,
+    UnshardableWorld,
+    _planner,
+    _plans,
+    search_mesh,
+)
+from .cost import (
+    StepShape,
+    UnitBytes,
+    _buffers,
+    activation_bytes,
+    kept_activation_bytes,
+    optimizer_state_bytes,
+    unit_bytes,
+)
+from .hardware import Hardware
+from .parallel import ModelSplit, UnsplittableModel, split_model
+from .parallel_comm import parallel_bytes
+from .schedules import PipelineSchedule
+from .shapes import ModelShape, UnitShape, model_shape
+from .steptime import _compute_s, _optimizer_s, collective_costs
+
+__all__ = [
+    "PipelineFit",
+    "PipelinePlan",
+    "PipelineSearch",
+    "RankCost",
+    "plan_pipeline",
+    "search_pipeline",
+    "stage_layers",
+]
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The transformer layers of each stage, as torchtitan cuts them
+    (``generate_llm_fqn_per_model_part`` in ``torchtitan/distributed/pipeline_parallel.py``,
+    ``input_weight = output_weight = 1``): the embedding and the norm with the head each count as
+    one layer, ``num_layers + 2`` are shared out evenly, the first stages one more where they do
+    not divide; the first stage's share less the embedding, the last's less the head.
+
+    Raises:
+        ValueError: more stages than that count, or a stage left with no layer.
+    """
+    if stages == 1:
+        return [range(num_layers)]
+    effective = num_layers + 2
+    per, extra = divmod(effective, stages)
+    if per < 2:
+        raise ValueError(
+            f"{stages} pipeline stages for {num_layers} layers: torchtitan's cut counts the "
+            f"embedding and the head as a layer each, so each stage needs 2 or more of the "
+            f"{effective}; use at most {effective // 2} stages"
+        )
+    cuts, start = [], 0
+    for stage in range(stages):
+        count = per + (stage < extra) - (stage == 0) - (stage == stages - 1)
+        cuts.append(range(start, start + count))
+        start += count
+    return cuts
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """How a model divides into stages: its blocks' container (a ``ModuleList``, or a
+    ``ModuleDict`` as torchtitan's models hold them) and the root's other children, those before
+    it (with the first stage) and after it (with the last)."""
+
+    blocks_name: str
+    keys: tuple[str, ...]  # each block's name in its container
+    blocks: tuple[nn.Module, ...]
+    before: tuple[str, ...]
+    after: tuple[str, ...]
+
+    @property
+    def unit_ids(self) -> frozenset[int]:
+        """The blocks as FSDP units (a wrap policy's ids)."""
+        return frozenset(id(b) for b in self.blocks)
+
+
+def _cut(module: nn.Module, model: str) -> _Cut:
+    """The model's cut (torchtitan's: embedding first, norm and head last), or a clear error."""
+    containers = [
+        (n, c) for n, c in module.named_children() if isinstance(c, (nn.ModuleList, nn.ModuleDict))
+    ]
+    if len(containers) != 1 or any(is_vision(n) for n, _ in module.named_parameters()):
+        raise UnsplittableModel(
+            f"pipeline parallelism: {model} is not a decoder with one list of blocks among "
+            f"its root's children (found {len(containers)}"
+            f"{', and a vision side' if len(containers) == 1 else ''}); the planner cuts such a "
+            f"decoder's blocks into stages (a Hugging Face model's, nested under .model, not yet)"
+        )
+    if any(True for _ in module.parameters(recurse=False)):
+        raise UnsplittableModel(
+            f"pipeline parallelism: {model} holds parameters on its root, which no stage's "
+            f"cut says where to put"
+        )
+    weights = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            if id(p) in weights and weights[id(p)] is not sub:
+                raise UnsplittableModel(
+                    f"pipeline parallelism: {model} ties a weight across modules (the "
+                    f"embedding and the head); torchtitan's cut puts them on different "
+                    f"stages, untied"
+                )
+            weights[id(p)] = sub
+    name, container = containers[0]
+    keys, blocks = zip(*container.named_children(), strict=True) if len(container) else ((), ())
+    children = [n for n, _ in module.named_children()]
+    at = children.index(name)
+    return _Cut(name, tuple(keys), tuple(blocks), tuple(children[:at]), tuple(children[at + 1 :]))
+
+
+def _stage_module(
+    module: nn.Module, cut: _Cut, layers: Sequence[int], first: bool, last: bool
+) -> nn.Module:
+    """A rank's stages as one module for the planner: its blocks under their own names
+    (``layers.56``, in a ``ModuleDict``), the embedding on the first rank, the norm and head on
+    the last. It shares the model's (meta) modules."""
+    stage = nn.Module()
+    children = dict(module.named_children())
+    for name in (cut.before if first else ()) + (cut.after if last else ()):
+        stage.add_module(name, children[name])
+    blocks = nn.ModuleDict({cut.keys[i]: cut.blocks[i] for i in layers})
+    stage.add_module(cut.blocks_name, blocks)
+    return stage
+
+
+def _stage_shape(
+    full: ModelShape, cut: _Cut, stage: nn.Module, layers: Sequence[int], last: bool
+) -> ModelShape:
+    """The rank's share of the whole model's :class:`~.shapes.ModelShape`: its blocks' units
+    (and the units nested in them), and a root of what the stage's root holds: the head's
+    matmul on the last rank, no matmul elsewhere (an embedding is a lookup)."""
+    paths = {f"{cut.blocks_name}.{cut.keys[i]}" for i in layers}
+    units = [u for u in full.inner if any(u.path == p or u.path.startswith(p + ".") for p in paths)]
+    own = sum(
+        p.numel()
+        for name, child in stage.named_children()
+        if name != cut.blocks_name
+        for p in child.parameters()
+    )
+    root = UnitShape(
+        path="",
+        param_numel=own,
+        matmul_numel=full.root.matmul_numel if last else 0.0,
+        activation_per_token=0.0,
+        widest_per_token=full.root.widest_per_token if last else 0,
+        is_block=False,
+    )
+    return dataclasses.replace(full, units=(*units, root))
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What a block's plan depends on: its parameters' names, shapes and dtypes."""
+    return tuple(
+        (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters()
+    )
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank's memory per device (bytes) and compute per micro-batch, for one
+    system.
+
+    Attributes:
+        rank: its place in the pipeline (its stages ``rank, rank + pp, ...``).
+        layers: transformer layers it holds (all its stages).
+        embedding / head: whether it holds the embedding (the first stage) or the norm and head
+            (the last).
+        params, grads, optimizer: its shards (master dtype) and optimizer state.
+        unsharded: its units' unsharded parameters and gradients, held for the whole step (no
+            reshard after forward under PP; gradients accumulate over the micro-batches, in
+            the reduce dtype where it differs).
+        in_flight: local-stage micro-batches whose activations it holds at its peak.
+        activations: their activations at the peak, and the backward's working set.
+        peak: the larger of the step's (all of the above but the gradients' shards) and the
+            optimizer step's (the persistent bytes).
+        forward_s, backward_s: one micro-batch through all its layers; ``recompute_s`` of
+            ``backward_s`` is checkpointing's recomputation.
+        fsdp_s: its FSDP all-gathers (one per unit, the schedule's UNSHARD) and reduce-scatters
+            (one per unit, REDUCE_GRAD) per step, each a ring over the stage's FSDP group.
+        parallel_s: tensor and expert parallelism's collectives of all its micro-batches.
+        optimizer_s: its optimizer step.
+    """
+
+    rank: int
+    layers: int
+    embedding: bool
+    head: bool
+    params: int
+    grads: int
+    optimizer: int
+    unsharded: int
+    in_flight: int
+    activations: int
+    peak: int
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    fsdp_s: float
+    parallel_s: float
+    optimizer_s: float
+
+    @property
+    def persistent(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A layout with PP costed for one system: every pipeline rank, the bubble and the step.
+
+    Attributes:
+        dims: ``(dp, tp, pp, ep)``; ``dp`` counts the experts' FSDP ranks as without PP
+            (``W / (tp x pp x ep)``).
+        ranks: each pipeline rank's :class:`RankCost`.
+        bubble_s, bubble_fraction: the slowest rank's bubble (:meth:`PipelineSchedule.bubble_s`)
+            and its share of compute and bubble.
+        p2p_s: the activations and their gradients sent between stages, every micro-batch.
+        step_s: the step (comment at :func:`plan_pipeline`).
+        tokens_per_s: per device.
+        fits: every rank's peak within the device's usable memory.
+    """
+
+    system: str
+    dims: tuple[int, int, int, int]
+    schedule: PipelineSchedule
+    ranks: tuple[RankCost, ...]
+    bubble_s: float
+    bubble_fraction: float
+    p2p_s: float
+    step_s: float
+    tokens_per_s: float
+    fits: bool
+    plan_seconds: float
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+
+def _options_for(options: CapacityOptions, tp: int, ep: int) -> CapacityOptions:
+    return dataclasses.replace(options, tp=tp, ep=ep)
+
+
+# What a layout with PP costs, per pipeline rank and system (torchtitan's settings, which
+# docs/pipeline.md recommends: no reshard after forward, the loss scaled per micro-batch):
+#
+# - **persistent**: the rank's stages planned over the ``W / pp`` ranks of its FSDP group (each
+#   stage's blocks units, and its root: the embedding on the first rank, the norm and head on
+#   the last); shards and gradients in the master dtype, the optimizer's state, as without PP.
+# - **unsharded for the whole step**: every unit's parameters (gathered at the schedule's
+#   UNSHARD, kept to its RESHARD) in the communication dtype, and their gradients
+#   (accumulated over the micro-batches, reduce-scattered once, at REDUCE_GRAD) in the reduce
+#   dtype (``MixedPrecisionPolicy.reduce_dtype``: raggedfsdp's ``CastReduceScatter.accumulate``,
+#   FSDP2's ``unsharded_accumulated_grad``), else the communication dtype. The reduce-scatters'
+#   own buffers at the step's end (on Gloo a receive buffer, one unit at a time) are left out.
+# - **activations**: ``in_flight / v`` micro-batches' worth of what the rank's blocks keep
+#   (:meth:`PipelineSchedule.in_flight`), the one in backward at its working peak (the loss's
+#   logits on the last rank): :func:`~.cost.activation_bytes` of one micro-batch, plus what each
+#   further one keeps (:func:`~.cost.kept_activation_bytes`).
+# - **step**: ``M`` micro-batches of the slowest rank's forward and backward, its bubble, and,
+#   on the critical path, its FSDP all-gathers before the first forward and reduce-scatters after
+#   the last backward (not overlapped: an upper bound; a rank later in the pipeline could hide its
+#   gathers in the warm-up), tensor and expert parallelism's collectives of every micro-batch,
+#   the stage-to-stage sends (``M v`` activations forward, ``M v`` gradients back, each ``b s
+#   d / tp`` over the link ``W / pp`` ranks away: the pipeline dim is outermost, as torchtitan's
+#   mesh orders it) and the optimizer step. Backward splits into the input gradients (with the
+#   recomputation) and the weight gradients, half each of its matmuls.
+def plan_pipeline(
+    module: nn.Module,
+    world_size: int,
+    hw: Hardware,
+    options: CapacityOptions,
+    schedule: PipelineSchedule,
+    *,
+    experts_per_token: int | None = None,
+    model_name: str | None = None,
+    systems: Sequence[System] = SYSTEMS,
+) -> dict[str, PipelinePlan]:
+    """Cost ``module`` (meta) at ``world_size`` with ``schedule.pp`` pipeline ranks and
+    ``options``' ``tp`` and ``ep`` inside each stage (``options.batch``: sequences per
+    micro-batch), for each of ``systems``; by system name.
+
+    Raises:
+        ValueError: a degree that does not divide the world, a cut the model cannot take
+            (:class:`~.parallel.UnsplittableModel`), a stage group larger than some bucket's
+            blocks (:class:`~.capacity.UnshardableWorld`), all before costing.
+    """
+    start = time.perf_counter()
+    model = model_name or type(module).__name__
+    _check_layout(world_size, options, schedule)
+    cut = _cut(module, model)
+    split, full = _split_and_shape(module, cut, options, experts_per_token, model)
+    return _plan_layout(module, cut, split, full, world_size, hw, options, schedule, systems, start)
+
+
+def _check_layout(world_size: int, options: CapacityOptions, schedule: PipelineSchedule) -> None:
+    """The degrees divide the world, and the settings are those costed: one line each."""
+    dims = options.dims
+    if world_size % (schedule.pp * dims.world_multiple):
+        raise ValueError(
+            f"pp={schedule.pp} x tp={dims.tp} x ep={dims.ep} does not divide the world size "
+            f"{world_size:,}; use a world size that is a multiple of "
+            f"{schedule.pp * dims.world_multiple}"
+        )
+    if options.reshard_after_forward is not None or options.offload or options.compression:
+        raise ValueError(
+            "pipeline parallelism is costed with torchtitan's settings (no reshard after "
+            "forward), without CPU offload or compressed communication"
+        )
+
+
+def _split_and_shape(
+    module: nn.Module,
+    cut: _Cut,
+    options: CapacityOptions,
+    experts_per_token: int | None,
+    model: str,
+) -> tuple[ModelSplit, ModelShape]:
+    """The whole model's split under ``options``' ``tp`` and ``ep`` (:func:`~.parallel.
+    split_model`; :meth:`ModelSplit.whole` without them), its FSDP units the cut's blocks (and
+    the expert containers under ``ep``), and one rank's shape with it."""
+    dims = options.dims
+    split = ModelSplit.whole()
+    if dims.model_parallel > 1:
+        policy = RaggedShard(block_size=options.block_size)
+        split = split_model(
+            module, dims, policy=policy, experts_per_token=experts_per_token, model_name=model
+        )
+    split = dataclasses.replace(split, unit_ids=split.unit_ids | cut.unit_ids)
+    full = model_shape(
+        module,
+        experts_per_token=experts_per_token,
+        wrap=split.wrap,
+        split=split if split.splits else None,
+    )
+    return split, full
+
+
+def _plan_layout(
+    module: nn.Module,
+    cut: _Cut,
+    split: ModelSplit,
+    full: ModelShape,
+    world_size: int,
+    hw: Hardware,
+    options: CapacityOptions,
+    schedule: PipelineSchedule,
+    systems: Sequence[System],
+    start: float,
+) -> dict[str, PipelinePlan]:
+    """:func:`plan_pipeline` once the cut, the split and the shape are known."""
+    pp, v = schedule.pp, schedule.stages_per_rank
+    cuts = stage_layers(len(cut.blocks), schedule.stages)
+    stage_world = world_size // pp
+    micro = options.step(hw)
+    planner, _ = _planner(options, micro)
+    # ranks whose blocks have the same shapes plan the same: each kind is planned once
+    kinds = [_signature(b) for b in cut.blocks]
+    planned: dict[tuple, tuple] = {}
+    costed = {s.name: [] for s in systems}
+    for rank in range(pp):
+        layers = [i for k in range(v) for i in cuts[rank + k * pp]]
+        first, last = rank == 0, rank == pp - 1
+        key = (first, last, tuple(kinds[i] for i in layers))
+        if key not in planned:
+            stage = _stage_module(module, cut, layers, first, last)
+            plans = _plans(stage, planner, split, stage_world, options)
+            units = unit_bytes(plans)
+            if not units or units[-1].path:  # a middle rank's root holds nothing
+                units.append(UnitBytes("", (), (), 0, 0, world_size=stage_world))
+            shape = _stage_shape(full, cut, stage, layers, last)
+            state = optimizer_state_bytes(plans, options.optimizer)
+            parallel = parallel_bytes(shape, micro, hw, split)
+            planned[key] = (units, shape, state, parallel.tp_s + parallel.ep_s)
+        units, shape, state, parallel_s = planned[key]
+        for system in systems:
+            costed[system.name].append(
+                _rank_cost(
+                    _Stage(rank, len(layers), first, last, shape, units, state, parallel_s),
+                    micro,
+                    hw,
+                    stage_world,
+                    system,
+                    schedule,
+                )
+            )
+    seconds = time.perf_counter() - start
+    return {
+        name: _plan(name, ranks, schedule, options, world_size, hw, full, seconds)
+        for name, ranks in costed.items()
+    }
+
+
+@dataclass(frozen=True)
+class _Stage:
+    """One pipeline rank's stages as planned: what :func:`_rank_cost` costs per system."""
+
+    rank: int
+    layers: int
+    first: bool
+    last: bool
+    shape: ModelShape
+    units: Sequence[UnitBytes]
+    state: int  # optimizer state bytes
+    parallel_s: float  # tensor and expert parallelism's seconds per micro-batch
+
+
+def _rank_cost(
+    stage: _Stage,
+    micro: StepShape,
+    hw: Hardware,
+    stage_world: int,
+    system: System,
+    schedule: PipelineSchedule,
+) -> RankCost:
+    """One rank's :class:`RankCost` under ``system`` (comment at :func:`plan_pipeline`)."""
+    rank, first, last, shape, units = stage.rank, stage.first, stage.last, stage.shape, stage.units
+    state = stage.state
+    comm, master = micro.param_dtype.itemsize, micro.master_dtype.itemsize
+    local, local_grads, params, _, _ = _buffers(units, comm, stage_world, system)
+    # the micro-batches' gradients accumulate in the reduce dtype (both systems, where it
+    # differs: raggedfsdp's CastReduceScatter.accumulate, FSDP2's unsharded_accumulated_grad)
+    accumulate = micro.reduce_input_itemsize(system)
+    grads = _buffers(units, accumulate, stage_world, system)[3]
+    in_flight = schedule.in_flight(rank)
+    loss, block = activation_bytes(shape, micro)
+    working = max(block, loss if last else 0)
+    kept = kept_activation_bytes(shape, micro)
+    # in_flight counts local stages' micro-batches, each 1 / v of the rank's layers
+    activations = working + round(kept * (in_flight / schedule.stages_per_rank - 1))
+    unsharded = sum(params) + sum(grads)
+    persistent = (local + local_grads) * master + state
+    peak = max(local * master + state + unsharded + activations, persistent)
+    fwd, bwd = _compute_s(shape, micro, hw)
+    recompute = sum(fwd[:-1]) if micro.checkpointing else 0.0
+    gathers, scatters = collective_costs(units, micro, hw, stage_world, system)
+    return RankCost(
+        rank=rank,
+        layers=stage.layers,
+        embedding=first,
+        head=last,
+        params=local * master,
+        grads=local_grads * master,
+        optimizer=state,
+        unsharded=unsharded,
+        in_flight=in_flight,
+        activations=activations,
+        peak=peak,
+        forward_s=sum(fwd),
+        backward_s=sum(bwd),
+        recompute_s=recompute,
+        fsdp_s=sum(gathers.total) + sum(scatters.total),
+        parallel_s=stage.parallel_s * schedule.microbatches,
+        optimizer_s=_optimizer_s(units, micro, hw, stage_world, state, system),
+    )
+
+
+def _plan(
+    name: str,
+    ranks: Sequence[RankCost],
+    schedule: PipelineSchedule,
+    options: CapacityOptions,
+    world_size: int,
+    hw: Hardware,
+    shape: ModelShape,
+    seconds: float,
+) -> PipelinePlan:
+    """The step from the ranks' costs (comment at :func:`plan_pipeline`)."""
+    m, v = schedule.microbatches, schedule.stages_per_rank
+    slowest = max(ranks, key=lambda r: r.forward_s + r.backward_s)
+    weight = (slowest.backward_s - slowest.recompute_s) / 2
+    split = (slowest.forward_s, slowest.backward_s - weight, weight)
+    bubble = schedule.bubble_s(*split)
+    message = options.batch * options.seq_len * shape.hidden * options.param_dtype.itemsize
+    # the pipeline dim is outermost (torchtitan's mesh): a stage's neighbour is W / pp ranks
+    # away, across the inter-node link once that span leaves a node
+    reach = min(world_size, world_size // schedule.pp + 1)
+    one = hw.hop_latency_s(reach) + message / hw.link_bytes_per_s(reach)
+    p2p = 2 * m * v * one if schedule.pp > 1 else 0.0
+    extra = max(r.fsdp_s + r.parallel_s + r.optimizer_s for r in ranks)
+    step = m * (slowest.forward_s + slowest.backward_s) + bubble + p2p + extra
+    tp, ep, pp = options.tp, options.ep, schedule.pp
+    tokens = m * options.batch * options.seq_len / (pp * tp)
+    usable = hw.memory_bytes * (1 - options.reserve)
+    return PipelinePlan(
+        system=name,
+        dims=(world_size // (tp * pp * ep), tp, pp, ep),
+        schedule=schedule,
+        ranks=tuple(ranks),
+        bubble_s=bubble,
+        bubble_fraction=schedule.bubble_fraction(*split),
+        p2p_s=p2p,
+        step_s=step,
+        tokens_per_s=tokens / step if step else 0.0,
+        fits=all(r.peak <= usable for r in ranks),
+        plan_seconds=seconds,
+    )
+
+
+@dataclass(frozen=True)
+class PipelineFit:
+    """One ``(dp, tp, pp, ep)`` that fits, and what raggedfsdp costs there (``pp = 1``: FSDP
+    with tensor and expert parallelism alone, one micro-batch per step)."""
+
+    dp: int
+    tp: int
+    pp: int
+    ep: int
+    peak: int
+    step_s: float
+    tokens_per_s: float
+    bubble_fraction: float
+
+
+@dataclass(frozen=True)
+class PipelineSearch:
+    """The layouts tried at one world size (:func:`search_pipeline`)."""
+
+    world_size: int
+    schedule: str
+    tried: int
+    fits: tuple[PipelineFit, ...]
+    seconds: float
+
+    @property
+    def fastest(self) -> PipelineFit | None:
+        """The fit with the most tokens per second per device."""
+        return max(self.fits, key=lambda f: f.tokens_per_s, default=None)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_pipeline(
+    module: nn.Module,
+    world_size: int,
+    hw: Hardware,
+    options: CapacityOptions,
+    *,
+    schedule: str,
+    microbatches: int | None = None,
+    stages_per_rank: int = 1,
+    experts_per_token: int | None = None,
+    model_name: str | None = None,
+) -> PipelineSearch:
+    """Every ``(dp, tp, pp, ep)`` over ``world_size`` with ``tp`` inside a node, costed for
+    raggedfsdp with ``schedule`` (``microbatches`` per step, default ``4 x pp``) and ``pp = 1``
+    (:func:`~.capacity.search_mesh`); those the model or the schedule cannot take are skipped.
+    Returns those that fit, the fastest first."""
+    start = time.perf_counter()
+    fits: list[PipelineFit] = []
+    tried = 0
+    flat = search_mesh(
+        module, world_size, hw, options, experts_per_token=experts_per_token, model_name=model_name
+    )
+    tried += flat.tried
+    if flat.fastest is not None:
+        fits.append(_flat_fit(flat.fastest))
+    cut = _cut(module, model_name or type(module).__name__)
+    for tp in [d for d in _divisors(world_size) if d <= hw.devices_per_node]:
+        for ep in _divisors(world_size // tp):
+            opts = _options_for(options, tp, ep)
+            try:
+                split, full = _split_and_shape(
+                    module, cut, opts, experts_per_token, model_name or type(module).__name__
+                )
+            except UnsplittableModel:
+                continue
+            for pp in _divisors(world_size // (tp * ep))[1:]:
+                try:
+                    sched = PipelineSchedule(schedule, pp, microbatches or 4 * pp, stages_per_rank)
+                    stage_layers(len(cut.blocks), sched.stages)
+                    _check_layout(world_size, opts, sched)
+                    plan = _plan_layout(
+                        module,
+                        cut,
+                        split,
+                        full,
+                        world_size,
+                        hw,
+                        opts,
+                        sched,
+                        (RAGGEDFSDP,),
+                        time.perf_counter(),
+                    )[RAGGEDFSDP.name]
+                except (ValueError, UnshardableWorld):  # the schedule, cut or world refuses
+                    continue
+                tried += 1
+                if plan.fits:
+                    fits.append(
+                        PipelineFit(
+                            *plan.dims,
+                            peak=plan.peak,
+                            step_s=plan.step_s,
+                            tokens_per_s=plan.tokens_per_s,
+                            bubble_fraction=plan.bubble_fraction,
+                        )
+                    )
+    fits.sort(key=lambda f: -f.tokens_per_s)
+    return PipelineSearch(world_size, schedule, tried, tuple(fits), time.perf_counter() - start)
+
+
+def _flat_fit(fit: MeshFit) -> PipelineFit:
+    return PipelineFit(fit.dp, fit.tp, 1, fit.ep, fit.peak, fit.step_s, fit.tokens_per_s, 0.0)
