@@ -114,7 +114,7 @@ class FSDPState:
         #: set_modules_to_forward_prefetch (_backward_prefetch); None: the recorded neighbour
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self.ctx: RootContext | None = None  # set by the root's lazy init
+        self.ctx: RootContext[FSDPState] | None = None  # set by the root's lazy init
         #: ids of the unit's modules yet to run in the forward under way (empty between them)
         self._to_run: set[int] = set()
         #: outputs requiring grad of the unit's modules in that forward (their gradients start
@@ -172,7 +172,7 @@ class FSDPState:
 
     # -- lazy init -----------------------------------------------------------------------------
 
-    def lazy_init(self) -> RootContext:
+    def lazy_init(self) -> RootContext[FSDPState]:
         """The first unit to run forward (or to be unsharded by hand) is the root: it takes
         every unit below it, names each by its path (once, as FSDP2's ``_init_fqns``), shares
         its resources with them and checks, before the first all-gather, that every parameter's
@@ -303,7 +303,7 @@ class FSDPState:
             ctx.shared.non_finite.end_of_forward()  # compressed gathers: one host sync
         return output
 
-    def _end_forward(self, ctx: RootContext) -> None:
+    def _end_forward(self, ctx: RootContext[FSDPState]) -> None:
         """The unit's forward is done: reshard, and arm its pre-backward on its outputs."""
         grad_enabled = torch.is_grad_enabled()
         reshard = self._reshards_after_forward(ctx, grad_enabled)
@@ -317,7 +317,7 @@ class FSDPState:
             self._output_nodes += [get_gradient_edge(t).node for t in outputs]
             torch.autograd.graph.register_multi_grad_hook(outputs, self._pre_backward, mode="any")
 
-    def _gather_for_forward(self, ctx: RootContext) -> None:
+    def _gather_for_forward(self, ctx: RootContext[FSDPState]) -> None:
         """Issue the unit's all-gather (unless prefetched), prefetch the next unit's (overlapping
         it with this compute), and wait for its own."""
         self.group.unshard()
@@ -334,7 +334,7 @@ class FSDPState:
         ctx.sequence.defer(self, self._reshards_after_forward(ctx, torch.is_grad_enabled()))
         ctx.shared.stats.forward_catch_ups += 1
 
-    def _reshards_after_forward(self, ctx: RootContext, grad_enabled: bool) -> bool:
+    def _reshards_after_forward(self, ctx: RootContext[FSDPState], grad_enabled: bool) -> bool:
         if self.is_root:
             # Kept into backward, as FSDP2's None does; but freed after a forward without
             # gradients, whose unsharded copy an optimizer step would otherwise leave stale.

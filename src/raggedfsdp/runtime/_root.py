@@ -6,31 +6,49 @@ ranks ([Note: ranks whose graphs differ] in ``_sequence.py``) and ends it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 import torch
+from torch import nn
 
+from ._sequence import Unit as SequenceUnit
 from ._sequence import UnitSequence, module_order
 from ._shared import SharedResources
 from ._state_machine import RootPhase, check_state
 from ._usage import Seen, agree, order_digest
 
-if TYPE_CHECKING:
-    from ._hooks import FSDPState
-
 __all__ = ["RootContext"]
 
 
-class RootContext:
+class Unit(SequenceUnit, Protocol):
+    """What the root's context asks of a unit (its :class:`~._hooks.U`)."""
+
+    module: nn.Module
+    reduce_once: bool
+    reduce_late: bool
+
+    def seen(self, *, runs: bool) -> Seen:
+        """Inside a backward: what it does with this unit."""
+        ...
+
+    def forget_graph(self) -> None:
+        """The iteration's backward is over: let its autograd nodes go."""
+        ...
+
+
+U = TypeVar("U", bound=Unit)
+
+
+class RootContext(Generic[U]):
     """What all units under one root share: their resources, the unit order and the phase."""
 
-    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+    def __init__(self, root: U, states: list[U]) -> None:
         self.root = root
         self.states = states
         self.shared = SharedResources.new(root.group.device)
         self.phase = RootPhase.FIRST_FORWARD
         #: units in the order their forwards ran in the first iteration
-        self.forward_order: list[FSDPState] = []
+        self.forward_order: list[U] = []
         #: the order every rank follows ([Note: ranks whose graphs differ])
         self.sequence = UnitSequence(module_order(root.module, states), self._agree_on_revisit)
         #: the first backward's agreement is to tell whether every rank ran the units in the same
@@ -45,7 +63,7 @@ class RootContext:
     def order_recorded(self) -> bool:
         return self.phase is not RootPhase.FIRST_FORWARD
 
-    def neighbour(self, state: FSDPState, step: int) -> FSDPState | None:
+    def neighbour(self, state: U, step: int) -> U | None:
         """The unit ``step`` places after ``state`` in the agreed order, once the first forward
         is over."""
         if not self.order_recorded:
@@ -55,11 +73,11 @@ class RootContext:
         return order[i] if 0 <= i < len(order) else None
 
     @property
-    def last(self) -> FSDPState:
+    def last(self) -> U:
         """The unit the agreed order runs last (whose backward comes first after the root's)."""
         return self.sequence.order[-1]
 
-    def start_backward(self, first: FSDPState) -> None:
+    def start_backward(self, first: U) -> None:
         """The first gradient reached a unit (``first``): queue the end-of-backward callback and
         agree with the other ranks, once."""
         if self.phase is RootPhase.BACKWARD:
@@ -69,7 +87,7 @@ class RootContext:
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
         self._agree(first)
 
-    def _agree(self, first: FSDPState) -> None:
+    def _agree(self, first: U) -> None:
         """Inside the first pre-backward: agree with the other ranks on what their backwards run
         and use, and plan this rank's catch-ups ([Note: ranks whose graphs differ])."""
         order = self.sequence.order
@@ -107,7 +125,7 @@ class RootContext:
             self._order_agreed = True
             self._adopt = agreed.same_order
 
-    def _agree_on_revisit(self, unit: FSDPState) -> None:
+    def _agree_on_revisit(self, unit: U) -> None:
         """Inside the root's forward, which runs ``unit`` again after others and has caught up
         the rest of the order: every rank does too, or the step stops here on every rank
         (the others at the start of their backward), before any parameter has changed."""

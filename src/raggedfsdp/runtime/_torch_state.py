@@ -61,7 +61,7 @@ class TorchFacingState:
 
 
 class _RootFacingContext:
-    def __init__(self, ctx: RootContext) -> None:
+    def __init__(self, ctx: RootContext[FSDPState]) -> None:
         self.ctx = ctx
 
     @property
