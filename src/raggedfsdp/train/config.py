@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
 from ..digits import ImageFormat, check_installed
+from ..facts import check_schedule, default_microbatches
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
@@ -88,6 +89,21 @@ class TrainConfig:
     rank holds experts / ep of every layer's experts, tokens travel to them and back by
     all-to-all; ep borrows its ranks from data parallelism (every rank reads its own sequences).
     Not with --tp; with --optimizer adamw or muon."""
+
+    # -- pipeline parallelism (--pp, --pp-schedule, --microbatches): docs/pipeline.md ------------
+    pp: int = 1
+    """Pipeline-parallel degree: cut the layers into this many stages (the embedding with the
+    first, the final norm and head with the last; twice as many, two per rank, for the
+    interleaved schedules), each on world / pp ranks that shard it (FSDP, and --tp within);
+    a GPT or a Llama-style --hf-config whose layers the stages divide. Not with --ep."""
+
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """With --pp: torch's schedule (interleaved-1f1b and zero-bubble hold 2 stages per rank)."""
+
+    microbatches: int | None = None
+    """With --pp: micro-batches per step (each data rank's share of the batch split so; 1f1b
+    needs at least --pp); default: one per stage."""
+    # -- end of pipeline parallelism -------------------------------------------------------------
 
     compile: bool = False
     """torch.compile each block (GPT block or decoder layer) before sharding it; the FSDP hooks
@@ -258,6 +274,49 @@ class TrainConfig:
         if self.inject_fault is not None:
             Fault.parse(self.inject_fault)
         self._check_parallel()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """``--pp`` / ``--microbatches``: degrees of at least 1, not with ``--ep``, a VLM or
+        ``--grad-accum`` (the micro-batches split the batch), and micro-batches the schedule
+        runs. The model's layers: :func:`~.pipeline.check_pipeline`, in the preflight."""
+        for name in ("pp", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.pp == 1:
+            return
+        if self.ep > 1:
+            raise ValueError(
+                f"pp: --pp {self.pp} with --ep {self.ep}: pipeline stages run beside FSDP and "
+                f"tensor parallelism, not expert parallelism yet; choose one"
+            )
+        if self.grad_accum > 1:
+            raise ValueError(
+                f"grad_accum: --pp splits each step into --microbatches; leave --grad-accum at 1 "
+                f"(got {self.grad_accum})"
+            )
+        if self.error_feedback:
+            raise ValueError(
+                "error_feedback: not with --pp yet (a stage's residuals are not checkpointed); "
+                "compress without it"
+            )
+        if self.vlm:
+            raise ValueError(
+                f"pp: {self.model_name} is a vision-language model, which the job cannot cut "
+                f"into pipeline stages yet; train it without --pp"
+            )
+        check_schedule(self.pp, self.pp_schedule, self.pipeline_microbatches)
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per step: ``--microbatches`` under ``--pp`` (default: one per stage),
+        else ``--grad-accum``."""
+        if self.pp == 1:
+            return self.grad_accum
+        return self.microbatches or default_microbatches(self.pp, self.pp_schedule)
 
     def _check_parallel(self) -> None:
         """``--tp`` / ``--ep``: degrees of at least 1, one of the two, and an optimizer that
@@ -385,16 +444,18 @@ class TrainConfig:
         return compression if compression.enabled else None
 
     def check_world(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless ``tp x ep`` divides the world and the batch splits evenly
-        over the data ranks (``world / tp``: tensor-parallel peers share their sequences) and
-        micro-batches."""
-        data_ranks = JobMesh(world_size, tp=self.tp, ep=self.ep).data_ranks
-        split = data_ranks * self.grad_accum
+        """Raise ``ValueError`` unless ``pp x tp x ep`` divides the world and the batch splits
+        evenly over the data ranks (``world / (tp x pp)``: tensor-parallel peers and a
+        pipeline's stages share their sequences) and micro-batches."""
+        data_ranks = JobMesh(world_size, tp=self.tp, ep=self.ep, pp=self.pp).data_ranks
+        micro = self.pipeline_microbatches
+        split = data_ranks * micro
         if self.batch_size % split:
-            ranks = f"{data_ranks} data rank(s)" if self.tp > 1 else f"{world_size} rank(s)"
+            shared = self.tp > 1 or self.pp > 1
+            ranks = f"{data_ranks} data rank(s)" if shared else f"{world_size} rank(s)"
             raise ValueError(
                 f"batch_size: the global batch of {self.batch_size} sequences does not divide "
-                f"into {ranks} x {self.grad_accum} micro-batch(es); use a multiple of {split}"
+                f"into {ranks} x {micro} micro-batch(es); use a multiple of {split}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from . import health
 from .build import lr_factor
 from .config import TrainConfig
 from .monitor import StepTimes
+from .pipeline import Pipeline
 
 __all__ = ["StepResult", "train_step"]
 
@@ -95,6 +96,7 @@ def train_step(
     cfg: TrainConfig,
     device: torch.device,
     log: Callable[[str], None],
+    pipeline: Pipeline | None = None,
 ) -> StepResult:
     """One optimizer step, ``step`` (0-based), of a model sharded by raggedfsdp.
 
@@ -106,19 +108,32 @@ def train_step(
     the parameters as they are and says so through ``log``. The loss is all-reduced and the
     norm global, so every rank takes the same branch. Resets the model's stats first, so that
     ``model.stats()`` afterwards covers exactly this step.
+
+    Under ``pipeline`` (``model`` its :class:`~.pipeline.StageSet`), its schedule runs forward
+    and backward over ``--microbatches``; the loss is the last stage's, the norm the whole
+    model's (reduced over the stages), and tied weights' copies follow the update.
     """
     started = time.perf_counter()
     model.reset_stats()
     _set_lr(optimizer, step, cfg)
-    loss_sum = _forward_backward(model, next(batches), grad_accum=cfg.grad_accum, device=device)
+    batch = next(batches)
+    if pipeline is None:
+        loss_sum = _forward_backward(model, batch, grad_accum=cfg.grad_accum, device=device)
+    else:
+        loss_sum = pipeline.forward_backward([t.to(device) for t in batch])
     synchronize(device)
     backward_done = time.perf_counter()
-    loss_value = health.global_loss(loss_sum)
+    loss_value = (pipeline.global_loss if pipeline else health.global_loss)(loss_sum)
     optimizer_started = time.perf_counter()
-    grad_norm = clip_grad_norm_(params, cfg.grad_clip).item() if cfg.grad_clip else None
+    pp_mesh = pipeline.pp_mesh if pipeline else None
+    grad_norm = (
+        clip_grad_norm_(params, cfg.grad_clip, pp_mesh=pp_mesh).item() if cfg.grad_clip else None
+    )
     finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
     if finite:
         optimizer.step()
+        if pipeline is not None:
+            pipeline.after_update()
     elif cfg.on_nan == "stop":
         raise health.NonFiniteLossError(
             f"step {step + 1}: the loss is {loss_value} (gradient norm {grad_norm}) on some "
