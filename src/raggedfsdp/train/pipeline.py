@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor, Shard
 
 from .._host import synchronize
 from ..facts import PP_SCHEDULES, stages_per_rank
@@ -280,9 +281,17 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _set_piece(target: torch.Tensor, like: torch.Tensor, whole: torch.Tensor) -> None:
-    """Write this rank's piece of ``whole`` into ``target``, placed as ``like``."""
+    """Write this rank's piece of ``whole`` into ``target``, placed as ``like``: its tensor-
+    parallel slice (``Shard``: torch's chunks), then its ragged shard of that."""
+    piece = whole
+    if isinstance(like, DTensor):
+        mesh, coordinate = like.device_mesh, like.device_mesh.get_coordinate() or []
+        for dim, placement in enumerate(like.placements):
+            if isinstance(placement, Shard):
+                piece = piece.chunk(mesh.size(dim), placement.dim)[coordinate[dim]]
     info = shard_info(like)
-    piece = whole if info is None else info.layout.to_local(whole, info.rank)
+    if info is not None:
+        piece = info.layout.to_local(piece, info.rank)
     local_piece(target).copy_(piece.reshape(local_piece(target).shape))
 
 
