@@ -11,6 +11,7 @@ the runtime). Pure Python over shapes, on ``layout`` and under everything that s
 from .cuts import check_cut, chunk_cuts, first_cut_inside_block
 from .degrees import ParallelDims
 from .schedules import (
+    NOT_WITH_PP,
     PP_SCHEDULES,
     check_schedule,
     default_microbatches,
@@ -34,6 +35,7 @@ from .vision import VISION_MODULES, is_vision
 __all__ = [
     "FSDP2",
     "FUSED_EXPERTS",
+    "NOT_WITH_PP",
     "PER_HEAD",
     "PP_SCHEDULES",
     "RAGGEDFSDP",

@@ -8,6 +8,7 @@ them, so a command's preflight refuses a bad option without loading torch's pipe
 from __future__ import annotations
 
 __all__ = [
+    "NOT_WITH_PP",
     "PP_SCHEDULES",
     "check_schedule",
     "default_microbatches",
@@ -22,6 +23,14 @@ PP_SCHEDULES: dict[str, tuple[str, int]] = {
     "1f1b": ("Schedule1F1B", 1),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),
     "zero-bubble": ("ScheduleInterleavedZeroBubble", 2),
+}
+
+#: The job's options ``--pp`` does not take yet, and why.
+NOT_WITH_PP = {
+    "ep": "pipeline stages run beside FSDP and tensor parallelism, not expert parallelism yet",
+    "grad_accum": "--pp splits each step into --microbatches; leave --grad-accum at 1",
+    "hf_config": "the job cannot cut a vision-language model into pipeline stages yet",
+    "error_feedback": "a stage's error-feedback residuals are not checkpointed yet",
 }
 
 

@@ -20,17 +20,17 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
 from ..digits import ImageFormat, check_installed
-from ..facts import check_schedule, default_microbatches
+from ..facts import NOT_WITH_PP, check_schedule, default_microbatches
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..runtime import CommCompression
+from .faults import Fault
 from .mesh import JobMesh
 
 if sys.version_info >= (3, 11):
@@ -39,8 +39,6 @@ else:  # Python 3.10 has no tomllib; pyproject.toml pulls in tomli there
     import tomli as tomllib
 
 __all__ = [
-    "Fault",
-    "FaultKind",
     "TrainConfig",
     "add_config_arguments",
     "config_from_args",
@@ -90,20 +88,16 @@ class TrainConfig:
     all-to-all; ep borrows its ranks from data parallelism (every rank reads its own sequences).
     Not with --tp; with --optimizer adamw or muon."""
 
-    # -- pipeline parallelism (--pp, --pp-schedule, --microbatches): docs/pipeline.md ------------
     pp: int = 1
-    """Pipeline-parallel degree: cut the layers into this many stages (the embedding with the
-    first, the final norm and head with the last; twice as many, two per rank, for the
-    interleaved schedules), each on world / pp ranks that shard it (FSDP, and --tp within);
-    a GPT or a Llama-style --hf-config whose layers the stages divide. Not with --ep."""
+    """Pipeline stages: the layers cut into this many (2 per rank for the interleaved
+    schedules), the embedding with the first, norm and head with the last, each sharded over
+    world / pp ranks (--tp within); a GPT or a Llama-style --hf-config. Not with --ep."""
 
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
-    """With --pp: torch's schedule (interleaved-1f1b and zero-bubble hold 2 stages per rank)."""
+    """With --pp: torch's schedule (interleaved-1f1b and zero-bubble: 2 stages per rank)."""
 
     microbatches: int | None = None
-    """With --pp: micro-batches per step (each data rank's share of the batch split so; 1f1b
-    needs at least --pp); default: one per stage."""
-    # -- end of pipeline parallelism -------------------------------------------------------------
+    """With --pp: micro-batches per step (1f1b: at least --pp); default: one per stage."""
 
     compile: bool = False
     """torch.compile each block (GPT block or decoder layer) before sharding it; the FSDP hooks
@@ -277,43 +271,21 @@ class TrainConfig:
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
-        """``--pp`` / ``--microbatches``: degrees of at least 1, not with ``--ep``, a VLM or
-        ``--grad-accum`` (the micro-batches split the batch), and micro-batches the schedule
-        runs. The model's layers: :func:`~.pipeline.check_pipeline`, in the preflight."""
-        for name in ("pp", "microbatches"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        """``--pp``: micro-batches its schedule runs, no option it does not take (the layers:
+        :func:`~.pipeline.check_pipeline`)."""
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches: must be >= 1, got {self.microbatches}")
         if self.pp == 1:
             return
-        if self.ep > 1:
-            raise ValueError(
-                f"pp: --pp {self.pp} with --ep {self.ep}: pipeline stages run beside FSDP and "
-                f"tensor parallelism, not expert parallelism yet; choose one"
-            )
-        if self.grad_accum > 1:
-            raise ValueError(
-                f"grad_accum: --pp splits each step into --microbatches; leave --grad-accum at 1 "
-                f"(got {self.grad_accum})"
-            )
-        if self.error_feedback:
-            raise ValueError(
-                "error_feedback: not with --pp yet (a stage's residuals are not checkpointed); "
-                "compress without it"
-            )
-        if self.vlm:
-            raise ValueError(
-                f"pp: {self.model_name} is a vision-language model, which the job cannot cut "
-                f"into pipeline stages yet; train it without --pp"
-            )
+        given = {"ep": self.ep > 1, "grad_accum": self.grad_accum > 1, "hf_config": self.vlm}
+        given["error_feedback"] = self.error_feedback
+        for name in (n for n, on in given.items() if on):
+            raise ValueError(f"{name}: {getattr(self, name)!r} with --pp: {NOT_WITH_PP[name]}")
         check_schedule(self.pp, self.pp_schedule, self.pipeline_microbatches)
 
     @property
     def pipeline_microbatches(self) -> int:
-        """Micro-batches per step: ``--microbatches`` under ``--pp`` (default: one per stage),
-        else ``--grad-accum``."""
+        """Micro-batches per step: ``--microbatches`` under ``--pp``, else ``--grad-accum``."""
         if self.pp == 1:
             return self.grad_accum
         return self.microbatches or default_microbatches(self.pp, self.pp_schedule)
@@ -321,7 +293,7 @@ class TrainConfig:
     def _check_parallel(self) -> None:
         """``--tp`` / ``--ep``: degrees of at least 1, one of the two, and an optimizer that
         takes split matrices (Shampoo's blocks and AdamW8bit's tiles would need the whole)."""
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -461,38 +433,6 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON and TOML friendly), one per field."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-class FaultKind(Enum):
-    """What ``--inject-fault`` kills."""
-
-    KILL_AT_STEP = "kill-at-step"
-    """A worker, at the start of a step: a crash the agent's restart must recover from."""
-
-    KILL_DURING_SAVE = "kill-during-save"
-    """The last rank, after it wrote its files of a checkpoint and before the checkpoint is
-    complete: what resuming must survive."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A failure staged once to rehearse recovery (``--inject-fault KIND=STEP``)."""
-
-    kind: FaultKind
-    step: int
-
-    @classmethod
-    def parse(cls, text: str) -> Fault:
-        """``kill-at-step=5`` -> ``Fault(FaultKind.KILL_AT_STEP, 5)``; ``ValueError`` naming
-        the option otherwise."""
-        kind, _, step = text.partition("=")
-        kinds = [k.value for k in FaultKind]
-        if kind not in kinds or not step.isdigit() or int(step) < 1:
-            raise ValueError(
-                f"inject_fault: expected KIND=STEP with KIND one of {', '.join(kinds)} and "
-                f"STEP >= 1, got {text!r}"
-            )
-        return cls(FaultKind(kind), int(step))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,8 +33,9 @@ from ..models import hf
 from . import health
 from .build import build_model, build_optimizer, build_pipeline, job_mesh, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
-from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
+from .config import TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
+from .faults import Fault, FaultKind
 from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
 from .pipeline import Pipeline
