@@ -1,8 +1,8 @@
-"""Pipeline schedules by name: which of torch's, how many stages each rank holds, and what
-micro-batches each runs, stated once for the job's options (``--pp-schedule``) and its checks.
+"""Pipeline schedules by name: torch's class, the stages a rank holds, the micro-batches run.
 
-Pure Python: the names of torch's classes (``torch.distributed.pipelining.schedules``), no import of
-them, so a command's preflight refuses a bad option without loading torch's pipelining.
+Stated once for the job's options (``--pp-schedule``) and its checks. Pure Python: the names of
+torch's classes (``torch.distributed.pipelining.schedules``), no import of them, so a command's
+preflight refuses a bad option without loading torch's pipelining.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The job's ranks as a mesh: FSDP over data parallelism, beside tensor or expert parallelism,
-and pipeline stages around them.
+"""The job's ranks as a mesh: FSDP over data parallelism, beside tensor, expert or pipeline's.
 
 ``--tp`` or ``--ep``, and ``--pp``, as torchtitan lays them out (each mesh: the comment at
 :class:`JobMesh`).

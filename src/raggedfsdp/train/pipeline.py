@@ -1,9 +1,9 @@
-"""Pipeline parallelism in the job (``--pp``): the model cut into stages, each sharded by raggedfsdp
-inside torch's ``PipelineStage``, and one schedule of torch's over them.
+"""Pipeline parallelism in the job (``--pp``): the model cut into stages, and torch's schedules.
 
-How stages are cut, the schedules, and what a step measures: the comment at :func:`cut`, and
-docs/pipeline.md ("In the job"). The settings are torchtitan's: no reshard after forward, the loss
-divided by the micro-batches per micro-batch, ``scale_grads=False``.
+Each stage is sharded by raggedfsdp inside torch's ``PipelineStage``. How stages are cut: the
+comment at :func:`cut`; the schedules, and what a step measures: docs/pipeline.md ("In the job").
+The settings are torchtitan's: no reshard after forward, the loss divided by the micro-batches per
+micro-batch, ``scale_grads=False``.
 """
 
 from __future__ import annotations

@@ -86,6 +86,33 @@ def _set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> No
         group["lr"] = group["initial_lr"] * factor
 
 
+def _backward(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    *,
+    cfg: TrainConfig,
+    device: torch.device,
+    pipeline: Pipeline | None,
+) -> torch.Tensor:
+    """Forward and backward of the step's ``batch``: over ``--grad-accum`` micro-batches, or
+    under the pipeline's schedule; this rank's summed loss (a pipeline's: its last stage's, 0
+    elsewhere)."""
+    if pipeline is None:
+        return _forward_backward(model, batch, grad_accum=cfg.grad_accum, device=device)
+    return pipeline.forward_backward([t.to(device) for t in batch])
+
+
+def _clip(
+    params: Sequence[torch.Tensor], cfg: TrainConfig, pipeline: Pipeline | None
+) -> float | None:
+    """Clip to ``--grad-clip`` by the norm of the whole model (over a pipeline's stages too);
+    the norm before clipping, or None without clipping."""
+    if not cfg.grad_clip:
+        return None
+    pp_mesh = pipeline.pp_mesh if pipeline else None
+    return clip_grad_norm_(params, cfg.grad_clip, pp_mesh=pp_mesh).item()
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -109,26 +136,18 @@ def train_step(
     norm global, so every rank takes the same branch. Resets the model's stats first, so that
     ``model.stats()`` afterwards covers exactly this step.
 
-    Under ``pipeline`` (``model`` its :class:`~.pipeline.StageSet`), its schedule runs forward
-    and backward over ``--microbatches``; the loss is the last stage's, the norm the whole
-    model's (reduced over the stages), and tied weights' copies follow the update.
+    Under ``pipeline`` (``model``: its stages), its schedule runs forward and backward; the
+    norm is the whole model's, and tied weights' copies follow the update.
     """
     started = time.perf_counter()
     model.reset_stats()
     _set_lr(optimizer, step, cfg)
-    batch = next(batches)
-    if pipeline is None:
-        loss_sum = _forward_backward(model, batch, grad_accum=cfg.grad_accum, device=device)
-    else:
-        loss_sum = pipeline.forward_backward([t.to(device) for t in batch])
+    loss_sum = _backward(model, next(batches), cfg=cfg, device=device, pipeline=pipeline)
     synchronize(device)
     backward_done = time.perf_counter()
     loss_value = (pipeline.global_loss if pipeline else health.global_loss)(loss_sum)
     optimizer_started = time.perf_counter()
-    pp_mesh = pipeline.pp_mesh if pipeline else None
-    grad_norm = (
-        clip_grad_norm_(params, cfg.grad_clip, pp_mesh=pp_mesh).item() if cfg.grad_clip else None
-    )
+    grad_norm = _clip(params, cfg, pipeline)
     finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
     if finite:
         optimizer.step()
