@@ -102,10 +102,12 @@ def check_pipeline(model: nn.Module, pp: int, schedule: str, name: str) -> None:
     stages = pp * stages_per_rank(schedule)
     layers = len(_layers(model))
     if layers % stages:
-        per = f" ({pp} x {stages_per_rank(schedule)} per rank, {schedule})" if stages != pp else ""
+        per = stages_per_rank(schedule)
+        how = f" ({pp} x {per} per rank, {schedule})" if per > 1 else ""
+        fix = f"--pp whose {per} x pp stages divide" if per > 1 else "--pp that divides"
         raise ValueError(
-            f"pp: {name} has {layers} layers, which {stages} pipeline stages{per} do not "
-            f"divide; each stage holds an equal share: use a --pp that divides {layers}"
+            f"pp: {name} has {layers} layers, which {stages} pipeline stages{how} do not "
+            f"divide; each stage holds an equal share: use a {fix} {layers}"
         )
 
 
@@ -253,8 +255,10 @@ class _Tie:
     @torch.no_grad()
     def sum_grads(self) -> None:
         held = [p for p in [self.owner, *self.copies] if p is not None]
-        grads = [_whole(p.grad) if p.grad is not None else None for p in held]
-        total = sum((g for g in grads if g is not None), torch.zeros_like(_whole(held[0])))
+        total = torch.zeros(held[0].shape, dtype=held[0].dtype, device=held[0].device)
+        for p in held:
+            if p.grad is not None:
+                total += _whole(p.grad)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
         if self.owner is not None:
