@@ -395,8 +395,9 @@ def _banner(
 ) -> str:
     """The run's first console line: what is trained, where, on what."""
     where = backend if not mesh.parallel else f"{backend}, {mesh}"
+    held = " in this rank's stages" if mesh.pp > 1 else ""  # a pipeline's rank holds its stages'
     return (
-        f"{cfg.model_name}: {sum(p.numel() for p in params):,} parameters, "
+        f"{cfg.model_name}: {sum(p.numel() for p in params):,} parameters{held}, "
         f"{mesh.world} rank(s) ({where}), optimizer {cfg.optimizer}, block {cfg.block_size}, "
         f"padding {100 * padding_ratio:.3f}%, corpus {corpus.source} "
         f"({corpus.train.numel():,} train tokens)"
