@@ -2,13 +2,22 @@
 
 The parallel degrees of a run (:class:`ParallelDims`, :mod:`.degrees`), tensor parallelism's split
 by module name (:mod:`.tp_plan`), where a tensor- or expert-parallel split may cut a parameter
-(:mod:`.cuts`), a VLM's vision side (:mod:`.vision`), and what raggedfsdp and FSDP2 do with a
+(:mod:`.cuts`), a VLM's vision side (:mod:`.vision`), the pipeline schedules by name
+(:mod:`.schedules`), and what raggedfsdp and FSDP2 do with a
 unit's bytes (:mod:`.systems`, which ``tests/distributed/test_facts_conformance.py`` holds against
 the runtime). Pure Python over shapes, on ``layout`` and under everything that shares these facts.
 """
 
 from .cuts import check_cut, chunk_cuts, first_cut_inside_block
 from .degrees import ParallelDims
+from .schedules import (
+    NOT_WITH_PP,
+    PP_SCHEDULES,
+    check_schedule,
+    default_microbatches,
+    stage_indices,
+    stages_per_rank,
+)
 from .systems import (
     FSDP2,
     RAGGEDFSDP,
@@ -26,7 +35,9 @@ from .vision import VISION_MODULES, is_vision
 __all__ = [
     "FSDP2",
     "FUSED_EXPERTS",
+    "NOT_WITH_PP",
     "PER_HEAD",
+    "PP_SCHEDULES",
     "RAGGEDFSDP",
     "SYSTEMS",
     "TOKEN_EMBEDDING",
@@ -41,9 +52,13 @@ __all__ = [
     "TPStyle",
     "as_system",
     "check_cut",
+    "check_schedule",
     "chunk_cuts",
+    "default_microbatches",
     "first_cut_inside_block",
     "is_vision",
+    "stage_indices",
+    "stages_per_rank",
     "tp_dim",
     "tp_style",
 ]

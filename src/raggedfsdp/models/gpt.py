@@ -242,6 +242,13 @@ class GPT(nn.Module):
         for name, param in self.named_parameters():
             init_parameter_(name, param, self.cfg, generator=generator)
 
+    def block_list(self) -> list[nn.Module]:
+        """The blocks in model order: all of them, or a pipeline stage's share (its ``blocks``
+        then an ``nn.ModuleDict`` keyed by their indices, so their names stay the whole
+        model's: :mod:`raggedfsdp.train.pipeline`)."""
+        blocks = self.blocks
+        return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+
     def num_params(self) -> int:
         """Number of distinct parameter elements (a tied weight counts once)."""
         return sum(p.numel() for p in self.parameters())
@@ -250,7 +257,8 @@ class GPT(nn.Module):
         """Run the model.
 
         Args:
-            idx: token ids, int64 ``[B, T]`` with ``T <= cfg.seq_len``.
+            idx: token ids, int64 ``[B, T]`` with ``T <= cfg.seq_len`` (a pipeline stage
+                after the first: the residual stream ``[B, T, d_model]``).
             targets: next-token ids ``[B, T]``, or None.
 
         Returns:
@@ -262,10 +270,17 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {seq} exceeds the model's seq_len={self.cfg.seq_len}"
             )
-        pos = torch.arange(seq, device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(pos)
-        for block in self.blocks:
+        # A pipeline stage lacks what another stage holds (None): the first takes token ids,
+        # the others the residual stream; all but the last return it.
+        if self.tok_emb is not None:
+            pos = torch.arange(seq, device=idx.device)
+            x = self.tok_emb(idx) + self.pos_emb(pos)
+        else:
+            x = idx
+        for block in self.block_list():
             x = block(x)
+        if self.head is None:
+            return x
         logits = self.head(self.ln_f(x))
         if targets is None:
             return logits

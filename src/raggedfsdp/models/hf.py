@@ -38,6 +38,7 @@ __all__ = [
     "image_format",
     "is_hf_model",
     "is_vlm",
+    "mean_token_loss",
     "text_config",
     "text_layers",
 ]
@@ -339,6 +340,16 @@ def hf_seq_len(spec: str) -> int:
     return min(int(longest), MAX_DEFAULT_SEQ_LEN)
 
 
+def mean_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of ``logits`` against ``targets`` summed in fp32 over every position
+    and divided by their count: a target of -100 counts zero, yet in the count
+    (:class:`_ByteTargets`); without such targets, the mean a GPT's forward returns."""
+    summed = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+    )
+    return summed / targets.numel()
+
+
 class _ByteTargets(nn.Module):
     """Mixed in before the HF model's class: ``forward(x, targets)`` returns the mean
     cross-entropy of the logits against ``targets`` (already the next tokens, as the job's
@@ -355,10 +366,7 @@ class _ByteTargets(nn.Module):
             logits = super().forward(input_ids=input_ids, use_cache=False, **inputs).logits
             if targets is None:
                 return logits
-            summed = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
-            )
-            return summed / targets.numel()
+            return mean_token_loss(logits, targets)
         return super().forward(*args, **kwargs)
 
     def _image_inputs(self, input_ids: torch.Tensor, pixels: torch.Tensor) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def _style(module_name: str) -> TPStyle:
 def _blocks_and_plan(model: nn.Module) -> tuple[list[nn.Module], dict[str, TPStyle]]:
     """The model's blocks and the plan each takes: each projection's style from the table."""
     if isinstance(model, GPT):
-        return list(model.blocks), {path: _style(path) for path in _GPT_BLOCK}
+        return model.block_list(), {path: _style(path) for path in _GPT_BLOCK}
     if hf.is_hf_model(model):  # a VLM's language model: its vision tower stays whole
         return hf.text_layers(model), {path: _style(path) for path in _HF_LAYER}
     raise ValueError(
@@ -81,8 +81,9 @@ def _sizes(model: nn.Module) -> dict[str, int]:
     }
 
 
-def _vocabulary(model: nn.Module) -> tuple[nn.Embedding, nn.Linear | None]:
-    """The token embedding and the output head (None: an HF model without one)."""
+def _vocabulary(model: nn.Module) -> tuple[nn.Embedding | None, nn.Linear | None]:
+    """The token embedding and the output head (None: an HF model without one, or a pipeline
+    stage that does not hold it)."""
     if isinstance(model, GPT):
         return model.tok_emb, model.head
     return model.get_input_embeddings(), model.get_output_embeddings()
@@ -130,14 +131,15 @@ def parallelize_tensor(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     for block in blocks:
         parallelize_module(block, tp_mesh, {path: _STYLES[style]() for path, style in plan.items()})
     embedding, head = _vocabulary(model)
-    tied = head is not None and head.weight is embedding.weight
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     # The vocabulary over tp: each rank looks up its rows (the others' ids give zeros, summed
     # over tp); the head computes its columns of the logits, gathered whole for the loss.
-    embedding_style = _STYLES[TOKEN_EMBEDDING](input_layouts=Replicate())
-    parallelize_module(embedding, tp_mesh, embedding_style)
+    if embedding is not None:
+        embedding_style = _STYLES[TOKEN_EMBEDDING](input_layouts=Replicate())
+        parallelize_module(embedding, tp_mesh, embedding_style)
     if head is not None:
         head_style = _STYLES[_style(_head_name(model))](output_layouts=Replicate())
         parallelize_module(head, tp_mesh, head_style)
         if tied:  # both held the one weight; each style made a DTensor of its own
-            head.weight = embedding.weight
+            head.weight = embedding.weight  # type: ignore[union-attr]
     return model

@@ -16,19 +16,22 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import optim
+from ..facts import stage_indices, stages_per_rank
 from ..layout import RaggedShard
 from ..models import GPT, GPT_CONFIGS, hf
 from ..planner import StructAwarePlanner, WrapPolicy
 from ..runtime import MixedPrecisionPolicy
 from ..tensor import local_piece
 from .config import TrainConfig
-from .mesh import JobMesh, check_model, shard_model
+from .mesh import JobMesh, check_model, device_mesh_of, shard_model
+from .pipeline import Pipeline, StageSet, build_schedule, check_pipeline, cut
 
 __all__ = [
     "BETAS",
     "apply_activation_checkpointing",
     "build_model",
     "build_optimizer",
+    "build_pipeline",
     "build_planner",
     "compile_blocks",
     "job_mesh",
@@ -89,19 +92,22 @@ def meta_model(cfg: TrainConfig) -> nn.Module:
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's blocks: its FSDP units below the root (a GPT's ``blocks``, an HF model's
-    decoder layers)."""
+    decoder layers; a pipeline's: its stages')."""
+    if isinstance(model, StageSet):
+        return [block for stage in model.stages for block in transformer_blocks(stage)]
     if hf.is_hf_model(model):
         return hf.decoder_layers(model)
-    return list(cast(GPT, model).blocks)
+    return cast(GPT, model).block_list()
 
 
-def wrap_policy(model: nn.Module) -> WrapPolicy:
+def wrap_policy(model: nn.Module, *, stage: bool = False) -> WrapPolicy:
     """The units ``FSDPBackend`` and the planner take: the decoder layers of an HF model (an
     ``nn.ModuleList`` of experts, as older ``transformers`` build them, stays inside its
-    layer), the default (each ``nn.ModuleList`` element) for a GPT."""
-    if not hf.is_hf_model(model):
+    layer), the default (each ``nn.ModuleList`` element) for a GPT; a pipeline ``stage``'s
+    layers, whatever the model."""
+    if not (stage or hf.is_hf_model(model)):
         return None
-    layers = {id(m) for m in hf.decoder_layers(model)}
+    layers = {id(m) for m in transformer_blocks(model)}
     return lambda module: id(module) in layers
 
 
@@ -125,14 +131,31 @@ def compile_blocks(blocks: list[nn.Module]) -> None:
 
 
 def job_mesh(cfg: TrainConfig, world_size: int, rank: int = 0) -> JobMesh:
-    """Where ``rank`` sits in the run's mesh of ``world_size`` ranks (``--tp``, ``--ep``), the
-    model checked on the meta device against it: a ``ValueError`` naming the fault, before any
-    rank meets another."""
+    """Where ``rank`` sits in the run's mesh of ``world_size`` ranks (``--tp``, ``--ep``,
+    ``--pp``), the model checked on the meta device against it: a ``ValueError`` naming the
+    fault, before any rank meets another."""
     cfg.check_world(world_size)
-    mesh = JobMesh(world_size, rank, tp=cfg.tp, ep=cfg.ep)
+    mesh = JobMesh(world_size, rank, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
     if mesh.parallel:
-        check_model(meta_model(cfg), mesh, cfg.model_name)
+        model = meta_model(cfg)
+        if mesh.pp > 1:
+            check_pipeline(model, mesh.pp, cfg.pp_schedule, cfg.model_name)
+        check_model(model, mesh, cfg.model_name)
     return mesh
+
+
+def _prepare_blocks(model: nn.Module, cfg: TrainConfig) -> None:
+    """Activation checkpointing and ``--compile`` on the model's blocks, if asked."""
+    blocks = transformer_blocks(model)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(blocks)
+    if cfg.compile:
+        compile_blocks(blocks)
+
+
+def _fsdp_options(cfg: TrainConfig) -> dict[str, Any]:
+    """What ``FSDPBackend`` takes from the config: the planner and the mixed precision."""
+    return {"planner": build_planner(cfg), "mp_policy": mp_policy(cfg)}
 
 
 def build_model(cfg: TrainConfig, device: torch.device, mesh: JobMesh | None = None) -> nn.Module:
@@ -142,20 +165,43 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh: JobMesh | None = N
     group."""
     torch.manual_seed(cfg.seed)
     model = new_model(cfg, device)
-    blocks = transformer_blocks(model)
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
-    if cfg.compile:
-        compile_blocks(blocks)
+    _prepare_blocks(model, cfg)
     shard_model(
         model,
         mesh or JobMesh(dist.get_world_size() if dist.is_initialized() else 1),
         device,
-        planner=build_planner(cfg),
-        mp_policy=mp_policy(cfg),
         wrap=wrap_policy(model),
+        **_fsdp_options(cfg),
     )
     return model
+
+
+def build_pipeline(cfg: TrainConfig, device: torch.device, mesh: JobMesh) -> Pipeline:
+    """:func:`build_model`'s model cut into this rank's pipeline stages
+    (:func:`~.pipeline.cut`), each prepared, split and sharded as that model is (over the
+    stage's data-parallel ranks, no reshard after forward: torchtitan's setting under PP), under
+    ``--pp-schedule``. Needs the process group."""
+    torch.manual_seed(cfg.seed)
+    model = new_model(cfg, device)
+    device_mesh = device_mesh_of(mesh, device)
+    mine = stage_indices(mesh.pp_rank, mesh.pp, cfg.pp_schedule)
+    n_stages = mesh.pp * stages_per_rank(cfg.pp_schedule)
+    stages = []
+    for index in mine:
+        stage = cut(model, index, n_stages)
+        _prepare_blocks(stage, cfg)
+        options = {"wrap": wrap_policy(stage, stage=True), "reshard_after_forward": False}
+        shard_model(stage, mesh, device, device_mesh=device_mesh, **options, **_fsdp_options(cfg))
+        stages.append(stage)
+    return build_schedule(
+        model,
+        stages,
+        mine,
+        pp_mesh=device_mesh["pp"],
+        schedule=cfg.pp_schedule,
+        microbatches=cfg.pipeline_microbatches,
+        device=device,
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -20,16 +20,17 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
 from ..digits import ImageFormat, check_installed
+from ..facts import NOT_WITH_PP, check_schedule, default_microbatches
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..runtime import CommCompression
+from .faults import Fault
 from .mesh import JobMesh
 
 if sys.version_info >= (3, 11):
@@ -38,8 +39,6 @@ else:  # Python 3.10 has no tomllib; pyproject.toml pulls in tomli there
     import tomli as tomllib
 
 __all__ = [
-    "Fault",
-    "FaultKind",
     "TrainConfig",
     "add_config_arguments",
     "config_from_args",
@@ -88,6 +87,17 @@ class TrainConfig:
     rank holds experts / ep of every layer's experts, tokens travel to them and back by
     all-to-all; ep borrows its ranks from data parallelism (every rank reads its own sequences).
     Not with --tp; with --optimizer adamw or muon."""
+
+    pp: int = 1
+    """Pipeline stages: the layers cut into this many (2 per rank for the interleaved
+    schedules), the embedding with the first, norm and head with the last, each sharded over
+    world / pp ranks (--tp within); a GPT or a Llama-style --hf-config. Not with --ep."""
+
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    """With --pp: torch's schedule (interleaved-1f1b and zero-bubble: 2 stages per rank)."""
+
+    microbatches: int | None = None
+    """With --pp: micro-batches per step (1f1b: at least --pp); default: one per stage."""
 
     compile: bool = False
     """torch.compile each block (GPT block or decoder layer) before sharding it; the FSDP hooks
@@ -258,11 +268,32 @@ class TrainConfig:
         if self.inject_fault is not None:
             Fault.parse(self.inject_fault)
         self._check_parallel()
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """``--pp``: micro-batches its schedule runs, no option it does not take (the layers:
+        :func:`~.pipeline.check_pipeline`)."""
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches: must be >= 1, got {self.microbatches}")
+        if self.pp == 1:
+            return
+        given = {"ep": self.ep > 1, "grad_accum": self.grad_accum > 1, "hf_config": self.vlm}
+        given["error_feedback"] = self.error_feedback
+        for name in (n for n, on in given.items() if on):
+            raise ValueError(f"{name}: {getattr(self, name)!r} with --pp: {NOT_WITH_PP[name]}")
+        check_schedule(self.pp, self.pp_schedule, self.pipeline_microbatches)
+
+    @property
+    def pipeline_microbatches(self) -> int:
+        """Micro-batches per step: ``--microbatches`` under ``--pp``, else ``--grad-accum``."""
+        if self.pp == 1:
+            return self.grad_accum
+        return self.microbatches or default_microbatches(self.pp, self.pp_schedule)
 
     def _check_parallel(self) -> None:
         """``--tp`` / ``--ep``: degrees of at least 1, one of the two, and an optimizer that
         takes split matrices (Shampoo's blocks and AdamW8bit's tiles would need the whole)."""
-        for name in ("tp", "ep"):
+        for name in ("tp", "ep", "pp"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
@@ -385,53 +416,23 @@ class TrainConfig:
         return compression if compression.enabled else None
 
     def check_world(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless ``tp x ep`` divides the world and the batch splits evenly
-        over the data ranks (``world / tp``: tensor-parallel peers share their sequences) and
-        micro-batches."""
-        data_ranks = JobMesh(world_size, tp=self.tp, ep=self.ep).data_ranks
-        split = data_ranks * self.grad_accum
+        """Raise ``ValueError`` unless ``pp x tp x ep`` divides the world and the batch splits
+        evenly over the data ranks (``world / (tp x pp)``: tensor-parallel peers and a
+        pipeline's stages share their sequences) and micro-batches."""
+        data_ranks = JobMesh(world_size, tp=self.tp, ep=self.ep, pp=self.pp).data_ranks
+        micro = self.pipeline_microbatches
+        split = data_ranks * micro
         if self.batch_size % split:
-            ranks = f"{data_ranks} data rank(s)" if self.tp > 1 else f"{world_size} rank(s)"
+            shared = self.tp > 1 or self.pp > 1
+            ranks = f"{data_ranks} data rank(s)" if shared else f"{world_size} rank(s)"
             raise ValueError(
                 f"batch_size: the global batch of {self.batch_size} sequences does not divide "
-                f"into {ranks} x {self.grad_accum} micro-batch(es); use a multiple of {split}"
+                f"into {ranks} x {micro} micro-batch(es); use a multiple of {split}"
             )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON and TOML friendly), one per field."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-class FaultKind(Enum):
-    """What ``--inject-fault`` kills."""
-
-    KILL_AT_STEP = "kill-at-step"
-    """A worker, at the start of a step: a crash the agent's restart must recover from."""
-
-    KILL_DURING_SAVE = "kill-during-save"
-    """The last rank, after it wrote its files of a checkpoint and before the checkpoint is
-    complete: what resuming must survive."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A failure staged once to rehearse recovery (``--inject-fault KIND=STEP``)."""
-
-    kind: FaultKind
-    step: int
-
-    @classmethod
-    def parse(cls, text: str) -> Fault:
-        """``kill-at-step=5`` -> ``Fault(FaultKind.KILL_AT_STEP, 5)``; ``ValueError`` naming
-        the option otherwise."""
-        kind, _, step = text.partition("=")
-        kinds = [k.value for k in FaultKind]
-        if kind not in kinds or not step.isdigit() or int(step) < 1:
-            raise ValueError(
-                f"inject_fault: expected KIND=STEP with KIND one of {', '.join(kinds)} and "
-                f"STEP >= 1, got {text!r}"
-            )
-        return cls(FaultKind(kind), int(step))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,12 +31,14 @@ from ..data import BatchSampler, Corpus, eval_batches, load_corpus
 from ..digits import ImageTextSampler, load_digits
 from ..models import hf
 from . import health
-from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
+from .build import build_model, build_optimizer, build_pipeline, job_mesh, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
-from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
+from .config import TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
+from .faults import Fault, FaultKind
 from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
+from .pipeline import Pipeline
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
 from .run_dir import current_job, prepare_out_dir, remove_partial, resume_checkpoint
@@ -146,6 +148,7 @@ class _Run:
     watchdog: health.StepWatchdog
     preemption: Preemption
     accuracy_batches: list[Batch] | None = None  # a VLM's held-out digits
+    pipeline: Pipeline | None = None  # under --pp: this rank's stages and their schedule
     consecutive_skips: int = 0  # steps skipped in a row for a non-finite loss or gradient
     skipped_steps: int = 0  # ... in this launch
 
@@ -183,7 +186,10 @@ class _Run:
     def evaluate(self, step: int) -> None:
         """Record the validation loss now, and a VLM's held-out digit accuracy (collectives:
         every rank calls it)."""
-        val_loss = evaluate(self.model, self.val_batches, self.device)
+        if self.pipeline is not None:
+            val_loss = self.pipeline.evaluate(self.val_batches, self.device)
+        else:
+            val_loss = evaluate(self.model, self.val_batches, self.device)
         accuracy = None
         if self.accuracy_batches is not None:
             answer = self.cfg.image_format().answer_position
@@ -389,8 +395,9 @@ def _banner(
 ) -> str:
     """The run's first console line: what is trained, where, on what."""
     where = backend if not mesh.parallel else f"{backend}, {mesh}"
+    held = " in this rank's stages" if mesh.pp > 1 else ""  # a pipeline's rank holds its stages'
     return (
-        f"{cfg.model_name}: {sum(p.numel() for p in params):,} parameters, "
+        f"{cfg.model_name}: {sum(p.numel() for p in params):,} parameters{held}, "
         f"{mesh.world} rank(s) ({where}), optimizer {cfg.optimizer}, block {cfg.block_size}, "
         f"padding {100 * padding_ratio:.3f}%, corpus {corpus.source} "
         f"({corpus.train.numel():,} train tokens)"
@@ -414,8 +421,10 @@ def _run_step(run: _Run, step: int) -> None:
             cfg=cfg,
             device=run.device,
             log=run.monitor.print,
+            pipeline=run.pipeline,
         )
     stats = run.model.stats()
+    pipeline = run.pipeline
     run.monitor.step(
         done,
         loss=result.loss,
@@ -425,6 +434,7 @@ def _run_step(run: _Run, step: int) -> None:
         stats=stats,
         optimizer_bytes=optimizer_bytes(run.optimizer),
         skipped=result.skipped,
+        pipeline_s=(pipeline.span_s, pipeline.busy_s) if pipeline else None,
     )
     run.count_skip(done, result.skipped)
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -532,8 +542,9 @@ def _run_job(
     corpus = load_corpus(cfg.data, seed=cfg.seed)
     sampler, val_batches, accuracy_batches = _build_data(cfg, corpus, mesh)
 
-    # -- model -----------------------------------------------------------------------------------
-    model = build_model(cfg, device, mesh)
+    # -- model (under --pp: this rank's stages, as one model, and their schedule) -----------------
+    pipeline = build_pipeline(cfg, device, mesh) if mesh.pp > 1 else None
+    model = pipeline.model if pipeline else build_model(cfg, device, mesh)
     stats = model.stats()
     padding_ratio = stats["padding_numel"] / max(1, stats["param_numel"])
 
@@ -549,10 +560,13 @@ def _run_job(
     monitor = Monitor(
         cfg, rank=world.rank, world_size=world.size, start_step=start_step,
         padding_ratio=padding_ratio, device=device,
+        stages=pipeline.indices if pipeline else None,
     )  # fmt: skip
     monitor.print(_banner(cfg, params, mesh, backend, padding_ratio, corpus))
     parts = (model, optimizer, params, sampler, val_batches, monitor, watchdog, preemption)
-    run = _Run(cfg, world, mesh, device, out, *parts, accuracy_batches=accuracy_batches)
+    run = _Run(
+        cfg, world, mesh, device, out, *parts, accuracy_batches=accuracy_batches, pipeline=pipeline
+    )
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)

@@ -114,6 +114,10 @@ def window_peaks(
 #   parameters and gradients plus the peak of unsharded buffers), ``optimizer_bytes``, and
 #   ``cuda_peak_bytes`` on GPUs (the most the allocator held during the record's window:
 #   ``reset_stats`` restarts the device's peak every step, and the window takes the largest);
+# - under ``--pp``, ``stages``: per pipeline rank, its ``stages``, ``step_s`` and
+#   ``bubble_fraction`` (the schedule's step minus the stages' compute in it, over the step time;
+#   compute timed around each chunk, the device synchronised), and beside the last stage its
+#   ``loss`` (means over the ranks that hold the same stages);
 # - ``comm_exposed_s`` is the compute's stall on collectives as ``model.stats()`` times it: on the
 #   CPU the thread blocked in ``wait()``, on a GPU the compute stream between CUDA events around it
 #   (``runtime/_metrics.py``, [Note: timing waits on an accelerator]).
@@ -129,8 +133,10 @@ class Monitor:
         start_step: int,
         padding_ratio: float,
         device: torch.device,
+        stages: list[int] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.stages = stages  # under --pp: this rank's pipeline stages
         self.rank = rank
         self.world_size = world_size
         self.start_step = start_step
@@ -224,11 +230,16 @@ class Monitor:
         stats: Mapping[str, float],
         optimizer_bytes: int,
         skipped: bool,
+        pipeline_s: tuple[float, float] | None = None,
     ) -> None:
-        """Record completed step ``step`` (1-based); at log steps, a collective on every rank."""
+        """Record completed step ``step`` (1-based); at log steps, a collective on every rank.
+        ``pipeline_s``: under ``--pp``, the seconds of the schedule's step and of this rank's
+        stages' compute in it (the rest is their bubble)."""
         self._skipped += int(skipped)
+        span, busy = pipeline_s or (math.nan, math.nan)
         self._window.append(
             {
+                "bubble_fraction": (span - busy) / times.total,
                 "loss": loss,
                 "lr": lr,
                 "grad_norm": math.nan if grad_norm is None else grad_norm,
@@ -261,10 +272,42 @@ class Monitor:
         )
         dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
         window, self._window = self._window, []
+        stages = self._per_stage(window) if self.stages is not None else None
         if self.rank == 0:
-            self._log(step, window, peaks.tolist())
+            self._log(step, window, peaks.tolist(), stages)
 
-    def _log(self, step: int, window: list[dict[str, float]], peaks: list[float]) -> None:
+    def _per_stage(self, window: list[dict[str, float]]) -> list[dict[str, Any]]:
+        """Each pipeline rank's stages, step time and bubble fraction over the window (means
+        over the ranks that hold the same stages), the loss beside the last stage: gathered
+        from every rank (a collective)."""
+        mine = {
+            "stages": self.stages,
+            "step_s": statistics.fmean(w["step_s"] for w in window),
+            "bubble_fraction": statistics.fmean(w["bubble_fraction"] for w in window),
+        }
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        by_stages: dict[tuple[int, ...], list[dict[str, Any]]] = {}
+        for entry in everyone:
+            by_stages.setdefault(tuple(entry["stages"]), []).append(entry)
+        last = max(s for entry in everyone for s in entry["stages"])
+        out = []
+        for stages, entries in sorted(by_stages.items()):
+            record: dict[str, Any] = {"stages": list(stages)}
+            for key in ("step_s", "bubble_fraction"):
+                record[key] = statistics.fmean(e[key] for e in entries)
+            if last in stages:
+                record["loss"] = statistics.fmean(w["loss"] for w in window)
+            out.append(record)
+        return out
+
+    def _log(
+        self,
+        step: int,
+        window: list[dict[str, float]],
+        peaks: list[float],
+        stages: list[dict[str, Any]] | None,
+    ) -> None:
         def mean(key: str) -> float:
             values = [w[key] for w in window if math.isfinite(w[key])]
             return sum(values) / len(values) if values else math.nan
@@ -301,6 +344,8 @@ class Monitor:
         if cuda:
             record["cuda_peak_bytes"] = int(cuda)
         record["world_size"] = self.world_size
+        if stages is not None:
+            record["stages"] = stages
         record["elapsed_s"] = time.perf_counter() - self.started
         self._write(record)
         width = len(str(self.cfg.steps))
@@ -387,6 +432,7 @@ class Monitor:
                 f"{median('compression_ratio'):.3f})",
             ),
             ("padding ratio", f"{100 * self.padding_ratio:.3f}%"),
+            *_pipeline_rows(this_run),
             ("peak RSS (max over ranks)", format_bytes(max(r["peak_rss_bytes"] for r in train))),
             (
                 "framework + optimizer bytes (max)",
@@ -398,6 +444,18 @@ class Monitor:
         for name, value in rows:
             table.add_row(name, value)
         return table
+
+
+def _pipeline_rows(train: list[dict]) -> list[tuple[str, str]]:
+    """Under ``--pp``: each pipeline rank's bubble fraction (the median over the records)."""
+    if "stages" not in train[-1]:
+        return []
+    parts = []
+    for index, entry in enumerate(train[-1]["stages"]):
+        fractions = [r["stages"][index]["bubble_fraction"] for r in train if "stages" in r]
+        stages = ",".join(str(s) for s in entry["stages"])
+        parts.append(f"stage {stages}: {100 * statistics.median(fractions):.1f}%")
+    return [("pipeline bubble (median)", ", ".join(parts))]
 
 
 def _eval_rows(evals: list[dict]) -> list[tuple[str, str]]:

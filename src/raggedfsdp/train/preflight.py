@@ -245,12 +245,13 @@ def _memory(cfg: TrainConfig, world_size: int, run: _RunPlans) -> MemoryBreakdow
 
 
 def _micro_batch(cfg: TrainConfig, world_size: int) -> int:
-    """Sequences per rank and micro-batch (tensor-parallel peers compute on the same ones)."""
-    return cfg.batch_size // _mesh(cfg, world_size).data_ranks // cfg.grad_accum
+    """Sequences per rank and micro-batch (tensor-parallel peers and a pipeline's stages
+    compute on the same ones)."""
+    return cfg.batch_size // _mesh(cfg, world_size).data_ranks // cfg.pipeline_microbatches
 
 
 def _mesh(cfg: TrainConfig, world_size: int) -> JobMesh:
-    return JobMesh(world_size, tp=cfg.tp, ep=cfg.ep)
+    return JobMesh(world_size, tp=cfg.tp, ep=cfg.ep, pp=cfg.pp)
 
 
 def _gpu_memory(index: int) -> tuple[int, int | None]:
@@ -344,7 +345,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     run = _run_plans(cfg, world_size)  # the same buckets as the run's (planner.bucketing)
     model, plans = run.model, run.plans
     where = f"{world_size} rank(s)"
-    if cfg.tp > 1 or cfg.ep > 1:
+    if cfg.tp > 1 or cfg.ep > 1 or cfg.pp > 1:
         where += f" ({_mesh(cfg, world_size)}; a rank's pieces)"
     shard = sum(p.shard_numel for p in plans)
     padding = sum(p.padding_numel for p in plans)

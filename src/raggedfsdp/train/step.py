@@ -21,6 +21,7 @@ from . import health
 from .build import lr_factor
 from .config import TrainConfig
 from .monitor import StepTimes
+from .pipeline import Pipeline
 
 __all__ = ["StepResult", "train_step"]
 
@@ -85,6 +86,33 @@ def _set_lr(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig) -> No
         group["lr"] = group["initial_lr"] * factor
 
 
+def _backward(
+    model: nn.Module,
+    batch: Sequence[torch.Tensor],
+    *,
+    cfg: TrainConfig,
+    device: torch.device,
+    pipeline: Pipeline | None,
+) -> torch.Tensor:
+    """Forward and backward of the step's ``batch``: over ``--grad-accum`` micro-batches, or
+    under the pipeline's schedule; this rank's summed loss (a pipeline's: its last stage's, 0
+    elsewhere)."""
+    if pipeline is None:
+        return _forward_backward(model, batch, grad_accum=cfg.grad_accum, device=device)
+    return pipeline.forward_backward([t.to(device) for t in batch])
+
+
+def _clip(
+    params: Sequence[torch.Tensor], cfg: TrainConfig, pipeline: Pipeline | None
+) -> float | None:
+    """Clip to ``--grad-clip`` by the norm of the whole model (over a pipeline's stages too);
+    the norm before clipping, or None without clipping."""
+    if not cfg.grad_clip:
+        return None
+    pp_mesh = pipeline.pp_mesh if pipeline else None
+    return clip_grad_norm_(params, cfg.grad_clip, pp_mesh=pp_mesh).item()
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -95,6 +123,7 @@ def train_step(
     cfg: TrainConfig,
     device: torch.device,
     log: Callable[[str], None],
+    pipeline: Pipeline | None = None,
 ) -> StepResult:
     """One optimizer step, ``step`` (0-based), of a model sharded by raggedfsdp.
 
@@ -106,19 +135,24 @@ def train_step(
     the parameters as they are and says so through ``log``. The loss is all-reduced and the
     norm global, so every rank takes the same branch. Resets the model's stats first, so that
     ``model.stats()`` afterwards covers exactly this step.
+
+    Under ``pipeline`` (``model``: its stages), its schedule runs forward and backward; the
+    norm is the whole model's, and tied weights' copies follow the update.
     """
     started = time.perf_counter()
     model.reset_stats()
     _set_lr(optimizer, step, cfg)
-    loss_sum = _forward_backward(model, next(batches), grad_accum=cfg.grad_accum, device=device)
+    loss_sum = _backward(model, next(batches), cfg=cfg, device=device, pipeline=pipeline)
     synchronize(device)
     backward_done = time.perf_counter()
-    loss_value = health.global_loss(loss_sum)
+    loss_value = (pipeline.global_loss if pipeline else health.global_loss)(loss_sum)
     optimizer_started = time.perf_counter()
-    grad_norm = clip_grad_norm_(params, cfg.grad_clip).item() if cfg.grad_clip else None
+    grad_norm = _clip(params, cfg, pipeline)
     finite = math.isfinite(loss_value) and (grad_norm is None or math.isfinite(grad_norm))
     if finite:
         optimizer.step()
+        if pipeline is not None:
+            pipeline.after_update()
     elif cfg.on_nan == "stop":
         raise health.NonFiniteLossError(
             f"step {step + 1}: the loss is {loss_value} (gradient norm {grad_norm}) on some "
