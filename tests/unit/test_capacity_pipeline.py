@@ -19,8 +19,9 @@ import raggedfsdp as rf
 from raggedfsdp.capacity import CapacityOptions, hardware
 from raggedfsdp.capacity.cost import unit_bytes
 from raggedfsdp.capacity.pipeline import plan_pipeline, search_pipeline, stage_layers
-from raggedfsdp.capacity.schedules import PP_SCHEDULES, PipelineSchedule
+from raggedfsdp.capacity.schedules import PipelineSchedule
 from raggedfsdp.cli import main
+from raggedfsdp.facts import PP_SCHEDULES, check_schedule, schedule_class, stages_per_rank
 from raggedfsdp.models import build_model
 
 GIB = 2**30
@@ -29,7 +30,7 @@ GIB = 2**30
 def _torch_order(name: str, pp: int, m: int, v: int) -> dict[int, list]:
     """torch's action order for every rank: the schedule built over stand-in stages (what its
     constructor reads: the stage count, the group's size and rank), nothing run."""
-    cls = getattr(torch_schedules, PP_SCHEDULES[name])
+    cls = getattr(torch_schedules, schedule_class(name))
     stages = [
         SimpleNamespace(
             num_stages=pp * v, group_size=pp, group_rank=0, stage_index=k * pp, submod=None
@@ -119,14 +120,38 @@ def test_bubble_fractions_are_the_papers(pp, m):
 
 
 def test_schedule_refusals_are_torchs():
-    with pytest.raises(ValueError, match="1f1b needs at least as many micro-batches"):
+    with pytest.raises(ValueError, match=r"^microbatches: 1f1b over --pp 4 needs at least 4 micro"):
         PipelineSchedule("1f1b", 4, 3)
-    with pytest.raises(ValueError, match="multiple of its rounds"):
+    with pytest.raises(ValueError, match=r"^microbatches: interleaved-1f1b runs its 9 .* 2 rounds"):
         PipelineSchedule("interleaved-1f1b", 4, 10 - 1, 2)
-    with pytest.raises(ValueError, match="one stage per rank"):
+    with pytest.raises(ValueError, match=r"^stages_per_rank: gpipe runs one stage per rank, not 2"):
         PipelineSchedule("gpipe", 4, 4, 2)
     with pytest.raises(ValueError, match="unknown pipeline schedule 'dualpipe'"):
         PipelineSchedule("dualpipe", 4, 4)
+
+
+def _refused(make) -> bool:
+    try:
+        make()
+    except ValueError:
+        return True
+    return False
+
+
+def test_the_facts_refuse_what_torchs_constructors_refuse():
+    """``facts.check_schedule`` (the job's and the planner's one rule) against torch's own
+    constructors, over 2 to 4 ranks and 1 to 12 micro-batches: refused exactly where torch
+    refuses, and some of each."""
+    verdicts = []
+    for name in PP_SCHEDULES:
+        v = stages_per_rank(name)
+        for pp in (2, 3, 4):
+            for m in range(1, 13):
+                torch_refuses = _refused(lambda n=name, p=pp, k=m, s=v: _torch_order(n, p, k, s))
+                ours = _refused(lambda n=name, p=pp, k=m, s=v: check_schedule(p, n, k, s))
+                assert ours == torch_refuses, (name, pp, m)
+                verdicts.append(ours)
+    assert 0 < sum(verdicts) < len(verdicts)
 
 
 def test_stages_are_cut_as_torchtitan_cuts_them():
@@ -253,7 +278,7 @@ def test_plan_pp_command(capsys: pytest.CaptureFixture[str], tmp_path):
         (["--pp", "5"], "does not divide the world size 16"),
         (["--pp", "4", "--plot", str(tmp_path / "curve.png")], "does not take --pp"),
         (["--pp", "4", "--reshard-after-forward", "2"], "no reshard after forward"),
-        (["--pp", "4", "--microbatches", "3"], "1f1b needs at least as many micro-batches"),
+        (["--pp", "4", "--microbatches", "3"], "1f1b over --pp 4 needs at least 4 micro-batches"),
     ):
         assert main([*args, *extra]) == 2
         err = capsys.readouterr().err

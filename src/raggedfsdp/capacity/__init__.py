@@ -4,10 +4,11 @@ For raggedfsdp and for FSDP2 on the same shapes, against a device preset; pure P
 (models on the meta device), no process group. ``report`` (the ``plan`` command's padding figures)
 is imported on demand, so the training worker, which costs its own plan before it starts, never
 loads it. What each system costed does differently (:class:`System`, :data:`RAGGEDFSDP`,
-:data:`FSDP2`) and the degrees (:class:`ParallelDims`) are :mod:`raggedfsdp.facts`', re-exported.
+:data:`FSDP2`), the degrees (:class:`ParallelDims`) and the pipeline schedules
+(:data:`PP_SCHEDULES`) are :mod:`raggedfsdp.facts`', re-exported.
 """
 
-from ..facts import ParallelDims
+from ..facts import PP_SCHEDULES, ParallelDims
 from ..facts.systems import FSDP2, RAGGEDFSDP, SYSTEMS, System
 from .capacity import (
     DEFAULT_RESERVE,
@@ -27,7 +28,7 @@ from .hardware import HARDWARE, Hardware, hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes
 from .pipeline import PipelinePlan, PipelineSearch, plan_pipeline, search_pipeline, stage_layers
-from .schedules import PP_SCHEDULES, PipelineSchedule
+from .schedules import PipelineSchedule
 from .shapes import ModelShape, model_shape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
 from .wire import CODE_DTYPES, CompressionSpec

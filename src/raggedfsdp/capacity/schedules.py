@@ -1,30 +1,20 @@
 """Pipeline schedules as the capacity planner sees them: activations in flight, and the bubble.
 
-Each of ``raggedfsdp plan --pp-schedule``'s names is one of torch 2.13's schedule classes
-(:data:`PP_SCHEDULES`). How many micro-batches' activations a rank holds at its peak is read off
-that class's action order (``torch/distributed/pipelining/schedules.py``; the comment at
-:meth:`PipelineSchedule.in_flight` gives each rule and where it comes from, and
-``tests/unit/test_capacity_pipeline.py`` counts them on torch's own ``pipeline_order``); the bubble
-is the papers' formula (:meth:`PipelineSchedule.bubble_s`). Pure arithmetic, no torch.
+The schedules' names, torch's classes and the micro-batches each takes are
+:mod:`raggedfsdp.facts.schedules`' (the job's too). How many micro-batches' activations a rank
+holds at its peak is read off each class's action order (``torch/distributed/pipelining/
+schedules.py``; the comment at :meth:`PipelineSchedule.in_flight`, which
+``tests/unit/test_capacity_pipeline.py`` counts on torch's own ``pipeline_order``); the bubble is
+the papers' formula (:meth:`PipelineSchedule.bubble_s`). Pure arithmetic, no torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PP_SCHEDULES", "PipelineSchedule"]
+from ..facts.schedules import check_schedule, is_looped, rounds, schedule_class
 
-#: ``--pp-schedule`` name -> the torch 2.13 class it stands for (``raggedfsdp train --pp-schedule``
-#: spells them the same, issue 33).
-PP_SCHEDULES: dict[str, str] = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-}
-
-#: Schedules with several stages per rank (torch's ``PipelineScheduleMulti``).
-_LOOPED = frozenset({"interleaved-1f1b", "zero-bubble"})
+__all__ = ["PipelineSchedule"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +22,7 @@ class PipelineSchedule:
     """One schedule over ``pp`` ranks.
 
     Attributes:
-        name: one of :data:`PP_SCHEDULES`.
+        name: one of :data:`raggedfsdp.facts.PP_SCHEDULES`.
         pp: pipeline ranks.
         microbatches: micro-batches per step (``M``).
         stages_per_rank: ``v``, the looped schedules' local stages (rank ``r`` holds stages
@@ -45,31 +35,13 @@ class PipelineSchedule:
     stages_per_rank: int = 1
 
     def __post_init__(self) -> None:
-        if self.name not in PP_SCHEDULES:
-            raise ValueError(
-                f"unknown pipeline schedule {self.name!r}; known: {', '.join(PP_SCHEDULES)}"
-            )
+        schedule_class(self.name)  # a known name
         for what in ("pp", "microbatches", "stages_per_rank"):
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what} must be a positive integer, got {value!r}")
-        if self.name not in _LOOPED and self.stages_per_rank != 1:
-            raise ValueError(
-                f"{self.name} runs one stage per rank, not {self.stages_per_rank}; use "
-                f"interleaved-1f1b or zero-bubble for several"
-            )
         # the refusals torch's constructors make, before any planning
-        if self.name == "1f1b" and self.microbatches < self.pp:
-            raise ValueError(
-                f"1f1b needs at least as many micro-batches as stages (torch's Schedule1F1B): "
-                f"{self.microbatches} < pp={self.pp}; use --microbatches >= {self.pp}"
-            )
-        if self.name in _LOOPED and self.microbatches % self.rounds:
-            raise ValueError(
-                f"{self.name} needs the micro-batches to be a multiple of its rounds "
-                f"(max(1, M // pp) = {self.rounds}, torch's {PP_SCHEDULES[self.name]}), got "
-                f"M={self.microbatches}"
-            )
+        check_schedule(self.pp, self.name, self.microbatches, self.stages_per_rank)
 
     @property
     def stages(self) -> int:
@@ -79,7 +51,7 @@ class PipelineSchedule:
     @property
     def rounds(self) -> int:
         """The looped schedules' rounds (torch: ``number_of_rounds``)."""
-        return max(1, self.microbatches // self.pp)
+        return rounds(self.pp, self.microbatches)
 
     @property
     def per_round(self) -> int:
@@ -137,7 +109,7 @@ class PipelineSchedule:
             per = max(0.0, forward_s + input_backward_s - weight_backward_s)
         else:
             per = forward_s + input_backward_s + weight_backward_s
-        return (pp - 1) * per / (v if self.name in _LOOPED else 1)
+        return (pp - 1) * per / (v if is_looped(self.name) else 1)
 
     def bubble_fraction(
         self, forward_s: float, input_backward_s: float, weight_backward_s: float

@@ -23,10 +23,10 @@ from ..capacity.capacity import DEFAULT_RESERVE, CapacityOptions, capacity_repor
 from ..capacity.hardware import HARDWARE, Hardware, hardware
 from ..capacity.pipeline import plan_pipeline, search_pipeline
 from ..capacity.report import PlanReport, WorldReport, plan_report
-from ..capacity.schedules import PP_SCHEDULES, PipelineSchedule
+from ..capacity.schedules import PipelineSchedule
 from ..capacity.shapes import EXPERTS_PER_TOKEN
 from ..capacity.wire import ALL_GATHER_CODES, REDUCE_SCATTER_CODES, CompressionSpec
-from ..facts import ParallelDims
+from ..facts import PP_SCHEDULES, ParallelDims, stages_per_rank
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, MODEL_NAMES, build_model
 from ..planner import OPTIMIZER_TYPES, parse_buffer_size
@@ -378,8 +378,7 @@ def _run_pipeline(args: argparse.Namespace, hw: Hardware, options: CapacityOptio
     search for the fastest ``(dp, tp, pp, ep)`` that fits."""
     if args.plot:
         raise ValueError("--plot draws FSDP's curve against W; it does not take --pp")
-    looped = args.pp_schedule in ("interleaved-1f1b", "zero-bubble")
-    stages = args.stages_per_rank or (2 if looped else 1)
+    stages = args.stages_per_rank or stages_per_rank(args.pp_schedule)
     schedule = PipelineSchedule(args.pp_schedule, args.pp, args.microbatches or 4 * args.pp, stages)
     module = build_model(args.model, device="meta")
     k = EXPERTS_PER_TOKEN.get(args.model)

@@ -1,8 +1,8 @@
 """Pipeline schedules by name: torch's class, the stages a rank holds, the micro-batches run.
 
-Stated once for the job's options (``--pp-schedule``) and its checks. Pure Python: the names of
-torch's classes (``torch.distributed.pipelining.schedules``), no import of them, so a command's
-preflight refuses a bad option without loading torch's pipelining.
+Stated once for the job (``train --pp-schedule``) and the cost model (``plan --pp-schedule``).
+Pure Python: the names of torch's classes (``torch.distributed.pipelining.schedules``), no import
+of them, so a command's preflight refuses a bad option without loading torch's pipelining.
 """
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ __all__ = [
     "PP_SCHEDULES",
     "check_schedule",
     "default_microbatches",
+    "is_looped",
+    "rounds",
+    "schedule_class",
     "stage_indices",
     "stages_per_rank",
 ]
 
-#: ``--pp-schedule``: torch's schedule class and the stages each rank holds (the interleaved
-#: ones loop: rank ``r`` holds stages ``r`` and ``r + pp``).
+#: ``--pp-schedule``: torch's schedule class and the stages each rank holds in the job. The
+#: looped ones (torch's ``PipelineScheduleMulti``) take several: rank ``r`` holds stages ``r``,
+#: ``r + pp``, ...; the job runs 2, ``plan --stages-per-rank`` costs any.
 PP_SCHEDULES: dict[str, tuple[str, int]] = {
     "gpipe": ("ScheduleGPipe", 1),
     "1f1b": ("Schedule1F1B", 1),
@@ -34,9 +38,27 @@ NOT_WITH_PP = {
 }
 
 
+def _known(schedule: str) -> tuple[str, int]:
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(
+            f"unknown pipeline schedule {schedule!r}; known: {', '.join(PP_SCHEDULES)}"
+        )
+    return PP_SCHEDULES[schedule]
+
+
+def schedule_class(schedule: str) -> str:
+    """The name of torch's class that runs ``schedule``."""
+    return _known(schedule)[0]
+
+
 def stages_per_rank(schedule: str) -> int:
-    """Stages each pipeline rank holds under ``schedule``."""
-    return PP_SCHEDULES[schedule][1]
+    """Stages each pipeline rank holds under ``schedule`` in the job."""
+    return _known(schedule)[1]
+
+
+def is_looped(schedule: str) -> bool:
+    """Whether ``schedule`` takes several stages per rank (torch's ``PipelineScheduleMulti``)."""
+    return stages_per_rank(schedule) > 1
 
 
 def default_microbatches(pp: int, schedule: str) -> int:
@@ -49,18 +71,32 @@ def stage_indices(pp_rank: int, pp: int, schedule: str) -> list[int]:
     return [pp_rank + k * pp for k in range(stages_per_rank(schedule))]
 
 
-def check_schedule(pp: int, schedule: str, microbatches: int) -> None:
+def rounds(pp: int, microbatches: int) -> int:
+    """The rounds a looped schedule runs its micro-batches in (torch: ``number_of_rounds``)."""
+    return max(1, microbatches // pp)
+
+
+def check_schedule(
+    pp: int, schedule: str, microbatches: int, local_stages: int | None = None
+) -> None:
     """``ValueError`` naming the fault unless ``schedule`` runs ``microbatches`` micro-batches
-    over ``pp`` ranks, by torch's own rules: 1F1B keeps one micro-batch in flight per stage; the
-    interleaved schedules run them in rounds of equal size (``max(1, m // pp)`` rounds)."""
+    over ``pp`` ranks (with ``local_stages`` stages each, where given), by torch's own rules:
+    1F1B keeps one micro-batch in flight per stage; the looped schedules run them in rounds of
+    equal size (``max(1, m // pp)`` rounds); the others hold one stage per rank."""
+    looped = is_looped(schedule)
+    if local_stages is not None and not looped and local_stages != 1:
+        raise ValueError(
+            f"stages_per_rank: {schedule} runs one stage per rank, not {local_stages}; use "
+            f"{' or '.join(s for s in PP_SCHEDULES if is_looped(s))} for several"
+        )
     if schedule == "1f1b" and microbatches < pp:
         raise ValueError(
             f"microbatches: 1f1b over --pp {pp} needs at least {pp} micro-batches (one in "
             f"flight per stage), got {microbatches}"
         )
-    rounds = max(1, microbatches // pp)
-    if stages_per_rank(schedule) > 1 and microbatches % rounds:
+    count = rounds(pp, microbatches)
+    if looped and microbatches % count:
         raise ValueError(
-            f"microbatches: {schedule} runs its {microbatches} micro-batches in {rounds} rounds "
+            f"microbatches: {schedule} runs its {microbatches} micro-batches in {count} rounds "
             f"of equal size over --pp {pp}; use at most {pp} or a multiple of {pp}"
         )

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor, Shard
 
 from .._host import synchronize
-from ..facts import PP_SCHEDULES, stages_per_rank
+from ..facts import is_looped, schedule_class, stages_per_rank
 from ..models import GPT, hf
 from ..tensor import local_piece, shard_info
 from . import health
@@ -507,9 +507,9 @@ def build_schedule(
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return hf.mean_token_loss(logits, targets) / microbatches
 
-    cls = getattr(schedules, PP_SCHEDULES[schedule][0])
+    cls = getattr(schedules, schedule_class(schedule))
     options = {"n_microbatches": microbatches, "loss_fn": loss_fn, "scale_grads": False}
-    run = cls(timed[0], **options) if stages_per_rank(schedule) == 1 else cls(timed, **options)
+    run = cls(timed, **options) if is_looped(schedule) else cls(timed[0], **options)
     ties = _ties(model, stages, mine, n_stages, pp_mesh)
     copies = {id(p) for tie in ties for p in tie.copies}
     return Pipeline(StageSet(stages, copies), mine, n_stages, run, timed, pp_mesh, ties)
