@@ -49,7 +49,9 @@ __all__ = [
     "SystemCost",
     "UnshardableWorld",
     "WorldCapacity",
+    "capacity_planner",
     "capacity_report",
+    "plan_buckets",
     "plan_capacity",
     "search_mesh",
 ]
@@ -264,7 +266,11 @@ def _check_shardable(
             )
 
 
-def _planner(options: CapacityOptions, step: StepShape) -> tuple[StructAwarePlanner, RaggedShard]:
+def capacity_planner(
+    options: CapacityOptions, step: StepShape
+) -> tuple[StructAwarePlanner, RaggedShard]:
+    """The planner ``options`` plan with (and its shard policy): their optimizer, block size
+    and compression."""
     policy = RaggedShard(block_size=options.block_size)
     planner = StructAwarePlanner(
         optimizer_type=None if options.optimizer == "adamw" else options.optimizer,  # type: ignore[arg-type]
@@ -274,14 +280,16 @@ def _planner(options: CapacityOptions, step: StepShape) -> tuple[StructAwarePlan
     return planner, policy
 
 
-def _plans(
+def plan_buckets(
     module: nn.Module,
     planner: StructAwarePlanner,
     split: ModelSplit,
     world_size: int,
     options: CapacityOptions,
 ) -> list[ShardPlan]:
-    """Every bucket of the rank's pieces, each planned over its FSDP group."""
+    """Every bucket of ``module``'s pieces on one rank (``split``'s), each planned over its
+    FSDP group of ``world_size``; :class:`UnshardableWorld` where a group is larger than a
+    bucket's blocks."""
     buckets = model_buckets(
         module,
         param_dtype=options.param_dtype,
@@ -329,8 +337,8 @@ def plan_capacity(
         hw.offload_rates(world_size)  # raises for a preset without a host link
     start = time.perf_counter()
     step = options.step(hw)
-    planner, policy = _planner(options, step)
-    plans = _plans(module, planner, split, world_size, options)
+    planner, policy = capacity_planner(options, step)
+    plans = plan_buckets(module, planner, split, world_size, options)
     messages = None
     if step.compression is not None:
         messages = [message_bytes(p, policy, step.compression.block_size) for p in plans]

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -24,9 +25,11 @@ from .shapes import ModelShape
 __all__ = [
     "OPTIMIZERS",
     "SHAMPOO_DIM",
+    "Buffers",
     "MemoryBreakdown",
     "UnitBytes",
     "activation_bytes",
+    "buffer_bytes",
     "compression_state_bytes",
     "kept_activation_bytes",
     "last_block_activation_bytes",
@@ -420,7 +423,7 @@ def memory_breakdown(
     (:class:`~raggedfsdp.facts.HostCopies`)."""
     system = as_system(system)
     w, comm, master = world_size, step.param_dtype.itemsize, step.master_dtype.itemsize
-    local, local_grads, params, grads, gathered = _buffers(units, comm, w, system)
+    local, local_grads, params, grads, gathered = buffer_bytes(units, comm, w, system)
     kept = post_forward_bytes(units, step, w, system)
     moments = _peak_moments(shape, units, step, w, system, params, grads, gathered)
     n = len(units) - 1
@@ -510,20 +513,29 @@ def last_block_activation_bytes(shape: ModelShape, step: StepShape) -> int:
     return round(step.tokens * shape.block_activation_per_token(shape.blocks[-1]) * act)
 
 
-def _buffers(
-    units: Sequence[UnitBytes], comm: int, w: int, system: System
-) -> tuple[int, int, list[int], list[int], list[int]]:
+class Buffers(NamedTuple):
+    """What ``system`` holds of some units on one rank (:func:`buffer_bytes`)."""
+
+    local: int  # sharded elements
+    local_grads: int  # their gradients' elements
+    params: list[int]  # per unit, bytes of its unsharded parameters
+    grads: list[int]  # ... of its unsharded gradients
+    gathered: list[int]  # ... of its all-gather's output
+
+
+def buffer_bytes(units: Sequence[UnitBytes], comm: int, w: int, system: System) -> Buffers:
     """``system``'s sharded elements and their gradients' per rank, and per unit the bytes of
-    its unsharded parameters, of its unsharded gradients and of its all-gather output."""
+    its unsharded parameters, of its unsharded gradients and of its all-gather output, each
+    ``comm`` bytes an element, over groups of ``w``."""
     local = sum(u.shard(system) for u in units)
     local_grads = sum(u.trainable_shard(system) for u in units)
     if system.zero_copy:  # parameters, gradients and the all-gather: views of one storage
         params = [u.storage_bytes(w, comm) for u in units]
         grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
-        return local, local_grads, params, grads, params
+        return Buffers(local, local_grads, params, grads, params)
     # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
     # all-gather in flight holds is its padded output
-    return (
+    return Buffers(
         local,
         local_grads,
         [u.param_numel * comm for u in units],

@@ -24,15 +24,15 @@ from .capacity import (
     CapacityOptions,
     MeshFit,
     UnshardableWorld,
-    _planner,
-    _plans,
+    capacity_planner,
+    plan_buckets,
     search_mesh,
 )
 from .cost import (
     StepShape,
     UnitBytes,
-    _buffers,
     activation_bytes,
+    buffer_bytes,
     kept_activation_bytes,
     optimizer_state_bytes,
     unit_bytes,
@@ -42,7 +42,7 @@ from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import parallel_bytes
 from .schedules import PipelineSchedule
 from .shapes import ModelShape, UnitShape, model_shape
-from .steptime import _compute_s, _optimizer_s, collective_costs
+from .steptime import collective_costs, optimizer_step_s, unit_compute_s
 
 __all__ = [
     "PipelineFit",
@@ -380,7 +380,7 @@ def _plan_layout(
     cuts = stage_layers(len(cut.blocks), schedule.stages)
     stage_world = world_size // pp
     micro = options.step(hw)
-    planner, _ = _planner(options, micro)
+    planner, _ = capacity_planner(options, micro)
     # ranks whose blocks have the same shapes plan the same: each kind is planned once
     kinds = [_signature(b) for b in cut.blocks]
     planned: dict[tuple, tuple] = {}
@@ -391,7 +391,7 @@ def _plan_layout(
         key = (first, last, tuple(kinds[i] for i in layers))
         if key not in planned:
             stage = _stage_module(module, cut, layers, first, last)
-            plans = _plans(stage, planner, split, stage_world, options)
+            plans = plan_buckets(stage, planner, split, stage_world, options)
             units = unit_bytes(plans)
             if not units or units[-1].path:  # a middle rank's root holds nothing
                 units.append(UnitBytes("", (), (), 0, 0, world_size=stage_world))
@@ -444,11 +444,11 @@ def _rank_cost(
     rank, first, last, shape, units = stage.rank, stage.first, stage.last, stage.shape, stage.units
     state = stage.state
     comm, master = micro.param_dtype.itemsize, micro.master_dtype.itemsize
-    local, local_grads, params, _, _ = _buffers(units, comm, stage_world, system)
+    local, local_grads, params, _, _ = buffer_bytes(units, comm, stage_world, system)
     # the micro-batches' gradients accumulate in the reduce dtype (both systems, where it
     # differs: raggedfsdp's CastReduceScatter.accumulate, FSDP2's unsharded_accumulated_grad)
     accumulate = micro.reduce_input_itemsize(system)
-    grads = _buffers(units, accumulate, stage_world, system)[3]
+    grads = buffer_bytes(units, accumulate, stage_world, system).grads
     in_flight = schedule.in_flight(rank)
     loss, block = activation_bytes(shape, micro)
     working = max(block, loss if last else 0)
@@ -458,7 +458,7 @@ def _rank_cost(
     unsharded = sum(params) + sum(grads)
     persistent = (local + local_grads) * master + state
     peak = max(local * master + state + unsharded + activations, persistent)
-    fwd, bwd = _compute_s(shape, micro, hw)
+    fwd, bwd = unit_compute_s(shape, micro, hw)
     recompute = sum(fwd[:-1]) if micro.checkpointing else 0.0
     gathers, scatters = collective_costs(units, micro, hw, stage_world, system)
     return RankCost(
@@ -478,7 +478,7 @@ def _rank_cost(
         recompute_s=recompute,
         fsdp_s=sum(gathers.total) + sum(scatters.total),
         parallel_s=stage.parallel_s * schedule.microbatches,
-        optimizer_s=_optimizer_s(units, micro, hw, stage_world, state, system),
+        optimizer_s=optimizer_step_s(units, micro, hw, stage_world, state, system),
     )
 
 

@@ -28,7 +28,9 @@ __all__ = [
     "collective_costs",
     "gathers_per_unit",
     "host_copy_bytes",
+    "optimizer_step_s",
     "step_time",
+    "unit_compute_s",
 ]
 
 
@@ -304,7 +306,9 @@ def _beside(compute: float, *collectives: tuple[float, float]) -> float:
     return max(compute + cpu, waiting)
 
 
-def _compute_s(shape: ModelShape, step: StepShape, hw: Hardware) -> tuple[list[float], list[float]]:
+def unit_compute_s(
+    shape: ModelShape, step: StepShape, hw: Hardware
+) -> tuple[list[float], list[float]]:
     """Each unit's forward and backward compute: its FLOPs at ``peak x efficiency``; backward
     is twice the forward, and checkpointing recomputes every unit's forward but the root's."""
     rate = hw.peak_flops * hw.efficiency
@@ -404,10 +408,10 @@ def step_time(
     w = world_size
     gathers, scatters = collective_costs(units, step, hw, w, system)
     regathers = _regather_costs(units, step, hw, w, system, gathers)
-    fwd, bwd = _compute_s(shape, step, hw)
+    fwd, bwd = unit_compute_s(shape, step, hw)
     forward = _forward_s(fwd, gathers)
     backward = _backward_s(bwd, regathers, scatters, system)
-    optimizer = _optimizer_s(units, step, hw, w, optimizer_bytes, system)
+    optimizer = optimizer_step_s(units, step, hw, w, optimizer_bytes, system)
     regathered = system.regathered(len(units) - 1)
     copies = _host_copy_s(units, step, hw, w, system)
     again = set(_gathered_whole(units, step, w, system))
@@ -495,7 +499,7 @@ def _host_copy_s(
     return on_compute / hw.offload_rates(world_size)[0]
 
 
-def _optimizer_s(
+def optimizer_step_s(
     units: Sequence[UnitBytes],
     step: StepShape,
     hw: Hardware,
