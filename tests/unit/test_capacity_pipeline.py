@@ -18,8 +18,9 @@ import pipeline_cases
 import raggedfsdp as rf
 from raggedfsdp.capacity import CapacityOptions, hardware
 from raggedfsdp.capacity.cost import unit_bytes
-from raggedfsdp.capacity.pipeline import plan_pipeline, search_pipeline, stage_layers
+from raggedfsdp.capacity.pipeline import plan_pipeline, search_pipeline
 from raggedfsdp.capacity.schedules import PipelineSchedule
+from raggedfsdp.capacity.stages import stage_layers
 from raggedfsdp.cli import main
 from raggedfsdp.facts import PP_SCHEDULES, check_schedule, schedule_class, stages_per_rank
 from raggedfsdp.models import build_model

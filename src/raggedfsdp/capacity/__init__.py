@@ -23,14 +23,17 @@ from .capacity import (
     plan_capacity,
     search_mesh,
 )
-from .cost import MemoryBreakdown, StepShape, UnitBytes, memory_breakdown, unit_bytes
+from .cost import MemoryBreakdown, memory_breakdown
 from .hardware import HARDWARE, Hardware, hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes
-from .pipeline import PipelinePlan, PipelineSearch, plan_pipeline, search_pipeline, stage_layers
+from .pipeline import PipelinePlan, PipelineSearch, plan_pipeline, search_pipeline
 from .schedules import PipelineSchedule
 from .shapes import ModelShape, model_shape
+from .stages import stage_layers
+from .step_shape import StepShape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
+from .units import UnitBytes, unit_bytes
 from .wire import CODE_DTYPES, CompressionSpec
 
 __all__ = [

@@ -23,21 +23,15 @@ from ..layout import BlockSize, RaggedShard
 from ..models import build_model
 from ..planner import Bucket, ShardPlan, StructAwarePlanner, model_buckets
 from ..planner.quant_blocks import Compression
-from .cost import (
-    OPTIMIZERS,
-    MemoryBreakdown,
-    StepShape,
-    UnitBytes,
-    memory_breakdown,
-    optimizer_state_bytes,
-    unit_bytes,
-)
+from .cost import OPTIMIZERS, MemoryBreakdown, memory_breakdown, optimizer_state_bytes
 from .hardware import Hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import ParallelBytes, parallel_bytes, with_parallel_time
 from .parts import PartCost, part_costs
 from .shapes import EXPERTS_PER_TOKEN, ModelShape, model_shape
+from .step_shape import StepShape
 from .steptime import CollectiveBytes, StepTime, collective_bytes, step_time
+from .units import UnitBytes, unit_bytes
 from .wire import message_bytes
 
 __all__ = [

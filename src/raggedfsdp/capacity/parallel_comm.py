@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .cost import StepShape
 from .hardware import Hardware
 from .parallel import ModelSplit
 from .shapes import ModelShape
+from .step_shape import StepShape
 from .steptime import StepTime
 
 __all__ = ["ParallelBytes", "parallel_bytes", "with_parallel_time"]

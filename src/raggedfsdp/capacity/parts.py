@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from ..facts import is_vision
 from ..facts.systems import System
 from ..planner import ShardPlan
-from .cost import StepShape, UnitBytes, unit_path
+from .step_shape import StepShape
 from .steptime import gathers_per_unit
+from .units import UnitBytes, unit_path
 
 __all__ = ["PART_NAMES", "PartCost", "part_costs"]
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..facts import is_vision
 from ..facts.systems import RAGGEDFSDP, SYSTEMS, System
 from ..layout import RaggedShard
 from .capacity import (
@@ -28,21 +27,16 @@ from .capacity import (
     plan_buckets,
     search_mesh,
 )
-from .cost import (
-    StepShape,
-    UnitBytes,
-    activation_bytes,
-    buffer_bytes,
-    kept_activation_bytes,
-    optimizer_state_bytes,
-    unit_bytes,
-)
+from .cost import activation_bytes, buffer_bytes, kept_activation_bytes, optimizer_state_bytes
 from .hardware import Hardware
 from .parallel import ModelSplit, UnsplittableModel, split_model
 from .parallel_comm import parallel_bytes
 from .schedules import PipelineSchedule
-from .shapes import ModelShape, UnitShape, model_shape
+from .shapes import ModelShape, model_shape
+from .stages import StageCut, stage_layers
+from .step_shape import StepShape
 from .steptime import collective_costs, optimizer_step_s, unit_compute_s
+from .units import UnitBytes, unit_bytes
 
 __all__ = [
     "PipelineFit",
@@ -51,128 +45,7 @@ __all__ = [
     "RankCost",
     "plan_pipeline",
     "search_pipeline",
-    "stage_layers",
 ]
-
-
-def stage_layers(num_layers: int, stages: int) -> list[range]:
-    """The transformer layers of each stage, as torchtitan cuts them
-    (``generate_llm_fqn_per_model_part`` in ``torchtitan/distributed/pipeline_parallel.py``,
-    ``input_weight = output_weight = 1``): the embedding and the norm with the head each count as
-    one layer, ``num_layers + 2`` are shared out evenly, the first stages one more where they do
-    not divide; the first stage's share less the embedding, the last's less the head.
-
-    Raises:
-        ValueError: more stages than that count, or a stage left with no layer.
-    """
-    if stages == 1:
-        return [range(num_layers)]
-    effective = num_layers + 2
-    per, extra = divmod(effective, stages)
-    if per < 2:
-        raise ValueError(
-            f"{stages} pipeline stages for {num_layers} layers: torchtitan's cut counts the "
-            f"embedding and the head as a layer each, so each stage needs 2 or more of the "
-            f"{effective}; use at most {effective // 2} stages"
-        )
-    cuts, start = [], 0
-    for stage in range(stages):
-        count = per + (stage < extra) - (stage == 0) - (stage == stages - 1)
-        cuts.append(range(start, start + count))
-        start += count
-    return cuts
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """How a model divides into stages: its blocks' container (a ``ModuleList``, or a
-    ``ModuleDict`` as torchtitan's models hold them) and the root's other children, those before
-    it (with the first stage) and after it (with the last)."""
-
-    blocks_name: str
-    keys: tuple[str, ...]  # each block's name in its container
-    blocks: tuple[nn.Module, ...]
-    before: tuple[str, ...]
-    after: tuple[str, ...]
-
-    @property
-    def unit_ids(self) -> frozenset[int]:
-        """The blocks as FSDP units (a wrap policy's ids)."""
-        return frozenset(id(b) for b in self.blocks)
-
-
-def _cut(module: nn.Module, model: str) -> _Cut:
-    """The model's cut (torchtitan's: embedding first, norm and head last), or a clear error."""
-    containers = [
-        (n, c) for n, c in module.named_children() if isinstance(c, (nn.ModuleList, nn.ModuleDict))
-    ]
-    if len(containers) != 1 or any(is_vision(n) for n, _ in module.named_parameters()):
-        raise UnsplittableModel(
-            f"pipeline parallelism: {model} is not a decoder with one list of blocks among "
-            f"its root's children (found {len(containers)}"
-            f"{', and a vision side' if len(containers) == 1 else ''}); the planner cuts such a "
-            f"decoder's blocks into stages (a Hugging Face model's, nested under .model, not yet)"
-        )
-    if any(True for _ in module.parameters(recurse=False)):
-        raise UnsplittableModel(
-            f"pipeline parallelism: {model} holds parameters on its root, which no stage's "
-            f"cut says where to put"
-        )
-    weights = {}
-    for sub in module.modules():
-        for p in sub.parameters(recurse=False):
-            if id(p) in weights and weights[id(p)] is not sub:
-                raise UnsplittableModel(
-                    f"pipeline parallelism: {model} ties a weight across modules (the "
-                    f"embedding and the head); torchtitan's cut puts them on different "
-                    f"stages, untied"
-                )
-            weights[id(p)] = sub
-    name, container = containers[0]
-    keys, blocks = zip(*container.named_children(), strict=True) if len(container) else ((), ())
-    children = [n for n, _ in module.named_children()]
-    at = children.index(name)
-    return _Cut(name, tuple(keys), tuple(blocks), tuple(children[:at]), tuple(children[at + 1 :]))
-
-
-def _stage_module(
-    module: nn.Module, cut: _Cut, layers: Sequence[int], first: bool, last: bool
-) -> nn.Module:
-    """A rank's stages as one module for the planner: its blocks under their own names
-    (``layers.56``, in a ``ModuleDict``), the embedding on the first rank, the norm and head on
-    the last. It shares the model's (meta) modules."""
-    stage = nn.Module()
-    children = dict(module.named_children())
-    for name in (cut.before if first else ()) + (cut.after if last else ()):
-        stage.add_module(name, children[name])
-    blocks = nn.ModuleDict({cut.keys[i]: cut.blocks[i] for i in layers})
-    stage.add_module(cut.blocks_name, blocks)
-    return stage
-
-
-def _stage_shape(
-    full: ModelShape, cut: _Cut, stage: nn.Module, layers: Sequence[int], last: bool
-) -> ModelShape:
-    """The rank's share of the whole model's :class:`~.shapes.ModelShape`: its blocks' units
-    (and the units nested in them), and a root of what the stage's root holds: the head's
-    matmul on the last rank, no matmul elsewhere (an embedding is a lookup)."""
-    paths = {f"{cut.blocks_name}.{cut.keys[i]}" for i in layers}
-    units = [u for u in full.inner if any(u.path == p or u.path.startswith(p + ".") for p in paths)]
-    own = sum(
-        p.numel()
-        for name, child in stage.named_children()
-        if name != cut.blocks_name
-        for p in child.parameters()
-    )
-    root = UnitShape(
-        path="",
-        param_numel=own,
-        matmul_numel=full.root.matmul_numel if last else 0.0,
-        activation_per_token=0.0,
-        widest_per_token=full.root.widest_per_token if last else 0,
-        is_block=False,
-    )
-    return dataclasses.replace(full, units=(*units, root))
 
 
 def _signature(block: nn.Module) -> tuple:
@@ -315,7 +188,7 @@ def plan_pipeline(
     start = time.perf_counter()
     model = model_name or type(module).__name__
     _check_layout(world_size, options, schedule)
-    cut = _cut(module, model)
+    cut = StageCut.of(module, model)
     split, full = _split_and_shape(module, cut, options, experts_per_token, model)
     return _plan_layout(module, cut, split, full, world_size, hw, options, schedule, systems, start)
 
@@ -338,7 +211,7 @@ def _check_layout(world_size: int, options: CapacityOptions, schedule: PipelineS
 
 def _split_and_shape(
     module: nn.Module,
-    cut: _Cut,
+    cut: StageCut,
     options: CapacityOptions,
     experts_per_token: int | None,
     model: str,
@@ -365,7 +238,7 @@ def _split_and_shape(
 
 def _plan_layout(
     module: nn.Module,
-    cut: _Cut,
+    cut: StageCut,
     split: ModelSplit,
     full: ModelShape,
     world_size: int,
@@ -390,12 +263,12 @@ def _plan_layout(
         first, last = rank == 0, rank == pp - 1
         key = (first, last, tuple(kinds[i] for i in layers))
         if key not in planned:
-            stage = _stage_module(module, cut, layers, first, last)
+            stage = cut.stage_module(layers, first, last)
             plans = plan_buckets(stage, planner, split, stage_world, options)
             units = unit_bytes(plans)
             if not units or units[-1].path:  # a middle rank's root holds nothing
                 units.append(UnitBytes("", (), (), 0, 0, world_size=stage_world))
-            shape = _stage_shape(full, cut, stage, layers, last)
+            shape = cut.stage_shape(full, stage, layers, last)
             state = optimizer_state_bytes(plans, options.optimizer)
             parallel = parallel_bytes(shape, micro, hw, split)
             planned[key] = (units, shape, state, parallel.tp_s + parallel.ep_s)
@@ -576,43 +449,22 @@ def search_pipeline(
     (:func:`~.capacity.search_mesh`); those the model or the schedule cannot take are skipped.
     Returns those that fit, the fastest first."""
     start = time.perf_counter()
-    fits: list[PipelineFit] = []
-    tried = 0
+    model = model_name or type(module).__name__
     flat = search_mesh(
         module, world_size, hw, options, experts_per_token=experts_per_token, model_name=model_name
     )
-    tried += flat.tried
-    if flat.fastest is not None:
-        fits.append(_flat_fit(flat.fastest))
-    cut = _cut(module, model_name or type(module).__name__)
+    fits = [_flat_fit(flat.fastest)] if flat.fastest is not None else []
+    tried = flat.tried
+    cut = StageCut.of(module, model)
     for tp in [d for d in _divisors(world_size) if d <= hw.devices_per_node]:
         for ep in _divisors(world_size // tp):
             opts = _options_for(options, tp, ep)
             try:
-                split, full = _split_and_shape(
-                    module, cut, opts, experts_per_token, model_name or type(module).__name__
-                )
+                split, full = _split_and_shape(module, cut, opts, experts_per_token, model)
             except UnsplittableModel:
                 continue
-            for pp in _divisors(world_size // (tp * ep))[1:]:
-                try:
-                    sched = PipelineSchedule(schedule, pp, microbatches or 4 * pp, stages_per_rank)
-                    stage_layers(len(cut.blocks), sched.stages)
-                    _check_layout(world_size, opts, sched)
-                    plan = _plan_layout(
-                        module,
-                        cut,
-                        split,
-                        full,
-                        world_size,
-                        hw,
-                        opts,
-                        sched,
-                        (RAGGEDFSDP,),
-                        time.perf_counter(),
-                    )[RAGGEDFSDP.name]
-                except (ValueError, UnshardableWorld):  # the schedule, cut or world refuses
-                    continue
+            layout = _Layout(module, cut, split, full, world_size, hw, opts)
+            for plan in layout.plans(schedule, microbatches, stages_per_rank):
                 tried += 1
                 if plan.fits:
                     fits.append(
@@ -626,6 +478,47 @@ def search_pipeline(
                     )
     fits.sort(key=lambda f: -f.tokens_per_s)
     return PipelineSearch(world_size, schedule, tried, tuple(fits), time.perf_counter() - start)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A model cut and split for one ``(tp, ep)`` (``options``'), at one world size: what
+    :func:`search_pipeline` costs at each ``pp``."""
+
+    module: nn.Module
+    cut: StageCut
+    split: ModelSplit
+    full: ModelShape
+    world_size: int
+    hw: Hardware
+    options: CapacityOptions
+
+    def plans(
+        self, schedule: str, microbatches: int | None, stages_per_rank: int
+    ) -> Iterator[PipelinePlan]:
+        """raggedfsdp's plan at each ``pp`` the world leaves, skipping those the schedule, the
+        cut or the world refuses."""
+        dims = self.options.dims
+        for pp in _divisors(self.world_size // (dims.tp * dims.ep))[1:]:
+            try:
+                sched = PipelineSchedule(schedule, pp, microbatches or 4 * pp, stages_per_rank)
+                stage_layers(len(self.cut.blocks), sched.stages)
+                _check_layout(self.world_size, self.options, sched)
+                plans = _plan_layout(
+                    self.module,
+                    self.cut,
+                    self.split,
+                    self.full,
+                    self.world_size,
+                    self.hw,
+                    self.options,
+                    sched,
+                    (RAGGEDFSDP,),
+                    time.perf_counter(),
+                )
+            except (ValueError, UnshardableWorld):
+                continue
+            yield plans[RAGGEDFSDP.name]
 
 
 def _flat_fit(fit: MeshFit) -> PipelineFit:

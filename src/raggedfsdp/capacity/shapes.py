@@ -16,6 +16,7 @@ from torch import nn
 
 from ..planner import WrapPolicy, model_buckets
 from .parallel import ModelSplit, token_embedding
+from .units import unit_path
 
 __all__ = ["EXPERTS_PER_TOKEN", "ModelShape", "UnitShape", "model_shape"]
 
@@ -172,10 +173,7 @@ def _params_by_unit(
     """Each FSDP unit's parameters (name, parameter) by unit path (``""``: the root)."""
     by_unit: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for bucket in model_buckets(module, wrap=wrap):
-        unit_path = bucket.name.rsplit("/", 3 if "/frozen/" in bucket.name else 2)[0]
-        by_unit.setdefault("" if unit_path == "<root>" else unit_path, []).extend(
-            bucket.params.items()
-        )
+        by_unit.setdefault(unit_path(bucket.name), []).extend(bucket.params.items())
     return by_unit
 
 

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass
 
 from ..facts.systems import RAGGEDFSDP, Stream, System, as_system
 from ..planner.quant_blocks import Compression
-from .cost import StepShape, UnitBytes
 from .hardware import Hardware
 from .shapes import ModelShape
+from .step_shape import StepShape
+from .units import UnitBytes
 from .wire import codec_traffic_bytes
 
 __all__ = [

@@ -1,5 +1,7 @@
-"""``raggedfsdp plan --pp``: a pipeline layout's memory per stage and step, and the layout search,
-as rich tables or JSON (:mod:`raggedfsdp.capacity.pipeline`)."""
+"""``raggedfsdp plan --pp``'s tables: a layout's memory per stage and step, and the search.
+
+As rich tables or JSON, from :mod:`raggedfsdp.capacity.pipeline`'s plans and search.
+"""
 
 from __future__ import annotations
 
