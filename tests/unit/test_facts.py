@@ -56,11 +56,17 @@ def test_degrees_resolve_at_a_world_size_as_torchtitan_does():
         (lambda: ParallelDims(dp_shard=6, ep=4), "ep=4 does not divide dp_shard=6"),
         (
             lambda: ParallelDims(tp=3, ep=2).at_world(8),
-            r"tp=3 x ep=2 = 6 does not divide the world size 8",
+            r"tp=3 x ep=2 = 6 does not divide the world size 8: the ranks form a dp x ep x tp ",
+        ),
+        (
+            lambda: ParallelDims(tp=2, pp=2).at_world(6),
+            r"tp=2 x pp=2 x ep=1 = 4 does not divide the world size 6: the ranks form a pp x dp "
+            r"x ep x tp mesh",
         ),
         (
             lambda: ParallelDims(dp_replicate=2, tp=2).at_world(6),
-            r"dp_replicate=2 x tp=2 x ep=1 = 4 does not divide the world size 6",
+            r"dp_replicate=2 x tp=2 x ep=1 = 4 does not divide the world size 6: the ranks form "
+            r"a dp_replicate x dp x ep x tp mesh",
         ),
         (lambda: ParallelDims(dp_shard=2, tp=2).at_world(8), "spans 4 ranks, not the world"),
         (lambda: ParallelDims(tp=2).dp, r"dp of ParallelDims\(dp_shard=auto, tp=2\) needs a"),

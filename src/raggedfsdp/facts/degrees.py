@@ -34,8 +34,8 @@ def _positive(name: str, value: object, *, auto: bool = False) -> None:
 # world size is known (the capacity planner costs many) and after (:meth:`ParallelDims.at_world`).
 #
 # torchtitan lets ``ep`` borrow from ``cp`` too, and has ``etp = 1`` (experts not tensor-parallel,
-# ``ep`` borrowing the ``tp`` ranks); neither is modelled here. ``cp`` and ``pp`` are degrees a run
-# may state; nothing in raggedfsdp splits by them yet.
+# ``ep`` borrowing the ``tp`` ranks); neither is modelled here. ``pp`` is outermost (the job's
+# ``--pp`` mesh, ``train/mesh.py``); ``cp`` a run may state, nothing in raggedfsdp splits by it yet.
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """How a run's ranks are split (module doc).
@@ -46,7 +46,7 @@ class ParallelDims:
             (:meth:`at_world` resolves it).
         cp: context-parallel ranks (stated, not modelled).
         tp: tensor-parallel ranks, innermost.
-        pp: pipeline stages (stated, not modelled).
+        pp: pipeline ranks, outermost.
         ep: expert-parallel ranks, borrowed from ``dp_shard``.
     """
 
@@ -109,11 +109,17 @@ class ParallelDims:
             ]
             raise ValueError(
                 f"{' x '.join(terms)} = {self.world_multiple} does not divide the world size "
-                f"{world_size:,}: the ranks form a dp x ep x tp mesh; use a world size that is "
-                f"a multiple of {self.world_multiple}"
+                f"{world_size:,}: the ranks form a {self._mesh_text()} mesh; use a world size "
+                f"that is a multiple of {self.world_multiple}"
             )
         rest = self.dp_replicate * self.cp * self.tp * self.pp
         return dataclasses.replace(self, dp_shard=world_size // rest)
+
+    def _mesh_text(self) -> str:
+        """The mesh's dims, outermost first: ``dp``, ``ep`` and ``tp`` always, the others
+        where stated (``pp x dp x ep x tp``)."""
+        order = ("pp", "dp_replicate", "dp", "cp", "ep", "tp")
+        return " x ".join(n for n in order if n in ("dp", "ep", "tp") or getattr(self, n) != 1)
 
     def check_world(self, world_size: int) -> None:
         """:meth:`at_world`'s checks alone."""
