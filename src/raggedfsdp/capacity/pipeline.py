@@ -195,13 +195,7 @@ def plan_pipeline(
 
 def _check_layout(world_size: int, options: CapacityOptions, schedule: PipelineSchedule) -> None:
     """The degrees divide the world, and the settings are those costed: one line each."""
-    dims = options.dims
-    if world_size % (schedule.pp * dims.world_multiple):
-        raise ValueError(
-            f"pp={schedule.pp} x tp={dims.tp} x ep={dims.ep} does not divide the world size "
-            f"{world_size:,}; use a world size that is a multiple of "
-            f"{schedule.pp * dims.world_multiple}"
-        )
+    dataclasses.replace(options.dims, pp=schedule.pp).check_world(world_size)
     if options.reshard_after_forward is not None or options.offload or options.compression:
         raise ValueError(
             "pipeline parallelism is costed with torchtitan's settings (no reshard after "
