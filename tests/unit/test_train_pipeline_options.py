@@ -7,10 +7,12 @@ tests/e2e/test_train_pp.py.
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
 import torch
 
+from raggedfsdp.facts import PP_SCHEDULES, PPSchedule
 from raggedfsdp.models import GPT, GPT_CONFIGS, hf
 from raggedfsdp.train.build import job_mesh, new_model
 from raggedfsdp.train.config import TrainConfig
@@ -50,6 +52,14 @@ def test_the_mesh_places_pp_outermost():
 def test_options_are_checked_when_made(options, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(model="gpt-tiny", **options)
+
+
+def test_the_options_schedules_are_the_facts():
+    """``--pp-schedule``'s type (the option's check and the CLI's choices) names exactly the
+    schedules facts/schedules.py maps to torch's classes."""
+    assert typing.get_args(PPSchedule) == tuple(PP_SCHEDULES)
+    with pytest.raises(ValueError, match=r"^unknown pipeline schedule 'dualpipe'; known: gpipe, "):
+        TrainConfig(model="gpt-tiny", pp=2, pp_schedule="dualpipe")  # type: ignore[arg-type]
 
 
 def test_gpipe_takes_fewer_microbatches_than_stages():

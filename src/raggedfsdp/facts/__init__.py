@@ -13,6 +13,7 @@ from .degrees import ParallelDims
 from .schedules import (
     NOT_WITH_PP,
     PP_SCHEDULES,
+    PPSchedule,
     check_schedule,
     default_microbatches,
     is_looped,
@@ -48,6 +49,7 @@ __all__ = [
     "VISION_MODULES",
     "GlooReduceScatter",
     "HostCopies",
+    "PPSchedule",
     "ParallelDims",
     "Staging",
     "Stream",

@@ -7,9 +7,12 @@ of them, so a command's preflight refuses a bad option without loading torch's p
 
 from __future__ import annotations
 
+from typing import Literal
+
 __all__ = [
     "NOT_WITH_PP",
     "PP_SCHEDULES",
+    "PPSchedule",
     "check_schedule",
     "default_microbatches",
     "is_looped",
@@ -19,10 +22,13 @@ __all__ = [
     "stages_per_rank",
 ]
 
+#: A schedule's name, as a type (the job's option and CLI choices): :data:`PP_SCHEDULES`' keys.
+PPSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+
 #: ``--pp-schedule``: torch's schedule class and the stages each rank holds in the job. The
 #: looped ones (torch's ``PipelineScheduleMulti``) take several: rank ``r`` holds stages ``r``,
 #: ``r + pp``, ...; the job runs 2, ``plan --stages-per-rank`` costs any.
-PP_SCHEDULES: dict[str, tuple[str, int]] = {
+PP_SCHEDULES: dict[PPSchedule, tuple[str, int]] = {
     "gpipe": ("ScheduleGPipe", 1),
     "1f1b": ("Schedule1F1B", 1),
     "interleaved-1f1b": ("ScheduleInterleaved1F1B", 2),

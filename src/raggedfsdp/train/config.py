@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
 from ..digits import ImageFormat, check_installed
-from ..facts import NOT_WITH_PP, check_schedule, default_microbatches
+from ..facts import NOT_WITH_PP, PPSchedule, check_schedule, default_microbatches
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
@@ -93,7 +93,7 @@ class TrainConfig:
     schedules), the embedding with the first, norm and head with the last, each sharded over
     world / pp ranks (--tp within); a GPT or a Llama-style --hf-config. Not with --ep."""
 
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"] = "1f1b"
+    pp_schedule: PPSchedule = "1f1b"
     """With --pp: torch's schedule (interleaved-1f1b and zero-bubble: 2 stages per rank)."""
 
     microbatches: int | None = None
