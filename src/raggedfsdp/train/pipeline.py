@@ -124,8 +124,7 @@ def cut(model: nn.Module, stage: int, stages: int) -> nn.Module:
     part = copy.deepcopy(model)
     owner = part.get_submodule(parts.layers_owner)
     layers = getattr(owner, parts.layers_attr)
-    per = len(layers) // stages
-    kept = {str(i): layers[i] for i in range(stage * per, (stage + 1) * per)}
+    kept = {str(i): layers[i] for i in _stage_range(len(layers), stage, stages)}
     setattr(owner, parts.layers_attr, nn.ModuleDict(kept))
     dropped = (parts.first if stage else ()) + (parts.last if stage != stages - 1 else ())
     for path in dropped:
@@ -134,6 +133,13 @@ def cut(model: nn.Module, stage: int, stages: int) -> nn.Module:
     if not isinstance(part, GPT):
         part.forward = types.MethodType(_hf_stage_forward, part)  # type: ignore[method-assign]
     return part
+
+
+def _stage_range(layers: int, stage: int, stages: int) -> range:
+    """The layers stage ``stage`` of ``stages`` holds: an equal share (:func:`check_pipeline`
+    refuses a count the stages do not divide)."""
+    per = layers // stages
+    return range(stage * per, (stage + 1) * per)
 
 
 def _hf_stage_forward(self: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -357,11 +363,10 @@ def _holds(model: nn.Module, names: list[str], stage: int, stages: int) -> bool:
     """Whether stage ``stage`` holds one of ``names`` (the whole model's names)."""
     parts = _parts(model)
     layers = f"{parts.layers_owner}.{parts.layers_attr}.".lstrip(".")
-    per = len(_layers(model)) // stages
+    held = _stage_range(len(_layers(model)), stage, stages)
     for name in names:
         if name.startswith(layers):
-            index = int(name[len(layers) :].split(".", 1)[0])
-            if stage * per <= index < (stage + 1) * per:
+            if int(name[len(layers) :].split(".", 1)[0]) in held:
                 return True
         elif any(name.startswith(p + ".") for p in parts.first):
             if stage == 0:
