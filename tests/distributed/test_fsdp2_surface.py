@@ -6,11 +6,13 @@ rank, before any collective. One Gloo launch of 2 ranks; the tests judge its col
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,7 +25,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.fsdp._fully_shard._fsdp_init import (
+    _get_managed_modules,
+    _get_managed_states,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import raggedfsdp as rf
 from harness import run_distributed
@@ -106,6 +112,35 @@ def _sgd_step(model: nn.Module, rank: int, lr: float) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in full.values()])
 
 
+def _managed(impl: str) -> tuple[list[str], int]:
+    """What torch's own traversal (``_get_managed_modules``, run by a torch ``fully_shard`` or
+    ``replicate`` of a parent) takes as the parent's: module names and parameter count, with
+    ``blocks[0]`` a unit of its own."""
+    model = _fresh()
+    (torch_fully_shard if impl == "torch" else rf.fully_shard)(model.blocks[0])
+    modules = _get_managed_modules((model,))
+    params, _ = _get_managed_states(modules)
+    names = {id(module): name for name, module in model.named_modules()}
+    return sorted(names[id(module)] for module in modules), len(params)
+
+
+def _broadcast_from_first_replica(impl: str, rank: int) -> nn.Module:
+    """FSDP2's recipe for HSDP replicas that start apart (torch's
+    ``test_hsdp_broadcast_across_replicas``): the other replicas' values overwritten, then every
+    local tensor broadcast from the first replica over the replicate dim, in place."""
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    model = _shard(impl, _fresh(), mesh=mesh)
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if mesh.get_local_rank("replicate") > 0:
+        for tensor in tensors:
+            tensor.detach().fill_(1337.0)
+    group = mesh.get_group("replicate")
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        dist.broadcast(local, src=dist.get_process_group_ranks(group)[0], group=group)
+    return model
+
+
 def _fresh(cls: type = OddModel) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -125,6 +160,8 @@ def _equivalences(rank: int) -> dict[str, Any]:
     for impl in ("torch", "rf"):
         res = out.setdefault(impl, {})
         res["default"] = _train(_shard(impl, _fresh()), rank)
+        res["managed"] = _managed(impl)
+        res["hsdp_broadcast"] = _train(_broadcast_from_first_replica(impl, rank), rank)
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
         for unshard in (True, False):
             model = _embedding_unit(impl, unshard_in_backward=unshard)
@@ -342,6 +379,7 @@ CASES = (
     "divide_factor",
     "hsdp_accumulate",
     "unshard_in_backward_False",
+    "hsdp_broadcast",
 )
 
 
@@ -349,6 +387,27 @@ CASES = (
 def test_same_training_as_fsdp2(results, case):
     for rank in results:
         torch.testing.assert_close(rank["same"]["rf"][case], rank["same"]["torch"][case])
+
+
+def test_torch_traversals_take_units_as_nested_fully_shard(results):
+    """torch's ``_get_managed_modules`` leaves a raggedfsdp unit out, as it leaves an FSDP2 one
+    out (it finds its state through ``_get_module_state``): the parent manages itself and
+    ``blocks[1]``, and none of ``blocks[0]``'s modules or parameters."""
+    for rank in results:
+        ours, theirs = rank["same"]["rf"]["managed"], rank["same"]["torch"]["managed"]
+        assert ours == theirs
+        names, params = ours
+        assert "blocks.1" in names and not any(n.startswith("blocks.0") for n in names), names
+        assert params == 5 + 6  # emb (tied with head), tiny, frozen, ln (2); blocks.1's 6
+
+
+def test_hsdp_broadcast_lands_in_the_shards(results):
+    """The broadcast into each local tensor is what trains (the other replica's 1337s gone),
+    as with FSDP2 (``hsdp_broadcast`` in ``test_same_training_as_fsdp2``), and it is HSDP's
+    default training then."""
+    for rank in results:
+        ours = rank["same"]["rf"]
+        torch.testing.assert_close(ours["hsdp_broadcast"], ours["default"])
 
 
 def test_reshard_after_forward_none_trains_as_true(results):
