@@ -141,6 +141,28 @@ def _broadcast_from_first_replica(impl: str, rank: int) -> nn.Module:
     return model
 
 
+def _rank_alone(impl: str) -> nn.Module:
+    """OddModel sharded by each rank over a mesh of its own (one rank): no replicas."""
+    own = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))["shard"]
+    return _shard(impl, _fresh(), mesh=own)
+
+
+def _replicated_by_hook(impl: str) -> nn.Module:
+    """HSDP written by hand, as torch's ``test_custom_hsdp_all_reduce_hook``: each rank alone
+    (:func:`_rank_alone`) and every unit's all-reduce hook averaging the reduced shards over
+    the world (Gloo has no ``AVG``: a sum, then halved)."""
+    model = _rank_alone(impl)
+
+    def average(reduced: torch.Tensor) -> None:
+        dist.all_reduce(reduced)
+        reduced.div_(WORLD)
+
+    for module in model.modules():
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.set_all_reduce_hook(average)
+    return model
+
+
 def _fresh(cls: type = OddModel) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -162,6 +184,9 @@ def _equivalences(rank: int) -> dict[str, Any]:
         res["default"] = _train(_shard(impl, _fresh()), rank)
         res["managed"] = _managed(impl)
         res["hsdp_broadcast"] = _train(_broadcast_from_first_replica(impl, rank), rank)
+        res["all_reduce_hook"] = _train(_replicated_by_hook(impl), rank)
+        if impl == "rf":
+            res["rank_alone"] = _train(_rank_alone(impl), rank)
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
         for unshard in (True, False):
             model = _embedding_unit(impl, unshard_in_backward=unshard)
@@ -324,6 +349,12 @@ def _errors(rank: int) -> dict[str, str]:
             nn.Sequential(nn.Linear(4, 4)), mesh=flat, shard_placement_fn=_own_mesh(square)
         ),
         "module_list": lambda: rf.fully_shard(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])),
+        "hook_stream_hsdp": lambda: rf.fully_shard(
+            nn.Linear(4, 4), mesh=square
+        ).set_all_reduce_hook(lambda reduced: None, stream=object()),
+        "hook_stream_hsdp_torch": lambda: torch_fully_shard(
+            nn.Linear(4, 4), mesh=square
+        ).set_all_reduce_hook(lambda reduced: None, stream=object()),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
@@ -336,7 +367,6 @@ def _errors(rank: int) -> dict[str, str]:
             for name in (
                 "set_custom_all_gather",
                 "set_custom_reduce_scatter",
-                "set_all_reduce_hook",
                 "set_separate_reduce_scatter_group",
                 "set_reduce_scatter_unused_params",
                 "set_reduce_scatter_max_input_buffers",
@@ -380,6 +410,7 @@ CASES = (
     "hsdp_accumulate",
     "unshard_in_backward_False",
     "hsdp_broadcast",
+    "all_reduce_hook",
 )
 
 
@@ -408,6 +439,18 @@ def test_hsdp_broadcast_lands_in_the_shards(results):
     for rank in results:
         ours = rank["same"]["rf"]
         torch.testing.assert_close(ours["hsdp_broadcast"], ours["default"])
+
+
+def test_all_reduce_hook_replicates_as_hsdp(results):
+    """Replicas made by an all-reduce hook (each rank its own one-rank shard mesh) train as
+    the default run over both ranks, as with FSDP2 (``all_reduce_hook`` in
+    ``test_same_training_as_fsdp2``); the control: without the hook each rank trains on its
+    own batch, and the ranks part."""
+    for rank in results:
+        ours = rank["same"]["rf"]
+        torch.testing.assert_close(ours["all_reduce_hook"], ours["default"])
+    alone = [rank["same"]["rf"]["rank_alone"] for rank in results]
+    assert not torch.allclose(alone[0], alone[1])
 
 
 def test_reshard_after_forward_none_trains_as_true(results):
@@ -536,6 +579,8 @@ EXPECTED = {
         "sharded on dim 0 and replicated on dim None",
     ),
     "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
+    "hook_stream_hsdp": ("ValueError", "stream cannot be set when using native HSDP"),
+    "hook_stream_hsdp_torch": ("ValueError", "stream cannot be set when using native HSDP"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),
@@ -543,7 +588,6 @@ EXPECTED = {
     "divide_factor_zero": ("ValueError", "divide factor", "got 0"),
     "set_custom_all_gather": ("NotImplementedError", "in place", "DBuffers"),
     "set_custom_reduce_scatter": ("NotImplementedError", "in place", "DBuffers"),
-    "set_all_reduce_hook": ("NotImplementedError", "in place", "DBuffers"),
     "set_separate_reduce_scatter_group": ("NotImplementedError", "in place", "DBuffers"),
     "set_reduce_scatter_unused_params": ("NotImplementedError", "unused", "zeros"),
     "set_reduce_scatter_max_input_buffers": ("NotImplementedError", "pool", "DBufferConfig"),
