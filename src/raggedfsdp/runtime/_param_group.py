@@ -26,6 +26,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
+from ._reduce import run_all_reduce_hook
 from ._reshard_to import ReshardTo
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
@@ -518,6 +519,9 @@ class FSDPParamGroup:
                     wait_all([item.replicate])
                     reduce.check_replicated(item.output)
                 if reduce.unreplicated is None:  # a gradient of every replica
+                    knobs = self.knobs
+                    hook, hook_stream = knobs.all_reduce_hook, knobs.all_reduce_hook_stream
+                    run_all_reduce_hook(hook, hook_stream, item.output, streams)
                     bucket.take_reduced(self._divided(item.output), self.offload, self.stats)
             # compute waits for this before the optimizer reads the gradients (finish_iteration)
             self._reduced = streams.record(label=f"reduced:{self.label}")
