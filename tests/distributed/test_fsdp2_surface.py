@@ -188,6 +188,11 @@ def _equivalences(rank: int) -> dict[str, Any]:
         if impl == "rf":
             res["rank_alone"] = _train(_rank_alone(impl), rank)
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
+        peeked = _shard(impl, _fresh())
+        peeked.blocks[0].unshard()  # before the root's first forward: it makes no root
+        res["peeked_weight"] = peeked.blocks[0].fc1.weight.detach().clone()
+        peeked.blocks[0].reshard()
+        res["unshard_before_forward"] = _train(peeked, rank)
         for unshard in (True, False):
             model = _embedding_unit(impl, unshard_in_backward=unshard)
             res[f"unshard_in_backward_{unshard}"] = _train(model, rank)
@@ -411,6 +416,8 @@ CASES = (
     "unshard_in_backward_False",
     "hsdp_broadcast",
     "all_reduce_hook",
+    "unshard_before_forward",
+    "peeked_weight",
 )
 
 

@@ -170,12 +170,13 @@ class FSDPParamGroup:
             )
         self._bind_storages()
 
-    def bind(self, shared: SharedResources, paths: list[str]) -> None:
+    def bind(self, shared: SharedResources, paths: list[str], *, replace: bool = False) -> None:
         """Join the root, once, at its lazy init: use its shared resources, and take the unit's
         names, its modules' ``paths`` below the root (as FSDP2's ``_init_fqns``): errors,
         profiler ranges and the parameters named in them say them from now on. The root then
-        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``)."""
-        if self._shared is not None and self._shared is not shared:
+        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``).
+        ``replace``: leaving a root that never ran a forward."""
+        if self._shared is not None and self._shared is not shared and not replace:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
                 f"fully_shard to the root once and run forward through it"
