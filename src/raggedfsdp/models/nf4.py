@@ -4,7 +4,8 @@
 byte in row-major order, and one fp32 absmax scale per block of ``block`` consecutive elements
 (64 by default) - torchao's ``NF4Tensor`` layout without its double-quantized scales, so half a byte
 per parameter plus ``4 / block``. It computes as its dequantized value, and is frozen: an in-place
-update is an error, never an update of a temporary.
+update is an error, never an update of a temporary; ``copy_`` of plain values quantizes them (a
+checkpoint holds the dequantized values, which quantize back to the same codes and scales).
 
 It speaks FSDP2's all-gather extension protocol (the 1-argument ``fsdp_pre_all_gather``: its codes
 and scales travel, not fp32 values; ``fsdp_post_all_gather`` with ``out=``, and the parameter
@@ -141,13 +142,8 @@ class NF4Weight(torch.Tensor):
             device = kwargs.get("device") or t.device
             dtype = kwargs.get("dtype") or t.dtype
             return t._like(t.codes.to(device), t.scales.to(device), dtype=dtype)
-        if func is torch.ops.aten.copy_.default and all(isinstance(a, cls) for a in args[:2]):
-            out, src = args[:2]
-            if out.shape != src.shape or out.block != src.block:
-                raise ValueError(f"copy_ of {src!r} into {out!r}: shapes or blocks differ")
-            out.codes.copy_(src.codes)
-            out.scales.copy_(src.scales)
-            return out
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], cls):
+            return args[0]._copy_from(args[1])
         if func._schema.is_mutable:
             raise TypeError(
                 f"NF4Weight is a frozen weight: {func} would update a dequantized copy of it; "
@@ -155,6 +151,17 @@ class NF4Weight(torch.Tensor):
             )
         plain = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain[0], **plain[1])
+
+    def _copy_from(self, src: torch.Tensor) -> NF4Weight:
+        """``copy_``: another NF4 weight's codes and scales, or plain values quantized (as
+        torchao's NF4 takes them: a checkpoint's dequantized values load back bit for bit)."""
+        if src.shape != self.shape:
+            raise ValueError(f"copy_ of a tensor of shape {list(src.shape)} into {self!r}")
+        if not isinstance(src, NF4Weight) or src.block != self.block:
+            src = NF4Weight.quantize(src.to(self.device), self.block)
+        self.codes.copy_(src.codes)
+        self.scales.copy_(src.scales)
+        return self
 
     def _rows(self, dim: int, start: int, end: int | None) -> NF4Weight:
         """Rows ``[start, end)``: whole blocks of the codes and scales, or ``ValueError``."""

@@ -35,6 +35,7 @@ from .build import build_model, build_optimizer, job_mesh, optimizer_bytes
 from .checkpoints import load_checkpoint, save_checkpoint
 from .config import Fault, FaultKind, TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
+from .lora_meter import LoRAMeter
 from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
@@ -540,6 +541,7 @@ def _run_job(
     # -- optimizer -------------------------------------------------------------------------------
     optimizer = build_optimizer(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    meter = LoRAMeter(model, optimizer) if cfg.lora_rank is not None else None
 
     # -- resume ----------------------------------------------------------------------------------
     start_step = 0 if ckpt is None else _resume(ckpt, cfg, mesh, model, optimizer, sampler)
@@ -556,6 +558,8 @@ def _run_job(
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)
+    if meter is not None:
+        meter.report(cfg, monitor, cfg.steps)
 
     # -- the end (train() closes the watchdog and the SIGTERM handler) ----------------------------
     monitor.close(wall_s=time.perf_counter() - started)
