@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -39,7 +40,7 @@ from raggedfsdp.models.nf4 import DEFAULT_BLOCK as BLOCK
 from raggedfsdp.models.nf4 import NF4Weight
 from raggedfsdp.runtime._hooks import states_under
 from raggedfsdp.runtime._subclass import SubclassGroup
-from subclasses import FP8, Fp8CastWeight
+from subclasses import FP8, Fp8CastWeight, Fp8CastWeightReleasing
 
 pytestmark = pytest.mark.slow
 
@@ -198,6 +199,101 @@ def _dcp_round_trip(base: Net, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+class MPNet(nn.Module):
+    """An fp8-cast linear of 48 rows (which W = 2 and 3 divide, as FSDP2 needs) and a plain
+    projection back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8 = nn.Linear(DIM, 48)
+        self.fp8.weight = nn.Parameter(Fp8CastWeight(self.fp8.weight.detach().clone()))
+        self.proj = nn.Linear(48, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.proj(torch.tanh(self.fp8(x)))).pow(2).mean()
+
+
+def _mixed_precision(rank: int, world: int) -> dict[str, Any]:
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with a protocol parameter:
+    raggedfsdp and FSDP2 train the same model in one launch (and raggedfsdp without the policy,
+    the negative control); the dtype the NF4 base dequantizes to under raggedfsdp's policy."""
+    torch.manual_seed(2)
+    base = MPNet()
+    policies = {
+        "rf": (rf.fully_shard, rf.MixedPrecisionPolicy),
+        "fsdp2": (fsdp2_fully_shard, TorchMixedPrecisionPolicy),
+        "rf_fp32": (rf.fully_shard, None),
+    }
+    out: dict[str, Any] = {}
+    for name, (shard, policy) in policies.items():
+        model = copy.deepcopy(base)
+        kwargs = {}
+        if policy is not None:
+            kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        shard(model.fp8, **kwargs)
+        shard(model, **kwargs)
+        out[f"{name}/class"] = type(model.fp8.weight.to_local()).__name__
+        _train(model, rank, world)
+        out[name] = _full(model, None)
+    torch.manual_seed(0)
+    model = _sharded(Net(), mp_policy=rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    seen: list[torch.dtype] = []
+    model.blocks[0].register_forward_pre_hook(lambda block, _: seen.append(block.base.dtype))
+    _train(model, rank, world)
+    out["nf4_dtype"] = seen
+    return out
+
+
+def _release(base: Net, rank: int, world: int) -> dict[str, Any]:
+    """The fp8 weights as :class:`Fp8CastWeightReleasing`: trained, and the bytes their all-gather
+    outputs (and the NF4 base's, which does not release them) hold inside each block's forward."""
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        block.fp8.weight = nn.Parameter(Fp8CastWeightReleasing(block.fp8.weight._data))
+    model = _sharded(model)
+    held: dict[str, list[int]] = {"fp8": [], "base": []}
+
+    def observe(block: nn.Module, _: Any) -> None:
+        (group,) = [s.group for s in states_under(block) if isinstance(s.group, SubclassGroup)]
+        for param in group.subclass.params:
+            kind = "base" if param.fqn.endswith("base") else "fp8"
+            held[kind] += [t.untyped_storage().nbytes() for t in param.outputs or []]
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(observe)
+    _train(model, rank, world)
+    return {"params": _full(model, None), "held": held}
+
+
+class Unused(nn.Module):
+    """Two fp8-cast linears; forward uses ``a`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, 48), nn.Linear(DIM, 48)
+        for linear in (self.a, self.b):
+            linear.weight = nn.Parameter(Fp8CastWeight(linear.weight.detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).pow(2).mean()
+
+
+def _unused(rank: int, world: int) -> dict[str, Any]:
+    """A protocol parameter no rank used: its gradient after each backward on every rank (None
+    in one process), and whether AdamW's weight decay then left it alone."""
+    torch.manual_seed(3)
+    model = rf.fully_shard(Unused())
+    before = _plain(model.b.weight.to_local())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = []
+    for x in _batches(world):
+        model(x[rank * BATCH : (rank + 1) * BATCH]).backward()
+        grads.append((model.a.weight.grad is not None, model.b.weight.grad is None))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"grads": grads, "b_unchanged": torch.equal(_plain(model.b.weight.to_local()), before)}
+
+
 def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -222,6 +318,9 @@ def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
         out["rf"][case] = _full(model, None)
         out["bytes"][case] = _gathered_bytes(model)
     out["dcp"] = _dcp_round_trip(base, rank, world)
+    out["mixed_precision"] = _mixed_precision(rank, world)
+    out["release"] = _release(base, rank, world)
+    out["unused"] = _unused(rank, world)
     if HAS_TORCHAO:
         out["torchao"] = _torchao_float8(rank, world)
     return out
@@ -299,3 +398,40 @@ def test_torchao_float8_weights_equal_one_process_and_fsdp2(grid: Grid, world: i
         gathers = wire["float8_e4m3fn"] // (2 * DIM * DIM)
         assert gathers >= STEPS and wire["float8_e4m3fn"] == gathers * 2 * DIM * DIM
         assert set(wire) == {"float8_e4m3fn", "padding"}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mixed_precision_equals_fsdp2(grid: Grid, world: int) -> None:
+    """bf16 parameters, fp32 reduction: raggedfsdp's numbers are FSDP2's (the subclass's hooks
+    take the policy and its param_dtype as FSDP2 gives them), and the policy matters (without it
+    the numbers differ: the negative control). The NF4 base dequantizes to bf16 under it."""
+    for results in grid[world]:
+        got = results["mixed_precision"]
+        assert got["rf/class"] == got["fsdp2/class"] == "Fp8CastWeight"
+        assert_close_dicts(got["rf"], got["fsdp2"])
+        key = "fp8.weight"
+        assert (got["rf"][key] - got["rf_fp32"][key]).abs().max() > 1e-4
+        assert got["nf4_dtype"] and set(got["nf4_dtype"]) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_released_all_gather_outputs(grid: Grid, world: int) -> None:
+    """``fsdp_should_release_all_gather_outputs_after_post_all_gather`` True: the all-gather
+    outputs hold no bytes once the unsharded weight is built (the NF4 base, which keeps its
+    outputs inside its unsharded form, holds them), and training is the default's bit for bit."""
+    for results in grid[world]:
+        got = results["release"]
+        assert got["held"]["fp8"] and set(got["held"]["fp8"]) == {0}
+        assert got["held"]["base"] and min(got["held"]["base"]) > 0
+        for key, want in results["rf"]["default"].items():
+            assert torch.equal(got["params"][key], want), key
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_protocol_parameter_no_rank_used_keeps_no_gradient(grid: Grid, world: int) -> None:
+    """As in one process: ``.grad`` stays None, so AdamW's weight decay leaves it alone (a zero
+    gradient would decay it: the negative control is the used one, which has its gradient)."""
+    for results in grid[world]:
+        got = results["unused"]
+        assert got["grads"] == [(True, True)] * STEPS
+        assert got["b_unchanged"]

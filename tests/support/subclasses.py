@@ -22,7 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-__all__ = ["Fp8CastWeight", "Opaque", "fp8_qdq"]
+__all__ = ["Fp8CastWeight", "Fp8CastWeightReleasing", "Opaque", "fp8_qdq"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -36,6 +36,8 @@ _KEEP = {
     torch.ops.aten.view.default,
     torch.ops.aten._to_copy.default,
     torch.ops.aten.alias.default,
+    torch.ops.aten.split.Tensor,  # FSDP2 chunks a parameter into its shards
+    torch.ops.aten.new_zeros.default,  # ... and pads them
 }
 
 
@@ -117,7 +119,16 @@ class Fp8CastWeight(Opaque):
         assert codes.dtype == FP8 and scale.dtype == torch.float32, (codes.dtype, scale.dtype)
         value = codes.to(param_dtype) * scale.to(param_dtype)
         if out is not None:  # the unsharded parameter of an earlier step, refilled in place
-            with _unsafe_preserve_version_counter(out):
+            # FSDP2 refills outside no_grad, raggedfsdp inside: either way not for autograd
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
                 out.copy_(value)
             return None
         return value, (value,)
+
+
+class Fp8CastWeightReleasing(Fp8CastWeight):
+    """:class:`Fp8CastWeight` saying that its all-gather outputs may go once
+    ``fsdp_post_all_gather`` has run (its unsharded value is a new tensor, aliasing none)."""
+
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True
