@@ -1,12 +1,9 @@
-"""What a LoRA / QLoRA run (``raggedfsdp train --lora-rank R [--base-weights nf4]``) keeps on
-each rank in tensors: the frozen base, the trainable adapters, their gradients and AdamW's state.
+"""A LoRA / QLoRA run's tensor bytes on each rank (``train --lora-rank R``, docs/lora.md).
 
-From the model on the meta device (adapters in place, :func:`raggedfsdp.models.lora.apply_lora`)
-and the run's planner, as the runtime shards it: an NF4 base by
-:func:`~raggedfsdp.planner.block_layout` (whole blocks and rows per rank, its codes half a byte an
-element and one fp32 scale a block: :func:`~raggedfsdp.models.nf4.nf4_bytes`), every other
-parameter in its unit's buckets by the planner's plans (trainable and frozen apart). Each rank's
-own bytes, padding aside, exactly: what the job measures of its parameters' local pieces.
+Its frozen base, trainable adapters, their gradients and AdamW's state, from the meta model
+(adapters in place) and the run's planner, as the runtime shards it: an NF4 base by
+:func:`~raggedfsdp.planner.block_layout` (whole blocks and rows a rank; :func:`nf4_bytes`), every
+other parameter by its bucket's plan. Each rank's own bytes, padding aside: what the job measures.
 """
 
 from __future__ import annotations

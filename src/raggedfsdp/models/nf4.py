@@ -1,18 +1,10 @@
 """A frozen weight in NF4 (QLoRA's 4-bit NormalFloat): two codes a byte, one scale per block.
 
-:class:`NF4Weight` keeps a weight as 4-bit indices into QLoRA's 16-value code book, packed two to a
-byte in row-major order, and one fp32 absmax scale per block of ``block`` consecutive elements
-(64 by default) - torchao's ``NF4Tensor`` layout without its double-quantized scales, so half a byte
-per parameter plus ``4 / block``. It computes as its dequantized value, and is frozen: an in-place
-update is an error, never an update of a temporary; ``copy_`` of plain values quantizes them (a
-checkpoint holds the dequantized values, which quantize back to the same codes and scales).
-
-It speaks FSDP2's all-gather extension protocol (the 1-argument ``fsdp_pre_all_gather``: its codes
-and scales travel, not fp32 values; ``fsdp_post_all_gather`` with ``out=``, and the parameter
-dtype of mixed precision as the dtype it dequantizes to) and tells raggedfsdp's planner its block
-(``fsdp_block_numel``), so every rank holds whole blocks and whole rows at any world size. Row
-slices that keep blocks whole are its own shards; torchao's NF4 cannot be cut so
-(docs/results/subclasses.md).
+Torchao's ``NF4Tensor`` layout without its double-quantized scales: half a byte a parameter plus
+``4 / block``. It computes as its dequantized value and is frozen (an in-place update is an error;
+``copy_`` of plain values quantizes them). It speaks FSDP2's all-gather protocol (codes and scales
+travel; ``param_dtype`` is the dtype it dequantizes to) and tells the planner its block, so every
+rank holds whole blocks at any W (docs/lora.md).
 """
 
 from __future__ import annotations

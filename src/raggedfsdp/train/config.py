@@ -20,7 +20,6 @@ import sys
 import textwrap
 import typing
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +29,8 @@ from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..runtime import CommCompression
+from .fault_injection import Fault, FaultKind
+from .lora_options import check_lora_options
 from .mesh import JobMesh
 
 if sys.version_info >= (3, 11):
@@ -158,21 +159,16 @@ class TrainConfig:
     """Keep what quantizing each gradient dropped and add it to the next (needs
     --compress-reduce-scatter)."""
 
-    # -- LoRA / QLoRA fine-tuning (one block: the fields, then _check_lora) ---------------------
-
+    # -- LoRA / QLoRA fine-tuning (checked by .lora_options) --------------------------------------
     lora_rank: int | None = field(default=None, metadata={"metavar": "R"})
-    """Fine-tune with LoRA: freeze the model and train adapters A (R x in, Kaiming) and B (out x
-    R, zero) beside every linear of the blocks, y = xW^T + b + xA^TB^T (docs/training.md);
-    with --optimizer adamw, not beside --tp / --ep."""
+    """Train LoRA adapters (A: R x in, B: out x R, zero) beside every linear of the blocks, the
+    model frozen (docs/lora.md); with adamw, not with --tp / --ep."""
 
     base_weights: Literal["nf4"] | None = None
-    """With --lora-rank: nf4 keeps the frozen linears of the blocks in NF4 (QLoRA: 4-bit codes
-    two a byte plus one fp32 scale per --nf4-block-size elements), all-gathered as codes and
-    scales; not with --compile or --compress-*."""
+    """With --lora-rank: keep the blocks' frozen linears in NF4 (QLoRA), gathered as codes."""
 
     nf4_block_size: int = 64
-    """With --base-weights nf4: elements per NF4 scale; it must divide every linear's
-    in-features (whole blocks on every rank at any world size)."""
+    """Elements per NF4 scale; it must divide every linear's in-features."""
 
     seed: int = 0
     """Seed of the model initialisation and of the data order (which depends only on seed and
@@ -274,45 +270,7 @@ class TrainConfig:
         if self.inject_fault is not None:
             Fault.parse(self.inject_fault)
         self._check_parallel()
-        self._check_lora()
-
-    def _check_lora(self) -> None:
-        """``--lora-rank`` >= 1, ``--base-weights`` only with it, an even ``--nf4-block-size``
-        only with NF4, and none of the options the frozen NF4 base cannot go beside. The block
-        against the model's linears: :func:`raggedfsdp.models.lora.apply_lora`, when the model
-        is built (the meta model of the launcher's checks, before any worker starts)."""
-        rank = self.lora_rank
-        if rank is not None and (isinstance(rank, bool) or rank < 1):
-            raise ValueError(f"lora_rank: must be an integer >= 1, got {rank!r}")
-        if self.base_weights is not None and rank is None:
-            raise ValueError(
-                f"base_weights: --base-weights {self.base_weights} is the frozen base of LoRA "
-                f"adapters; give --lora-rank R too"
-            )
-        if self.nf4_block_size != 64 and self.base_weights != "nf4":
-            raise ValueError("nf4_block_size: only with --base-weights nf4")
-        if self.nf4_block_size < 2 or self.nf4_block_size % 2:
-            raise ValueError(
-                f"nf4_block_size: must be even and >= 2 (two codes a byte), got "
-                f"{self.nf4_block_size}"
-            )
-        if rank is None:
-            return
-        if self.optimizer != "adamw":
-            raise ValueError(f"optimizer: --lora-rank trains with adamw, not {self.optimizer}")
-        if self.tp > 1 or self.ep > 1:
-            raise ValueError(
-                "lora_rank: --lora-rank with --tp / --ep is not supported; the adapters train "
-                "beside FSDP alone"
-            )
-        if self.base_weights == "nf4":
-            if self.compile:
-                raise ValueError("compile: --compile with --base-weights nf4 is not supported")
-            if self.comm_compression() is not None:
-                raise ValueError(
-                    "compress_all_gather: --compress-* with --base-weights nf4: the NF4 base "
-                    "travels as its own codes already; drop the compression"
-                )
+        check_lora_options(self, compressed=self.comm_compression() is not None)
 
     def _check_parallel(self) -> None:
         """``--tp`` / ``--ep``: degrees of at least 1, one of the two, and an optimizer that
@@ -455,38 +413,6 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (JSON and TOML friendly), one per field."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-
-class FaultKind(Enum):
-    """What ``--inject-fault`` kills."""
-
-    KILL_AT_STEP = "kill-at-step"
-    """A worker, at the start of a step: a crash the agent's restart must recover from."""
-
-    KILL_DURING_SAVE = "kill-during-save"
-    """The last rank, after it wrote its files of a checkpoint and before the checkpoint is
-    complete: what resuming must survive."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """A failure staged once to rehearse recovery (``--inject-fault KIND=STEP``)."""
-
-    kind: FaultKind
-    step: int
-
-    @classmethod
-    def parse(cls, text: str) -> Fault:
-        """``kill-at-step=5`` -> ``Fault(FaultKind.KILL_AT_STEP, 5)``; ``ValueError`` naming
-        the option otherwise."""
-        kind, _, step = text.partition("=")
-        kinds = [k.value for k in FaultKind]
-        if kind not in kinds or not step.isdigit() or int(step) < 1:
-            raise ValueError(
-                f"inject_fault: expected KIND=STEP with KIND one of {', '.join(kinds)} and "
-                f"STEP >= 1, got {text!r}"
-            )
-        return cls(FaultKind(kind), int(step))
 
 
 # ---------------------------------------------------------------------------------------------
