@@ -370,7 +370,7 @@ def _plain_targets(state: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(value, RaggedTensor):
             continue
         piece = value.to_local()
-        if type(piece) is torch.Tensor:
+        if type(piece) in (torch.Tensor, nn.Parameter):
             continue
         plain = torch.empty(piece.shape, dtype=piece.dtype, device=piece.device)
         out[key] = RaggedTensor.from_piece(
