@@ -349,8 +349,8 @@ class SubclassParams:
         held), averaged over the replicas too under HSDP; ``divided`` rescales the mean as the
         unit's plain gradients are. A parameter no rank used keeps its sharded gradient as it
         was (``None`` where none was held), as in one process: each rank's slot ends with one
-        element per parameter, 1 where this rank has its gradient, so the reduce-scatter sums
-        how many ranks used it, with no collective of its own."""
+        element per parameter, 1 where this rank has its gradient, which the reduce-scatter's
+        mean leaves above 0 where any rank used it, with no collective of its own."""
         trainable = [p for p in self.params if p.requires_grad and p.unsharded is not None]
         if not trainable:
             return
