@@ -150,3 +150,14 @@ def test_capacity_lora_bytes_against_hand_counts() -> None:
 def test_bad_options_are_one_error_naming_the_option(options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         TrainConfig(**options)
+
+
+def test_the_dry_run_shows_the_lora_runs_own_tensor_bytes() -> None:
+    """Tiny Llama at W=2: 73,728 NF4 elements, half on each rank: 18,432 bytes of codes and
+    288 scales (20,736 bytes = 20.2 KiB)."""
+    pytest.importorskip("transformers")
+    from raggedfsdp.train.preflight import dry_run_report
+
+    cfg = TrainConfig(hf_config="tiny-llama", lora_rank=4, base_weights="nf4", seq_len=64)
+    last = dry_run_report(cfg, 2).splitlines()[-1]
+    assert last.startswith("LoRA tensors of the largest rank: base 20.2 KiB, frozen 64.6 KiB")

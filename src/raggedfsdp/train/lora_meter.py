@@ -21,7 +21,7 @@ from .build import build_planner, meta_model, mp_policy, optimizer_bytes, wrap_p
 from .config import TrainConfig
 from .monitor import Monitor
 
-__all__ = ["LoRAMeter", "lora_tensor_bytes"]
+__all__ = ["LoRAMeter", "lora_tensor_bytes", "predicted_lora_bytes"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -68,14 +68,20 @@ class LoRAMeter:
         dist.all_gather_object(measured, self.peak)
         if dist.get_rank() != 0:
             return
-        model = meta_model(cfg)
-        policy = mp_policy(cfg)
-        predicted = lora_bytes(
-            model,
-            build_planner(cfg),
-            world,
-            wrap=wrap_policy(model),
-            param_dtype=policy.param_dtype if policy is not None else None,
-        )
-        base_numel = sum(p.numel() for p in model.parameters() if isinstance(p, NF4Weight))
+        predicted, base_numel = predicted_lora_bytes(cfg, world)
         monitor.lora_bytes(step, measured, [p.as_dict() for p in predicted], base_numel)
+
+
+def predicted_lora_bytes(cfg: TrainConfig, world_size: int) -> tuple[list[LoRABytes], int]:
+    """What :func:`~raggedfsdp.capacity.lora.lora_bytes` predicts each rank of the run holds,
+    and the elements of its NF4 base."""
+    model = meta_model(cfg)
+    policy = mp_policy(cfg)
+    predicted = lora_bytes(
+        model,
+        build_planner(cfg),
+        world_size,
+        wrap=wrap_policy(model),
+        param_dtype=policy.param_dtype if policy is not None else None,
+    )
+    return predicted, sum(p.numel() for p in model.parameters() if isinstance(p, NF4Weight))
