@@ -8,6 +8,7 @@ resumes from the first's step-3 checkpoint.
   here, within 5% (they are equal), and the NF4 base takes 0.5625 bytes a parameter (half a byte
   of code, 4 bytes of scale per 64);
 - only the adapters train: the NF4 base at the end is the start's, and the adapters moved;
+- a bad NF4 block is one line before launch, naming the linear, and leaves no ``--out``;
 - resuming continues bit for bit (losses and every tensor), and loading a checkpoint restores the
   NF4 base itself: loaded into a model built from another seed (whose base differs: the negative
   control), it holds the checkpoint's base.
@@ -27,6 +28,8 @@ from launches import (
     cli_command,
     metrics,
     ok,
+    one_error_line,
+    run_cli,
     run_side_by_side,
     train_losses,
     workers_in_one_process,
@@ -147,3 +150,12 @@ def test_a_checkpoint_restores_the_nf4_base_itself(runs, group_of_one):
         assert isinstance(local, NF4Weight) == (name in names)
         value = local.dequantize() if name in names else local
         assert torch.equal(value, saved[name]), name
+
+
+def test_an_nf4_block_that_cuts_a_row_is_one_line_before_launch(tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    proc = run_cli("train", *ARGS, "--nf4-block-size=128", f"--out={out}")
+    assert proc.returncode == 2
+    one_error_line(proc.stderr, "nf4_block_size: 128", "'model.layers.0.self_attn.q_proj'")
+    assert not out.exists()
