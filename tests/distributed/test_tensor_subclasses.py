@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import raggedfsdp as rf
 from harness import Grid, assert_close_dicts, world_grid_fixture
+from raggedfsdp.models.lora import LoRALinear
 from raggedfsdp.models.nf4 import DEFAULT_BLOCK as BLOCK
 from raggedfsdp.models.nf4 import NF4Weight
 from raggedfsdp.runtime._hooks import states_under
@@ -176,9 +177,13 @@ def _sharded(base: Net, **kwargs: Any) -> Net:
 def _dcp_round_trip(base: Net, rank: int, world: int) -> dict[str, Any]:
     """A trained model's state through DCP (the subclasses' shards pickled as they are) into
     a fresh one, which then trains on as the first does: the parameters after loading and after
-    three more steps, the fresh model's distance before loading (the negative control)."""
+    three more steps, the fresh model's distance before loading (the negative control). The
+    fresh model's frozen NF4 bases differ too, so a load that skips them is seen."""
     torch.serialization.add_safe_globals([Fp8CastWeight, NF4Weight])  # as torchao does
-    trained, fresh = _sharded(base), _sharded(base)
+    other = copy.deepcopy(base)
+    for block in other.blocks:
+        block.base = nn.Parameter(NF4Weight.quantize(torch.randn(ROWS, DIM)), requires_grad=False)
+    trained, fresh = _sharded(base), _sharded(other)
     _train(trained, rank, world)
     folder = [tempfile.mkdtemp(prefix="raggedfsdp-subclass-dcp-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
@@ -200,23 +205,24 @@ def _dcp_round_trip(base: Net, rank: int, world: int) -> dict[str, Any]:
 
 
 class MPNet(nn.Module):
-    """An fp8-cast linear of 48 rows (which W = 2 and 3 divide, as FSDP2 needs) and a plain
-    projection back."""
+    """An fp8-cast linear and an NF4 base with LoRA adapters (the QLoRA job's ``LoRALinear``),
+    48 rows each (which W = 2 and 3 divide, as FSDP2 needs), and a plain projection back."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fp8 = nn.Linear(DIM, 48)
         self.fp8.weight = nn.Parameter(Fp8CastWeight(self.fp8.weight.detach().clone()))
+        self.qlora = LoRALinear(nn.Linear(DIM, 48), RANK, nf4_block=BLOCK)
         self.proj = nn.Linear(48, DIM)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x + self.proj(torch.tanh(self.fp8(x)))).pow(2).mean()
+        return (x + self.proj(torch.tanh(self.fp8(x)) + self.qlora(x))).pow(2).mean()
 
 
 def _mixed_precision(rank: int, world: int) -> dict[str, Any]:
-    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with a protocol parameter:
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with protocol parameters:
     raggedfsdp and FSDP2 train the same model in one launch (and raggedfsdp without the policy,
-    the negative control); the dtype the NF4 base dequantizes to under raggedfsdp's policy."""
+    the negative control), with the dtype the NF4 base dequantizes to in forward."""
     torch.manual_seed(2)
     base = MPNet()
     policies = {
@@ -230,17 +236,14 @@ def _mixed_precision(rank: int, world: int) -> dict[str, Any]:
         kwargs = {}
         if policy is not None:
             kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        shard(model.fp8, **kwargs)
-        shard(model, **kwargs)
-        out[f"{name}/class"] = type(model.fp8.weight.to_local()).__name__
+        for unit in (model.fp8, model.qlora, model):
+            shard(unit, **kwargs)
+        local = (model.fp8.weight.to_local(), model.qlora.weight.to_local())
+        out[f"{name}/classes"] = [type(t).__name__ for t in local]
+        seen: list[torch.dtype] = []
+        model.qlora.register_forward_pre_hook(lambda m, _, seen=seen: seen.append(m.weight.dtype))
         _train(model, rank, world)
-        out[name] = _full(model, None)
-    torch.manual_seed(0)
-    model = _sharded(Net(), mp_policy=rf.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    seen: list[torch.dtype] = []
-    model.blocks[0].register_forward_pre_hook(lambda block, _: seen.append(block.base.dtype))
-    _train(model, rank, world)
-    out["nf4_dtype"] = seen
+        out[name], out[f"{name}/nf4_dtype"] = _full(model, None), set(seen)
     return out
 
 
@@ -374,8 +377,8 @@ def test_dcp_save_and_load(grid: Grid, world: int) -> None:
     into a fresh model: equal bit for bit, and three more steps equal too."""
     for results in grid[world]:
         got = results["dcp"]
-        before = max((got["before"][k] - got["trained"][k]).abs().max() for k in got["trained"])
-        assert before > 1e-3  # the negative control: the fresh model was elsewhere
+        for key in ("blocks.0.base", "blocks.0.lora_a"):  # the negative control: frozen too
+            assert (got["before"][key] - got["trained"][key]).abs().max() > 1e-3, key
         for key, want in got["trained"].items():
             assert torch.equal(got["loaded"][key], want), key
             assert torch.equal(got["loaded_trained_on"][key], got["trained_on"][key]), key
@@ -402,16 +405,18 @@ def test_torchao_float8_weights_equal_one_process_and_fsdp2(grid: Grid, world: i
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_mixed_precision_equals_fsdp2(grid: Grid, world: int) -> None:
-    """bf16 parameters, fp32 reduction: raggedfsdp's numbers are FSDP2's (the subclass's hooks
-    take the policy and its param_dtype as FSDP2 gives them), and the policy matters (without it
-    the numbers differ: the negative control). The NF4 base dequantizes to bf16 under it."""
+    """bf16 parameters, fp32 reduction, an fp8-cast weight and a QLoRA linear: raggedfsdp's
+    numbers are FSDP2's (the subclasses' hooks take the policy and its param_dtype as FSDP2
+    gives them; the NF4 base dequantizes to bf16 under both), and the policy matters (without
+    it the numbers differ: the negative control)."""
     for results in grid[world]:
         got = results["mixed_precision"]
-        assert got["rf/class"] == got["fsdp2/class"] == "Fp8CastWeight"
+        assert got["rf/classes"] == got["fsdp2/classes"] == ["Fp8CastWeight", "NF4Weight"]
         assert_close_dicts(got["rf"], got["fsdp2"])
-        key = "fp8.weight"
-        assert (got["rf"][key] - got["rf_fp32"][key]).abs().max() > 1e-4
-        assert got["nf4_dtype"] and set(got["nf4_dtype"]) == {torch.bfloat16}
+        for key in ("fp8.weight", "qlora.lora_b"):
+            assert (got["rf"][key] - got["rf_fp32"][key]).abs().max() > 1e-4, key
+        assert got["rf/nf4_dtype"] == got["fsdp2/nf4_dtype"] == {torch.bfloat16}
+        assert got["rf_fp32/nf4_dtype"] == {torch.float32}
 
 
 @pytest.mark.parametrize("world", WORLDS)

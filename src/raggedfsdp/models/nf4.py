@@ -129,6 +129,28 @@ class NF4Weight(torch.Tensor):
         if func is torch.ops.aten.slice.Tensor:
             t, dim, start, end = (*args, *[None] * 4)[:4]
             return t._rows(dim or 0, start or 0, end)
+        if func is torch.ops.aten.split.Tensor:  # FSDP2's chunks of dim 0
+            t, size = args[:2]
+            if (args[2] if len(args) > 2 else kwargs.get("dim", 0)) != 0:
+                raise ValueError(f"{t!r} splits along dim 0 alone")
+            return [t._rows(0, start, start + size) for start in range(0, t.shape[0], size)]
+        if func is torch.ops.aten.new_zeros.default:  # FSDP2 pads a shard with it
+            t, size = args[:2]
+            numel = torch.Size(size).numel()
+            zeros = t.codes.new_zeros(numel // 2), t.scales.new_zeros(-(-numel // t.block))
+            return t._like(*zeros, shape=torch.Size(size))
+        if func is torch.ops.aten.as_strided.default:  # FSDP2's unsharded parameter: itself
+            t, size, stride = args[:3]
+            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+            if torch.Size(size) != t.shape or tuple(stride) != t.stride() or offset:
+                raise ValueError(f"{t!r} as_strided to {list(size)}, {stride}, {offset}")
+            return t._like(t.codes, t.scales)
+        if func is torch.ops.aten.view.default:  # the same elements, row-major
+            t, size = args[:2]
+            shape = torch.Size(size if -1 not in size else [t.numel()])
+            if shape.numel() != t.numel():
+                raise ValueError(f"a view of {t!r} as {list(size)}")
+            return t._like(t.codes, t.scales, shape=shape)
         if func is torch.ops.aten._to_copy.default:
             t = args[0]
             device = kwargs.get("device") or t.device
@@ -136,7 +158,7 @@ class NF4Weight(torch.Tensor):
             return t._like(t.codes.to(device), t.scales.to(device), dtype=dtype)
         if func is torch.ops.aten.copy_.default and isinstance(args[0], cls):
             return args[0]._copy_from(args[1])
-        if func._schema.is_mutable:
+        if func._schema.is_mutable and isinstance(args[0], cls):
             raise TypeError(
                 f"NF4Weight is a frozen weight: {func} would update a dequantized copy of it; "
                 f"keep it out of the optimizer (requires_grad=False)"
