@@ -24,7 +24,7 @@ import torch
 import raggedfsdp as rf
 from raggedfsdp.models import GPT
 from raggedfsdp.models.gpt import GPT_CONFIGS
-from raggedfsdp.runtime import _hooks
+from raggedfsdp.runtime import _root
 from raggedfsdp.spawn import run_on_ranks
 
 
@@ -36,13 +36,13 @@ def _steps(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(rank)
     idx = torch.randint(cfg.vocab_size, (4, cfg.seq_len + 1), generator=gen)
-    agree = _hooks.agree
+    agree = _root.agree
     agreeing: list[float] = []
 
-    def timed(*args: Any) -> Any:
+    def timed(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return agree(*args)
+            return agree(*args, **kwargs)
         finally:
             agreeing.append(time.perf_counter() - start)
 
@@ -56,14 +56,14 @@ def _steps(rank: int, world: int, rounds: int, steps: int) -> dict[str, Any]:
     for _ in range(2):  # warm-up: lazy init, the order, the optimizer's state
         step()
     times: dict[str, list[float]] = {"with": [], "without": []}
-    _hooks.agree = timed
+    _root.agree = timed
     try:
         for _ in range(rounds):
             for mode in ("with", "without"):
                 model.set_static_graph(mode == "without")
                 times[mode] += [step() for _ in range(steps)]
     finally:
-        _hooks.agree = agree
+        _root.agree = agree
     return {"times": times, "agreement_s": agreeing}
 
 

@@ -533,7 +533,8 @@ CAUSES: tuple[tuple[str, str], ...] = (
     (
         "reads an FSDP2 internal (fully_shard.state, _get_fsdp_state, managed modules, ...)",
         r"has no attribute '(state|_get_fsdp_state|_fsdp_param_group|_lazy_init|_set_\w+)'"
-        r"|managed_(modules|states|params)",
+        r"|managed_(modules|states|params)|_get_fsdp_state\(\) is not supported"
+        r"|'TorchFacingState' object has no attribute",
     ),
     ("counts FSDP2's ops (CommDebugMode, dispatch)", r"_count\b|comm_counts|len\(divisions\)"),
     (
@@ -548,6 +549,10 @@ CAUSES: tuple[tuple[str, str], ...] = (
         r"|not contiguous|sharded already",
     ),
     ("FSDP2 refuses, raggedfsdp accepts", r"not raised"),
+    (
+        "compares local pieces of two unit groupings (ragged pieces follow the unit's plan)",
+        r"attribute 'shape' do not match",
+    ),
 )
 
 

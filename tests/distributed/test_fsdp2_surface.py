@@ -6,11 +6,13 @@ rank, before any collective. One Gloo launch of 2 ranks; the tests judge its col
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -23,7 +25,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.fsdp._fully_shard._fsdp_init import (
+    _get_managed_modules,
+    _get_managed_states,
+)
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import raggedfsdp as rf
 from harness import run_distributed
@@ -106,6 +112,57 @@ def _sgd_step(model: nn.Module, rank: int, lr: float) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in full.values()])
 
 
+def _managed(impl: str) -> tuple[list[str], int]:
+    """What torch's own traversal (``_get_managed_modules``, run by a torch ``fully_shard`` or
+    ``replicate`` of a parent) takes as the parent's: module names and parameter count, with
+    ``blocks[0]`` a unit of its own."""
+    model = _fresh()
+    (torch_fully_shard if impl == "torch" else rf.fully_shard)(model.blocks[0])
+    modules = _get_managed_modules((model,))
+    params, _ = _get_managed_states(modules)
+    names = {id(module): name for name, module in model.named_modules()}
+    return sorted(names[id(module)] for module in modules), len(params)
+
+
+def _broadcast_from_first_replica(impl: str, rank: int) -> nn.Module:
+    """FSDP2's recipe for HSDP replicas that start apart (torch's
+    ``test_hsdp_broadcast_across_replicas``): the other replicas' values overwritten, then every
+    local tensor broadcast from the first replica over the replicate dim, in place."""
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    model = _shard(impl, _fresh(), mesh=mesh)
+    tensors = list(itertools.chain(model.parameters(), model.buffers()))
+    if mesh.get_local_rank("replicate") > 0:
+        for tensor in tensors:
+            tensor.detach().fill_(1337.0)
+    group = mesh.get_group("replicate")
+    for tensor in tensors:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        dist.broadcast(local, src=dist.get_process_group_ranks(group)[0], group=group)
+    return model
+
+
+def _rank_alone(impl: str) -> nn.Module:
+    """OddModel sharded by each rank over a mesh of its own (one rank): no replicas."""
+    own = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))["shard"]
+    return _shard(impl, _fresh(), mesh=own)
+
+
+def _replicated_by_hook(impl: str) -> nn.Module:
+    """HSDP written by hand, as torch's ``test_custom_hsdp_all_reduce_hook``: each rank alone
+    (:func:`_rank_alone`) and every unit's all-reduce hook averaging the reduced shards over
+    the world (Gloo has no ``AVG``: a sum, then halved)."""
+    model = _rank_alone(impl)
+
+    def average(reduced: torch.Tensor) -> None:
+        dist.all_reduce(reduced)
+        reduced.div_(WORLD)
+
+    for module in model.modules():
+        if isinstance(module, torch.distributed.fsdp.FSDPModule):
+            module.set_all_reduce_hook(average)
+    return model
+
+
 def _fresh(cls: type = OddModel) -> nn.Module:
     torch.manual_seed(0)
     return cls()
@@ -125,7 +182,17 @@ def _equivalences(rank: int) -> dict[str, Any]:
     for impl in ("torch", "rf"):
         res = out.setdefault(impl, {})
         res["default"] = _train(_shard(impl, _fresh()), rank)
+        res["managed"] = _managed(impl)
+        res["hsdp_broadcast"] = _train(_broadcast_from_first_replica(impl, rank), rank)
+        res["all_reduce_hook"] = _train(_replicated_by_hook(impl), rank)
+        if impl == "rf":
+            res["rank_alone"] = _train(_rank_alone(impl), rank)
         res["raf_none"] = _train(_shard(impl, _fresh(), reshard_after_forward=None), rank)
+        peeked = _shard(impl, _fresh())
+        peeked.blocks[0].unshard()  # before the root's first forward: it makes no root
+        res["peeked_weight"] = peeked.blocks[0].fc1.weight.detach().clone()
+        peeked.blocks[0].reshard()
+        res["unshard_before_forward"] = _train(peeked, rank)
         for unshard in (True, False):
             model = _embedding_unit(impl, unshard_in_backward=unshard)
             res[f"unshard_in_backward_{unshard}"] = _train(model, rank)
@@ -287,6 +354,12 @@ def _errors(rank: int) -> dict[str, str]:
             nn.Sequential(nn.Linear(4, 4)), mesh=flat, shard_placement_fn=_own_mesh(square)
         ),
         "module_list": lambda: rf.fully_shard(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])),
+        "hook_stream_hsdp": lambda: rf.fully_shard(
+            nn.Linear(4, 4), mesh=square
+        ).set_all_reduce_hook(lambda reduced: None, stream=object()),
+        "hook_stream_hsdp_torch": lambda: torch_fully_shard(
+            nn.Linear(4, 4), mesh=square
+        ).set_all_reduce_hook(lambda reduced: None, stream=object()),
         "mp_type": lambda: rf.fully_shard(nn.Linear(4, 4), mp_policy="bf16"),
         "offload_type": lambda: rf.fully_shard(nn.Linear(4, 4), offload_policy="cpu"),
         "prefetch_type": lambda: block.set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
@@ -299,7 +372,6 @@ def _errors(rank: int) -> dict[str, str]:
             for name in (
                 "set_custom_all_gather",
                 "set_custom_reduce_scatter",
-                "set_all_reduce_hook",
                 "set_separate_reduce_scatter_group",
                 "set_reduce_scatter_unused_params",
                 "set_reduce_scatter_max_input_buffers",
@@ -342,6 +414,10 @@ CASES = (
     "divide_factor",
     "hsdp_accumulate",
     "unshard_in_backward_False",
+    "hsdp_broadcast",
+    "all_reduce_hook",
+    "unshard_before_forward",
+    "peeked_weight",
 )
 
 
@@ -349,6 +425,39 @@ CASES = (
 def test_same_training_as_fsdp2(results, case):
     for rank in results:
         torch.testing.assert_close(rank["same"]["rf"][case], rank["same"]["torch"][case])
+
+
+def test_torch_traversals_take_units_as_nested_fully_shard(results):
+    """torch's ``_get_managed_modules`` leaves a raggedfsdp unit out, as it leaves an FSDP2 one
+    out (it finds its state through ``_get_module_state``): the parent manages itself and
+    ``blocks[1]``, and none of ``blocks[0]``'s modules or parameters."""
+    for rank in results:
+        ours, theirs = rank["same"]["rf"]["managed"], rank["same"]["torch"]["managed"]
+        assert ours == theirs
+        names, params = ours
+        assert "blocks.1" in names and not any(n.startswith("blocks.0") for n in names), names
+        assert params == 5 + 6  # emb (tied with head), tiny, frozen, ln (2); blocks.1's 6
+
+
+def test_hsdp_broadcast_lands_in_the_shards(results):
+    """The broadcast into each local tensor is what trains (the other replica's 1337s gone),
+    as with FSDP2 (``hsdp_broadcast`` in ``test_same_training_as_fsdp2``), and it is HSDP's
+    default training then."""
+    for rank in results:
+        ours = rank["same"]["rf"]
+        torch.testing.assert_close(ours["hsdp_broadcast"], ours["default"])
+
+
+def test_all_reduce_hook_replicates_as_hsdp(results):
+    """Replicas made by an all-reduce hook (each rank its own one-rank shard mesh) train as
+    the default run over both ranks, as with FSDP2 (``all_reduce_hook`` in
+    ``test_same_training_as_fsdp2``); the control: without the hook each rank trains on its
+    own batch, and the ranks part."""
+    for rank in results:
+        ours = rank["same"]["rf"]
+        torch.testing.assert_close(ours["all_reduce_hook"], ours["default"])
+    alone = [rank["same"]["rf"]["rank_alone"] for rank in results]
+    assert not torch.allclose(alone[0], alone[1])
 
 
 def test_reshard_after_forward_none_trains_as_true(results):
@@ -477,6 +586,8 @@ EXPECTED = {
         "sharded on dim 0 and replicated on dim None",
     ),
     "module_list": ("ValueError", "containers that do not implement forward", "ModuleList"),
+    "hook_stream_hsdp": ("ValueError", "stream cannot be set when using native HSDP"),
+    "hook_stream_hsdp_torch": ("ValueError", "stream cannot be set when using native HSDP"),
     "mp_type": ("TypeError", "mp_policy", "str"),
     "offload_type": ("TypeError", "offload_policy", "str"),
     "prefetch_type": ("ValueError", "rf.fully_shard", "Linear"),
@@ -484,7 +595,6 @@ EXPECTED = {
     "divide_factor_zero": ("ValueError", "divide factor", "got 0"),
     "set_custom_all_gather": ("NotImplementedError", "in place", "DBuffers"),
     "set_custom_reduce_scatter": ("NotImplementedError", "in place", "DBuffers"),
-    "set_all_reduce_hook": ("NotImplementedError", "in place", "DBuffers"),
     "set_separate_reduce_scatter_group": ("NotImplementedError", "in place", "DBuffers"),
     "set_reduce_scatter_unused_params": ("NotImplementedError", "unused", "zeros"),
     "set_reduce_scatter_max_input_buffers": ("NotImplementedError", "pool", "DBufferConfig"),

@@ -1,7 +1,8 @@
 """Parameters whose data is a tensor subclass with FSDP2's all-gather extension protocol (issue
 34): an fp8-cast trainable weight (fp8 codes + fp32 scales per row, the 5-argument
 ``fsdp_pre_all_gather``, ``out=`` reuse) and a frozen block-quantized weight with LoRA adapters
-(uint8 codes + one fp32 scale per 64 elements, the 1-argument form), 41 x 64 so the rows divide
+(the QLoRA job's NF4: 4-bit codes two a byte + one fp32 scale per 64 elements, the 1-argument
+form), 41 x 64 so the rows divide
 by neither W = 2 nor W = 3. Against one process on the global batch, in one launch of three
 ranks, with the bytes each all-gather moved counted by dtype: the fp8 weight travels as fp8
 over Gloo (which has no float8 dtypes), the frozen one as its codes, never as fp32.
@@ -29,14 +30,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
 
 import raggedfsdp as rf
 from harness import Grid, assert_close_dicts, world_grid_fixture
+from raggedfsdp.models.lora import LoRALinear
+from raggedfsdp.models.nf4 import DEFAULT_BLOCK as BLOCK
+from raggedfsdp.models.nf4 import NF4Weight
 from raggedfsdp.runtime._hooks import states_under
 from raggedfsdp.runtime._subclass import SubclassGroup
-from subclasses import BLOCK, FP8, BlockQuant, Fp8CastWeight
+from subclasses import FP8, Fp8CastWeight, Fp8CastWeightReleasing
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +59,7 @@ class Block(nn.Module):
         self.fp8 = nn.Linear(DIM, ROWS)
         self.fp8.weight = nn.Parameter(Fp8CastWeight(self.fp8.weight.detach().clone()))
         base = torch.randn(ROWS, DIM) / DIM**0.5
-        self.base = nn.Parameter(BlockQuant.quantize(base), requires_grad=False)
+        self.base = nn.Parameter(NF4Weight.quantize(base), requires_grad=False)
         self.lora_a = nn.Parameter(torch.randn(RANK, DIM) / DIM**0.5)
         self.lora_b = nn.Parameter(torch.randn(ROWS, RANK) / RANK**0.5)
         self.proj = nn.Linear(ROWS, DIM)
@@ -78,7 +83,7 @@ class Net(nn.Module):
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """The values a subclass stands for (its fp32 master data, torchao's too; the dequantized
     frozen weight)."""
-    if isinstance(tensor, BlockQuant):
+    if isinstance(tensor, NF4Weight):
         return tensor.dequantize()
     for inner in ("_data", "_tensor"):  # Fp8CastWeight's, torchao's float8 weight's
         if hasattr(tensor, inner):
@@ -172,9 +177,13 @@ def _sharded(base: Net, **kwargs: Any) -> Net:
 def _dcp_round_trip(base: Net, rank: int, world: int) -> dict[str, Any]:
     """A trained model's state through DCP (the subclasses' shards pickled as they are) into
     a fresh one, which then trains on as the first does: the parameters after loading and after
-    three more steps, the fresh model's distance before loading (the negative control)."""
-    torch.serialization.add_safe_globals([Fp8CastWeight, BlockQuant])  # as torchao does
-    trained, fresh = _sharded(base), _sharded(base)
+    three more steps, the fresh model's distance before loading (the negative control). The
+    fresh model's frozen NF4 bases differ too, so a load that skips them is seen."""
+    torch.serialization.add_safe_globals([Fp8CastWeight, NF4Weight])  # as torchao does
+    other = copy.deepcopy(base)
+    for block in other.blocks:
+        block.base = nn.Parameter(NF4Weight.quantize(torch.randn(ROWS, DIM)), requires_grad=False)
+    trained, fresh = _sharded(base), _sharded(other)
     _train(trained, rank, world)
     folder = [tempfile.mkdtemp(prefix="raggedfsdp-subclass-dcp-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
@@ -193,6 +202,99 @@ def _dcp_round_trip(base: Net, rank: int, world: int) -> dict[str, Any]:
     _train(fresh, rank, world)
     out["trained_on"], out["loaded_trained_on"] = _full(trained, None), _full(fresh, None)
     return out
+
+
+class MPNet(nn.Module):
+    """An fp8-cast linear and an NF4 base with LoRA adapters (the QLoRA job's ``LoRALinear``),
+    48 rows each (which W = 2 and 3 divide, as FSDP2 needs), and a plain projection back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fp8 = nn.Linear(DIM, 48)
+        self.fp8.weight = nn.Parameter(Fp8CastWeight(self.fp8.weight.detach().clone()))
+        self.qlora = LoRALinear(nn.Linear(DIM, 48), RANK, nf4_block=BLOCK)
+        self.proj = nn.Linear(48, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.proj(torch.tanh(self.fp8(x)) + self.qlora(x))).pow(2).mean()
+
+
+def _mixed_precision(rank: int, world: int) -> dict[str, Any]:
+    """``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with protocol parameters:
+    raggedfsdp and FSDP2 train the same model in one launch (and raggedfsdp without the policy,
+    the negative control), with the dtype the NF4 base dequantizes to in forward."""
+    torch.manual_seed(2)
+    base = MPNet()
+    policies = {
+        "rf": (rf.fully_shard, rf.MixedPrecisionPolicy),
+        "fsdp2": (fsdp2_fully_shard, TorchMixedPrecisionPolicy),
+        "rf_fp32": (rf.fully_shard, None),
+    }
+    out: dict[str, Any] = {}
+    for name, (shard, policy) in policies.items():
+        model = copy.deepcopy(base)
+        kwargs = {}
+        if policy is not None:
+            kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for unit in (model.fp8, model.qlora, model):
+            shard(unit, **kwargs)
+        local = (model.fp8.weight.to_local(), model.qlora.weight.to_local())
+        out[f"{name}/classes"] = [type(t).__name__ for t in local]
+        seen: list[torch.dtype] = []
+        model.qlora.register_forward_pre_hook(lambda m, _, seen=seen: seen.append(m.weight.dtype))
+        _train(model, rank, world)
+        out[name], out[f"{name}/nf4_dtype"] = _full(model, None), set(seen)
+    return out
+
+
+def _release(base: Net, rank: int, world: int) -> dict[str, Any]:
+    """The fp8 weights as :class:`Fp8CastWeightReleasing`: trained, and the bytes their all-gather
+    outputs (and the NF4 base's, which does not release them) hold inside each block's forward."""
+    model = copy.deepcopy(base)
+    for block in model.blocks:
+        block.fp8.weight = nn.Parameter(Fp8CastWeightReleasing(block.fp8.weight._data))
+    model = _sharded(model)
+    held: dict[str, list[int]] = {"fp8": [], "base": []}
+
+    def observe(block: nn.Module, _: Any) -> None:
+        (group,) = [s.group for s in states_under(block) if isinstance(s.group, SubclassGroup)]
+        for param in group.subclass.params:
+            kind = "base" if param.fqn.endswith("base") else "fp8"
+            held[kind] += [t.untyped_storage().nbytes() for t in param.outputs or []]
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(observe)
+    _train(model, rank, world)
+    return {"params": _full(model, None), "held": held}
+
+
+class Unused(nn.Module):
+    """Two fp8-cast linears; forward uses ``a`` alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, 48), nn.Linear(DIM, 48)
+        for linear in (self.a, self.b):
+            linear.weight = nn.Parameter(Fp8CastWeight(linear.weight.detach().clone()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x).pow(2).mean()
+
+
+def _unused(rank: int, world: int) -> dict[str, Any]:
+    """A protocol parameter no rank used: its gradient after each backward on every rank (None
+    in one process), and whether AdamW's weight decay then left it alone."""
+    torch.manual_seed(3)
+    model = rf.fully_shard(Unused())
+    before = _plain(model.b.weight.to_local())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    grads = []
+    for x in _batches(world):
+        model(x[rank * BATCH : (rank + 1) * BATCH]).backward()
+        grads.append((model.a.weight.grad is not None, model.b.weight.grad is None))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"grads": grads, "b_unchanged": torch.equal(_plain(model.b.weight.to_local()), before)}
 
 
 def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
@@ -219,6 +321,9 @@ def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
         out["rf"][case] = _full(model, None)
         out["bytes"][case] = _gathered_bytes(model)
     out["dcp"] = _dcp_round_trip(base, rank, world)
+    out["mixed_precision"] = _mixed_precision(rank, world)
+    out["release"] = _release(base, rank, world)
+    out["unused"] = _unused(rank, world)
     if HAS_TORCHAO:
         out["torchao"] = _torchao_float8(rank, world)
     return out
@@ -252,18 +357,18 @@ def test_shards_keep_their_class_and_whole_blocks(grid: Grid, world: int) -> Non
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", ["default", "keep_unsharded"])
 def test_bytes_on_the_wire_by_dtype(grid: Grid, world: int, case: str) -> None:
-    """Per gather of a block: the fp8 codes (41 x 64 bytes) of its fp8 weight and the uint8
-    codes of its frozen weight, and fp32 scales alone (one per row, one per 64 elements):
-    0.27 of the fp32 bytes, never the fp32 data."""
+    """Per gather of a block: the fp8 codes (41 x 64 bytes) of its fp8 weight and the packed
+    NF4 codes of its frozen weight (41 x 64 / 2 bytes), and fp32 scales alone (one per row, one
+    per 64 elements): 0.21 of the fp32 bytes, never the fp32 data."""
     for results in grid[world]:
         got = results["bytes"][case]
         codes = ROWS * DIM
         gathers = got[str(FP8).removeprefix("torch.")] // codes
         assert gathers >= STEPS and got["float8_e4m3fn"] == gathers * codes
-        assert got["uint8"] == gathers * codes
+        assert got["uint8"] == gathers * codes // 2
         assert got["float32"] == gathers * 4 * (ROWS + ROWS * DIM // BLOCK)
         sent = got["float8_e4m3fn"] + got["uint8"] + got["float32"]
-        assert sent / (gathers * 2 * codes * 4) < 0.27
+        assert sent / (gathers * 2 * codes * 4) < 0.21
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -272,8 +377,8 @@ def test_dcp_save_and_load(grid: Grid, world: int) -> None:
     into a fresh model: equal bit for bit, and three more steps equal too."""
     for results in grid[world]:
         got = results["dcp"]
-        before = max((got["before"][k] - got["trained"][k]).abs().max() for k in got["trained"])
-        assert before > 1e-3  # the negative control: the fresh model was elsewhere
+        for key in ("blocks.0.base", "blocks.0.lora_a"):  # the negative control: frozen too
+            assert (got["before"][key] - got["trained"][key]).abs().max() > 1e-3, key
         for key, want in got["trained"].items():
             assert torch.equal(got["loaded"][key], want), key
             assert torch.equal(got["loaded_trained_on"][key], got["trained_on"][key]), key
@@ -296,3 +401,42 @@ def test_torchao_float8_weights_equal_one_process_and_fsdp2(grid: Grid, world: i
         gathers = wire["float8_e4m3fn"] // (2 * DIM * DIM)
         assert gathers >= STEPS and wire["float8_e4m3fn"] == gathers * 2 * DIM * DIM
         assert set(wire) == {"float8_e4m3fn", "padding"}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mixed_precision_equals_fsdp2(grid: Grid, world: int) -> None:
+    """bf16 parameters, fp32 reduction, an fp8-cast weight and a QLoRA linear: raggedfsdp's
+    numbers are FSDP2's (the subclasses' hooks take the policy and its param_dtype as FSDP2
+    gives them; the NF4 base dequantizes to bf16 under both), and the policy matters (without
+    it the numbers differ: the negative control)."""
+    for results in grid[world]:
+        got = results["mixed_precision"]
+        assert got["rf/classes"] == got["fsdp2/classes"] == ["Fp8CastWeight", "NF4Weight"]
+        assert_close_dicts(got["rf"], got["fsdp2"])
+        for key in ("fp8.weight", "qlora.lora_b"):
+            assert (got["rf"][key] - got["rf_fp32"][key]).abs().max() > 1e-4, key
+        assert got["rf/nf4_dtype"] == got["fsdp2/nf4_dtype"] == {torch.bfloat16}
+        assert got["rf_fp32/nf4_dtype"] == {torch.float32}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_released_all_gather_outputs(grid: Grid, world: int) -> None:
+    """``fsdp_should_release_all_gather_outputs_after_post_all_gather`` True: the all-gather
+    outputs hold no bytes once the unsharded weight is built (the NF4 base, which keeps its
+    outputs inside its unsharded form, holds them), and training is the default's bit for bit."""
+    for results in grid[world]:
+        got = results["release"]
+        assert got["held"]["fp8"] and set(got["held"]["fp8"]) == {0}
+        assert got["held"]["base"] and min(got["held"]["base"]) > 0
+        for key, want in results["rf"]["default"].items():
+            assert torch.equal(got["params"][key], want), key
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_protocol_parameter_no_rank_used_keeps_no_gradient(grid: Grid, world: int) -> None:
+    """As in one process: ``.grad`` stays None, so AdamW's weight decay leaves it alone (a zero
+    gradient would decay it: the negative control is the used one, which has its gradient)."""
+    for results in grid[world]:
+        got = results["unused"]
+        assert got["grads"] == [(True, True)] * STEPS
+        assert got["b_unchanged"]

@@ -5,10 +5,11 @@ extension test (``test_fully_shard_extensions.py``), in this project's code.
 - :class:`Opaque`: a wrapper with no protocol (raggedfsdp must refuse it, never train its data);
 - :class:`Fp8CastWeight`: a trainable fp32 weight that computes through a per-row fp8 cast, and
   whose all-gather sends that cast (fp8 codes + one fp32 scale per row; the 5-argument
-  ``fsdp_pre_all_gather``, ``fsdp_post_all_gather`` with ``out=``);
-- :class:`BlockQuant`: a frozen block-quantized weight (uint8 codes + one fp32 scale per
-  ``BLOCK`` elements, flat, as NF4 keeps them), with the 1-argument ``fsdp_pre_all_gather`` and
-  :func:`raggedfsdp.register_block_numel`'s attribute, ``fsdp_block_numel``.
+  ``fsdp_pre_all_gather``, ``fsdp_post_all_gather`` with ``out=``).
+
+The frozen block-quantized weight (packed 4-bit codes + one fp32 scale per 64 elements, the
+1-argument ``fsdp_pre_all_gather``, ``fsdp_block_numel``) is the QLoRA job's own,
+:class:`raggedfsdp.models.nf4.NF4Weight`, which the tests import from there.
 
 Each computes as its dequantized value, so one process gives the reference numbers.
 """
@@ -21,12 +22,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-__all__ = ["BLOCK", "BlockQuant", "Fp8CastWeight", "Opaque", "fp8_qdq"]
+__all__ = ["Fp8CastWeight", "Fp8CastWeightReleasing", "Opaque", "fp8_qdq"]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
-#: elements per block of :class:`BlockQuant`
-BLOCK = 64
 
 #: ops after which a wrapper keeps its class (views, copies, in-place updates); others compute
 #: on the plain value
@@ -37,6 +36,8 @@ _KEEP = {
     torch.ops.aten.view.default,
     torch.ops.aten._to_copy.default,
     torch.ops.aten.alias.default,
+    torch.ops.aten.split.Tensor,  # FSDP2 chunks a parameter into its shards
+    torch.ops.aten.new_zeros.default,  # ... and pads them
 }
 
 
@@ -118,97 +119,16 @@ class Fp8CastWeight(Opaque):
         assert codes.dtype == FP8 and scale.dtype == torch.float32, (codes.dtype, scale.dtype)
         value = codes.to(param_dtype) * scale.to(param_dtype)
         if out is not None:  # the unsharded parameter of an earlier step, refilled in place
-            with _unsafe_preserve_version_counter(out):
+            # FSDP2 refills outside no_grad, raggedfsdp inside: either way not for autograd
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
                 out.copy_(value)
             return None
         return value, (value,)
 
 
-class BlockQuant(torch.Tensor):
-    """A frozen weight as uint8 codes (one per element, flat) and one fp32 absmax scale per
-    :data:`BLOCK` consecutive elements (flat), NF4's layout with a simpler code book. Slicing
-    rows keeps blocks whole or raises; anything else computes with the dequantized value."""
+class Fp8CastWeightReleasing(Fp8CastWeight):
+    """:class:`Fp8CastWeight` saying that its all-gather outputs may go once
+    ``fsdp_post_all_gather`` has run (its unsharded value is a new tensor, aliasing none)."""
 
-    fsdp_block_numel = BLOCK
-
-    @staticmethod
-    def __new__(cls, codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> BlockQuant:
-        return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=torch.float32, device=codes.device, requires_grad=False
-        )
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
-        self.codes = codes
-        self.scales = scales
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> BlockQuant:
-        blocks = weight.detach().float().reshape(-1, BLOCK)
-        scales = blocks.abs().amax(dim=1).clamp(min=1e-12)
-        codes = torch.round(blocks / scales[:, None] * 127 + 128).to(torch.uint8)
-        return cls(codes.reshape(-1), scales, weight.shape)
-
-    def dequantize(self) -> torch.Tensor:
-        blocks = self.codes.reshape(-1, BLOCK).float().sub(128).div(127) * self.scales[:, None]
-        return blocks.reshape(self.shape)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            (t,) = args
-            return cls(t.codes, t.scales, t.shape)
-        if func is torch.ops.aten.clone.default:
-            (t,) = args
-            return cls(t.codes.clone(), t.scales.clone(), t.shape)
-        if func is torch.ops.aten.slice.Tensor:
-            t, dim, start, end = (*args, *[None] * 4)[:4]
-            return t._rows(dim or 0, start or 0, end)
-        if func is torch.ops.aten._to_copy.default:
-            (t,) = args
-            device = kwargs.get("device", t.device)
-            return cls(t.codes.to(device), t.scales.to(device), t.shape)
-        plain = pytree.tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
-        return func(*plain[0], **plain[1])
-
-    def _rows(self, dim: int, start: int, end: int | None) -> BlockQuant:
-        rows = self.shape[0]
-        end = rows if end is None else min(end, rows)
-        row = self.shape[1:].numel()
-        if dim != 0 or (start * row) % BLOCK or ((end * row) % BLOCK and end != rows):
-            raise ValueError(f"rows [{start}, {end}) of {list(self.shape)} cut a {BLOCK}-block")
-        lo, hi = start * row, end * row
-        codes = self.codes[lo:hi]
-        scales = self.scales[lo // BLOCK : -(-hi // BLOCK)]
-        return BlockQuant(codes, scales, torch.Size((end - start, *self.shape[1:])))
-
-    def __tensor_flatten__(self) -> tuple[list[str], torch.Size]:
-        return ["codes", "scales"], self.shape
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner: dict, shape: Any, size: Any, stride: Any) -> BlockQuant:
-        return cls(inner["codes"], inner["scales"], shape)
-
-    def fsdp_pre_all_gather(self, mesh: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-        return (self.codes, self.scales), None
-
-    def fsdp_post_all_gather(
-        self,
-        outputs: tuple[torch.Tensor, ...],
-        metadata: Any,
-        param_dtype: torch.dtype,
-        *,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        codes, scales = outputs
-        if out is not None:
-            assert isinstance(out, BlockQuant), type(out)
-            out.codes.copy_(codes)
-            out.scales.copy_(scales)
-            return None
-        rows = codes.numel() // self.shape[1:].numel()
-        full = BlockQuant(codes, scales, torch.Size((rows, *self.shape[1:])))
-        return full, (codes, scales)
-
-    def __repr__(self) -> str:
-        return f"BlockQuant(shape={list(self.shape)})"
+    def fsdp_should_release_all_gather_outputs_after_post_all_gather(self) -> bool:
+        return True

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import raggedfsdp as rf
+from raggedfsdp.models.nf4 import DEFAULT_BLOCK as BLOCK
+from raggedfsdp.models.nf4 import NF4Weight
 from raggedfsdp.planner import block_layout, block_numel_of
-from subclasses import BLOCK, BlockQuant, Opaque
+from subclasses import Opaque
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 64])
@@ -40,7 +42,7 @@ def test_the_issue_case_41_rows_at_w_2_and_3() -> None:
 def test_the_cut_of_whole_rows_alone_would_split_a_block_of_the_subclass() -> None:
     """Negative control: rows split evenly without the block (23 + 23 rows of 32) cut a
     64-element block, which the subclass's own slice refuses."""
-    weight = BlockQuant.quantize(torch.randn(46, 32))
+    weight = NF4Weight.quantize(torch.randn(46, 32))
     _, end = block_layout("w", (46, 32), 2).ranges[0]
     with pytest.raises(ValueError, match="cut a 64-block"):
         weight[: end // 32]
@@ -59,7 +61,7 @@ def test_blocks_that_do_not_tile_the_parameter_are_an_error_naming_it() -> None:
 
 
 def test_a_subclass_tells_its_block_by_attribute_or_registration() -> None:
-    assert block_numel_of(BlockQuant.quantize(torch.randn(2, BLOCK))) == BLOCK
+    assert block_numel_of(NF4Weight.quantize(torch.randn(2, BLOCK))) == BLOCK
     assert block_numel_of(torch.zeros(4)) is None
 
     class Tagged(Opaque):

@@ -47,6 +47,7 @@ def test_the_mesh_places_pp_outermost():
             {"pp": 2, "compress_reduce_scatter": "int8", "error_feedback": True},
             r"^error_feedback: True with --pp: .* not checkpointed yet$",
         ),
+        ({"pp": 2, "lora_rank": 4}, r"^lora_rank: --lora-rank with --pp is not supported yet$"),
     ],
 )
 def test_options_are_checked_when_made(options, message):

@@ -218,6 +218,21 @@ class FSDPModule(TorchFSDPModule):
         for state in self._states(recurse):
             state.group.knobs.requires_all_reduce = requires_all_reduce
 
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """FSDP2's: call ``hook(reduced)`` on this unit's reduced gradient shards, in place,
+        after the reduce-scatter (and, under HSDP, the all-reduce over the replicas), before
+        ``set_gradient_divide_factor``'s rescaling; e.g. an all-reduce over replicas the mesh
+        does not name. Once per bucket of the unit (FSDP2: once per parameter group); each is
+        the bucket's ragged shard, so a hook must not assume FSDP2's even pieces. ``stream``:
+        where it runs (not under HSDP, FSDP2's ``ValueError``). Not recursive, as FSDP2's."""
+        group = self._fsdp_state.group
+        if stream is not None and group.mesh_info.replicate_group is not None:
+            raise ValueError("stream cannot be set when using native HSDP")  # FSDP2's words
+        group.knobs.all_reduce_hook = hook
+        group.knobs.all_reduce_hook_stream = stream
+
     def set_static_graph(self, static_graph: bool = True) -> None:
         """Declare (``True``) that every data-parallel rank runs the same units and uses the same
         parameters in every step, as DDP's ``static_graph``: the start of each backward then
@@ -304,7 +319,6 @@ _BUFFERS = "raggedfsdp's buffers come from its own pool (DBufferConfig), not the
 _NOT_SUPPORTED = {
     "set_custom_all_gather": _OWN_COLLECTIVES,
     "set_custom_reduce_scatter": _OWN_COLLECTIVES,
-    "set_all_reduce_hook": _OWN_COLLECTIVES,
     "set_separate_reduce_scatter_group": _OWN_COLLECTIVES,
     "set_reduce_scatter_unused_params": (
         "a unit's reduce-scatter always covers all its parameters (unused ones reduce zeros)"

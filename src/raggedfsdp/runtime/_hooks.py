@@ -182,13 +182,18 @@ class FSDPState:
             return self.ctx
         named = named_states_under(self.module)
         for _, state in named:
-            if state.ctx is not None:
+            if state.ctx is not None and not state.ctx.never_ran:
                 raise RuntimeError(
                     f"raggedfsdp: {state.group.label} already ran under another root; run "
                     f"forward through the outermost fully_shard-ed module"
                 )
-        for _, state in named:  # parameters converted below an inner module, say, taken back
-            adopt(state.group)
+        taken_in = set()
+        for _, state in named:
+            if state.ctx is not None:  # unsharded by hand before this root's first forward
+                state.group.reshard()  # (FSDP2's unshard() makes no root): joins this one
+                state.ctx = None
+                taken_in.add(id(state))
+            adopt(state.group)  # parameters converted below an inner module, say, taken back
         on_meta = [name for paths, state in named for name in meta_parameters(state.group, paths)]
         if on_meta:
             raise RuntimeError(
@@ -200,7 +205,7 @@ class FSDPState:
         ctx = RootContext(self, [state for _, state in named])
         for paths, state in named:
             state.ctx = ctx
-            state.group.bind(ctx.shared, paths)
+            state.group.bind(ctx.shared, paths, replace=id(state) in taken_in)
             state.group.data_ranks = data_ranks
             if state.post_optim_event is not None:
                 ctx.shared.streams.set_post_optim_event(state.post_optim_event)

@@ -26,6 +26,7 @@ from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import FSDPParam, Registration, bucket_name, qualified_name
 from ._pool import BufferPool
+from ._reduce import run_all_reduce_hook
 from ._reshard_to import ReshardTo
 from ._shared import Knobs, SharedResources
 from ._state_machine import ShardedState, TrainingState, check_state
@@ -169,12 +170,13 @@ class FSDPParamGroup:
             )
         self._bind_storages()
 
-    def bind(self, shared: SharedResources, paths: list[str]) -> None:
+    def bind(self, shared: SharedResources, paths: list[str], *, replace: bool = False) -> None:
         """Join the root, once, at its lazy init: use its shared resources, and take the unit's
         names, its modules' ``paths`` below the root (as FSDP2's ``_init_fqns``): errors,
         profiler ranges and the parameters named in them say them from now on. The root then
-        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``)."""
-        if self._shared is not None and self._shared is not shared:
+        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``).
+        ``replace``: leaving a root that never ran a forward."""
+        if self._shared is not None and self._shared is not shared and not replace:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
                 f"fully_shard to the root once and run forward through it"
@@ -518,6 +520,9 @@ class FSDPParamGroup:
                     wait_all([item.replicate])
                     reduce.check_replicated(item.output)
                 if reduce.unreplicated is None:  # a gradient of every replica
+                    knobs = self.knobs
+                    hook, hook_stream = knobs.all_reduce_hook, knobs.all_reduce_hook_stream
+                    run_all_reduce_hook(hook, hook_stream, item.output, streams)
                     bucket.take_reduced(self._divided(item.output), self.offload, self.stats)
             # compute waits for this before the optimizer reads the gradients (finish_iteration)
             self._reduced = streams.record(label=f"reduced:{self.label}")

@@ -11,9 +11,15 @@ reduce-scatter issues).
 from __future__ import annotations
 
 from collections import deque
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["ReduceQueue", "Reducing"]
+import torch
+
+if TYPE_CHECKING:
+    from ._streams import Streams
+
+__all__ = ["ReduceQueue", "Reducing", "run_all_reduce_hook"]
 
 
 class Reducing(Protocol):
@@ -74,3 +80,26 @@ class ReduceQueue:
             self._replicating.append(group)
         else:
             group.finish_reduce()
+
+
+def run_all_reduce_hook(
+    hook: Callable[[torch.Tensor], None] | None,
+    stream: Any,
+    output: torch.Tensor,
+    streams: Streams,
+) -> None:
+    """FSDP2's all-reduce hook (``FSDPModule.set_all_reduce_hook``) on ``output``, one reduced
+    gradient shard (a bucket's: once per bucket of the unit, where FSDP2 calls it once per
+    parameter group), in place: after its reduce-scatter and, under HSDP, the all-reduce over
+    the replicas, before the divide factor's rescaling, where FSDP2 calls it. In ``stream`` where
+    one is given (a 1-D mesh on an accelerator): it waits for the reduction, and the reduction's
+    stream for it."""
+    if hook is None:
+        return
+    if stream is None or streams.host:
+        hook(output)
+        return
+    streams.wait(streams.record(), stream)
+    with streams.use(stream):
+        hook(output)
+    streams.wait(streams.record(stream))

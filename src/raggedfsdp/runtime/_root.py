@@ -60,6 +60,12 @@ class RootContext(Generic[U]):
         self.in_forward = False
 
     @property
+    def never_ran(self) -> bool:
+        """No forward has started under this root (a unit unsharded by hand before the first
+        forward is its own root until an outer one's first forward takes it in)."""
+        return self.phase is RootPhase.FIRST_FORWARD and not self.in_forward
+
+    @property
     def order_recorded(self) -> bool:
         return self.phase is not RootPhase.FIRST_FORWARD
 

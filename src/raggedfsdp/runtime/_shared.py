@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +38,10 @@ class Knobs:
     #: every rank runs the same units and uses the same parameters in every step (read on the
     #: root): no agreement at the start of backward ([Note: ranks whose graphs differ])
     static_graph: bool = False
+    #: FSDP2's ``set_all_reduce_hook``: called on each reduced gradient shard, in place
+    #: (``_reduce.run_all_reduce_hook``), in ``all_reduce_hook_stream`` where one is given
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+    all_reduce_hook_stream: Any = None
 
 
 @dataclass(frozen=True)

@@ -196,10 +196,23 @@ class SubclassParam:
         post = self.local.fsdp_post_all_gather
         if self.unsharded is not None:
             post(tuple(self.outputs), metadata, param_dtype, out=self.unsharded)
-            return
-        tensor, to_free = post(tuple(self.outputs), metadata, param_dtype)
-        self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
-        self._storages = [(t, t.untyped_storage().nbytes()) for t in (*self.outputs, *to_free)]
+        else:
+            tensor, to_free = post(tuple(self.outputs), metadata, param_dtype)
+            self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
+            everything = (*self.outputs, *to_free)
+            self._storages = [(t, t.untyped_storage().nbytes()) for t in everything]
+        if _releases_outputs(self.local):  # not kept inside the unsharded form: free them now
+            for output in self.outputs:
+                output.untyped_storage().resize_(0)
+
+
+def _releases_outputs(local: torch.Tensor) -> bool:
+    """Whether the subclass says its all-gather outputs may go as soon as
+    ``fsdp_post_all_gather`` has built the unsharded parameter (its unsharded form keeps none of
+    them): FSDP2's ``fsdp_should_release_all_gather_outputs_after_post_all_gather`` (pytorch
+    #194114, after torch 2.15), honoured here whatever the torch."""
+    says = getattr(local, "fsdp_should_release_all_gather_outputs_after_post_all_gather", None)
+    return bool(says()) if callable(says) else False
 
 
 class SubclassParams:
@@ -289,7 +302,14 @@ class SubclassParams:
             count = len(param.inputs[0])
             gathered = [[pieces[r][index + i] for r in range(world)] for i in range(count)]
             index += count
-            param.refill(gathered, meta, self.mp_policy.param_dtype or param.local.dtype)
+            param.refill(gathered, meta, self._param_dtype(param.local))
+
+    def _param_dtype(self, local: torch.Tensor) -> torch.dtype:
+        """The ``param_dtype`` ``fsdp_post_all_gather`` takes, as FSDP2 gives it (torch 2.13,
+        ``FSDPParam.init_dtype_attrs``): mixed precision's, unless the parameter is not floating
+        point; else the parameter's own."""
+        wanted = self.mp_policy.param_dtype
+        return wanted if wanted is not None and local.dtype.is_floating_point else local.dtype
 
     def _specs(self, rank: int) -> list[tuple[torch.Size, torch.dtype]]:
         """``rank``'s (shape, dtype) of every tensor it sends, in packing order."""
@@ -327,7 +347,10 @@ class SubclassParams:
     def reduce(self, stats: RuntimeStats, divided: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Reduce-scatter the unsharded gradients into the sharded ones (added to those still
         held), averaged over the replicas too under HSDP; ``divided`` rescales the mean as the
-        unit's plain gradients are."""
+        unit's plain gradients are. A parameter no rank used keeps its sharded gradient as it
+        was (``None`` where none was held), as in one process: each rank's slot ends with one
+        element per parameter, 1 where this rank has its gradient, which the reduce-scatter's
+        mean leaves above 0 where any rank used it, with no collective of its own."""
         trainable = [p for p in self.params if p.requires_grad and p.unsharded is not None]
         if not trainable:
             return
@@ -336,12 +359,14 @@ class SubclassParams:
         mp = self.mp_policy
         dtype = mp.reduce_dtype or mp.param_dtype or trainable[0].sharded.dtype
         sizes = [max(p.layout.local_numel(r) for r in range(world)) for p in trainable]
-        slot = sum(sizes)
+        used_at = sum(sizes)  # where the used flags start in each slot
+        slot = used_at + len(trainable)
         full = torch.zeros(world * slot, dtype=dtype, device=self.device)
         offset = 0
-        for param, size in zip(trainable, sizes, strict=True):
+        for index, (param, size) in enumerate(zip(trainable, sizes, strict=True)):
             grad = param.unsharded.grad
             if grad is not None:
+                full.view(world, slot)[:, used_at + index] = 1
                 if is_subclass(grad):
                     raise TypeError(
                         f"parameter {param.fqn!r}: its gradient is a {_class_name(grad)}; "
@@ -358,11 +383,14 @@ class SubclassParams:
         wait_all([reduce_scatter(out, full, group, stats, async_op=False)])
         if info.replicate_group is not None:
             wait_all([all_reduce(out, info.replicate_group, stats, async_op=False)])
-        out = divided(out)
+        used = (out[used_at:] > 0).tolist()
+        out = divided(out[:used_at])
         offset = 0
-        for param, size in zip(trainable, sizes, strict=True):
+        for param, size, any_rank in zip(trainable, sizes, used, strict=True):
             piece = out[offset : offset + param.layout.local_numel(rank)]
             offset += size
+            if not any_rank:
+                continue
             sharded = param.sharded
             piece = piece.to(sharded.dtype)
             if sharded.grad is not None:

@@ -1,14 +1,20 @@
 """What torch's ``fully_shard.state(module)`` returns for a raggedfsdp module.
 
 torch's pipelining reduces a stage's gradients through FSDP2's state; :class:`TorchFacingState`
-answers the names it reads and nothing else of FSDP2's ([Note: torch's pipelining]).
+answers the names it reads and nothing else of FSDP2's ([Note: torch's pipelining]). It is an
+instance of FSDP2's ``FSDPState`` class, registered where torch's ``_get_module_state`` looks, so
+torch's own traversals (``_get_managed_modules``, which a torch ``fully_shard`` or ``replicate``
+of a parent runs) take a raggedfsdp unit's modules as managed by a nested ``fully_shard``, as
+they take FSDP2's.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed._composable.contract import STATE_KEY
+from torch.distributed._composable_state import _insert_module_state
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState as TorchFSDPState
 
 from ._hooks import FSDPState
 from ._param_group import FSDPParamGroup
@@ -38,10 +44,14 @@ __all__ = ["TorchFacingState", "expose_to_torch", "torch_facing_state"]
 _TORCH_KEY = torch_fully_shard.__wrapped__  # type: ignore[attr-defined]
 
 
-class TorchFacingState:
-    """One raggedfsdp unit as torch's pipelining reads an FSDP2 state."""
+class TorchFacingState(TorchFSDPState):
+    """One raggedfsdp unit as torch's pipelining reads an FSDP2 state.
 
-    def __init__(self, state: FSDPState) -> None:
+    A subclass of FSDP2's ``FSDPState`` only so that torch's ``isinstance`` checks
+    (``_get_module_fsdp_state``) find it; FSDP2's ``__init__`` is not run and none of its
+    methods is meant to be called on it: the names below are all it answers."""
+
+    def __init__(self, state: FSDPState) -> None:  # FSDP2's __init__ is not run
         self._state = state
 
     @property
@@ -85,10 +95,14 @@ class _GroupFacingPostBackward:
 
 
 def expose_to_torch(state: FSDPState) -> None:
-    """Make torch's ``fully_shard.state(module)`` return a :class:`TorchFacingState` of
-    ``state`` for each of the unit's modules."""
+    """Make torch's ``fully_shard.state(module)`` return one :class:`TorchFacingState` of
+    ``state`` for each of the unit's modules (one object per unit, as FSDP2 has one state per
+    ``fully_shard`` call), and torch's ``_get_module_state`` find it too. The module's state
+    registry holds it; torch's ``_get_module_state`` holds a weak reference."""
+    facing = TorchFacingState(state)
     for module in state.modules:
-        vars(module).setdefault(STATE_KEY, {})[_TORCH_KEY] = TorchFacingState(state)
+        vars(module).setdefault(STATE_KEY, {})[_TORCH_KEY] = facing
+        _insert_module_state(module, facing)
 
 
 def torch_facing_state(module: nn.Module) -> TorchFacingState | None:

@@ -123,7 +123,7 @@ def agree(
     for i, unit in enumerate(units):
         info = unit.mesh_info
         by_mesh.setdefault((id(info.shard_group), id(info.replicate_group)), []).append(i)
-    masks = []
+    masks: list[torch.Tensor | list[int]] = []
     for members in by_mesh.values():
         info = units[members[0]].mesh_info
         data = list(_revisit_bytes(revisit))
@@ -131,21 +131,17 @@ def agree(
         data += [v for i in members for v in _unit_bytes(seen[i])]
         data += [int(f and revisit is None) for i in members for f in units[i].usage.used]
         data += list(_order_bytes(digest))
-        data += [1] * (-len(data) % 16)  # 16 bytes, as every message NCCL moves here
-        mask = torch.tensor(data, dtype=torch.uint8, device=units[members[0]].device)
-        with record_function("raggedfsdp::agree_on_usage"):
-            for pg in (info.shard_group, info.replicate_group):
-                if pg is not None:
-                    dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
-                    stats.usage_all_reduces += 1
-        masks.append(mask)
-    read = torch.cat(masks).tolist()  # the one host read, a sync on an accelerator
+        masks.append(_all_reduce_max(data, info, units[members[0]].device, stats))
+    sent = [mask for mask in masks if isinstance(mask, torch.Tensor)]
+    read = torch.cat(sent).tolist() if sent else []  # the one host read, a sync on an accelerator
     runs, early, differ = [False] * len(units), [False] * len(units), [False] * len(units)
     same_order, again, alike = True, False, True
     at = 0
     for members, mask in zip(by_mesh.values(), masks, strict=True):
-        values = read[at : at + mask.numel()]
-        at += mask.numel()
+        if isinstance(mask, torch.Tensor):
+            values, at = read[at : at + mask.numel()], at + mask.numel()
+        else:
+            values = mask
         again = again or values[0] > 0
         alike = alike and _agrees(values[:2]) and _agrees(values[2:18])
         pos = 18
@@ -161,6 +157,23 @@ def agree(
         if digest is not None:
             same_order &= _agrees(values[pos : pos + 16])
     return Agreed(runs, early, differ, same_order, again, again and alike)
+
+
+def _all_reduce_max(
+    data: list[int], info: MeshInfo, device: torch.device, stats: RuntimeStats
+) -> torch.Tensor | list[int]:
+    """``data`` (bytes) after a MAX over the mesh's ranks, to be read; a mesh of one rank keeps
+    it as it is (no collective, nothing to read back: FSDP2 issues none at world size 1)."""
+    if info.shard_size * info.replicate_size == 1:
+        return data
+    data = data + [1] * (-len(data) % 16)  # 16 bytes, as every message NCCL moves here
+    mask = torch.tensor(data, dtype=torch.uint8, device=device)
+    with record_function("raggedfsdp::agree_on_usage"):
+        for pg in (info.shard_group, info.replicate_group):
+            if pg is not None:
+                dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
+                stats.usage_all_reduces += 1
+    return mask
 
 
 def _revisit_bytes(revisit: int | None) -> bytes:

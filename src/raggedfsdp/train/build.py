@@ -19,6 +19,7 @@ from .. import optim
 from ..facts import stage_indices, stages_per_rank
 from ..layout import RaggedShard
 from ..models import GPT, GPT_CONFIGS, hf
+from ..models.lora import apply_lora
 from ..planner import StructAwarePlanner, WrapPolicy
 from ..runtime import MixedPrecisionPolicy
 from ..tensor import local_piece
@@ -71,18 +72,32 @@ def mp_policy(cfg: TrainConfig) -> MixedPrecisionPolicy | None:
 
 def new_model(cfg: TrainConfig, device: torch.device | str) -> nn.Module:
     """The run's model, unsharded: ``--hf-config``'s Hugging Face model, else ``--model``'s
-    GPT; initialised from torch's global generator (on the meta device: not at all)."""
-    return new_model_of(cfg.model, cfg.hf_config, device)
+    GPT; initialised from torch's global generator (on the meta device: not at all). With
+    ``--lora-rank``: frozen, with adapters beside the blocks' linears (their base in NF4 with
+    ``--base-weights nf4``)."""
+    return new_model_of(cfg.model, cfg.hf_config, device, lora=cfg.to_dict())
 
 
 def new_model_of(
-    model: str, hf_config: str | Mapping[str, Any] | None, device: torch.device | str
+    model: str,
+    hf_config: str | Mapping[str, Any] | None,
+    device: torch.device | str,
+    *,
+    lora: Mapping[str, Any] | None = None,
 ) -> nn.Module:
-    """:func:`new_model` from the two options alone (what a checkpoint's config records;
-    ``hf_config`` may be the config itself, :func:`raggedfsdp.models.hf.config_record`)."""
+    """:func:`new_model` from the options a checkpoint's config records: the two that choose
+    the model (``hf_config`` may be the config itself, :func:`raggedfsdp.models.hf.config_record`)
+    and, in ``lora``, ``lora_rank``, ``base_weights`` and ``nf4_block_size`` if set."""
     if hf_config is not None:
-        return hf.build_hf_model(hf_config, device)
-    return GPT(GPT_CONFIGS[model], device=device)
+        built = hf.build_hf_model(hf_config, device)
+    else:
+        built = GPT(GPT_CONFIGS[model], device=device)
+    rank = (lora or {}).get("lora_rank")
+    if rank is not None:
+        assert lora is not None
+        block = lora["nf4_block_size"] if lora.get("base_weights") == "nf4" else None
+        apply_lora(built, transformer_blocks(built), rank, block)
+    return built
 
 
 def meta_model(cfg: TrainConfig) -> nn.Module:

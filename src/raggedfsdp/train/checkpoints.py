@@ -38,6 +38,7 @@ from ..checkpoint import (
     optim_state_dict,
 )
 from ..runtime import error_feedback_state, load_error_feedback_state
+from ..tensor import RaggedTensor
 from .dcp_reader import SafeReader, read_metadata
 from .run_dir import (
     COMPLETE,
@@ -333,7 +334,10 @@ def load_checkpoint(
     path = Path(path)
     meta = read_meta(path)
     init_optimizer_state(model, optimizer)
-    state = {"model": model.state_dict(), "optim": optim_state_dict(model, optimizer)}
+    state = {
+        "model": _plain_targets(model.state_dict()),
+        "optim": optim_state_dict(model, optimizer),
+    }
     _drop_unsaved_state(path, model, optimizer, state["optim"])
     check_entries(path, dict(expected_entries(state)), meta)
     try:
@@ -352,6 +356,32 @@ def load_checkpoint(
         _set_rng_state(_load_weights(rng_file))
     _load_residuals(path, model, (meta["world_size"], saved), (world, now))
     return meta
+
+
+def _plain_targets(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every sharded entry whose piece is a tensor subclass (the NF4 base of
+    ``--base-weights nf4``) replaced by a plain piece of its shape to load into. DCP saves such
+    a piece as its values (it reads the piece through a reshape, which a subclass computes) and
+    would load into that computed copy, dropping what it read; the parameter then takes the
+    values by its own ``copy_`` (NF4: quantized back to the same codes and scales) in
+    ``load_state_dict``."""
+    out = dict(state)
+    for key, value in state.items():
+        if not isinstance(value, RaggedTensor):
+            continue
+        piece = value.to_local()
+        if type(piece) in (torch.Tensor, nn.Parameter):
+            continue
+        plain = torch.empty(piece.shape, dtype=piece.dtype, device=piece.device)
+        out[key] = RaggedTensor.from_piece(
+            plain,
+            value.shard_layout,
+            value.device_mesh,
+            mesh_dim=value.shard_mesh_dim,
+            placements=value.placements,
+            shape=value.shape,
+        )
+    return out
 
 
 def _ranks_of(world: int, mesh: Mapping[str, int] | None) -> dict[str, int]:
@@ -461,7 +491,7 @@ def export_checkpoint(
     state = load_full(path, "model.")
     # the config the checkpoint carries (older ones: the path or name it was trained from)
     record = meta.get("hf_config_record", hf_config)
-    model = new_model_of(meta["config"].get("model"), record, "meta")
+    model = new_model_of(meta["config"].get("model"), record, "meta", lora=meta["config"])
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as err:

@@ -25,13 +25,15 @@ from typing import Any, Literal
 
 from ..capacity.wire import CODE_DTYPES
 from ..digits import ImageFormat, check_installed
-from ..facts import NOT_WITH_PP, PPSchedule, check_schedule, default_microbatches
+from ..facts import PPSchedule, default_microbatches
 from ..layout import BlockSize, parse_block_size
 from ..models import GPT_CONFIGS, hf
 from ..planner import OptimizerType
 from ..runtime import CommCompression
 from .faults import Fault
+from .lora_options import check_lora_options
 from .mesh import JobMesh
+from .pipeline_options import check_pipeline_options
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -168,6 +170,17 @@ class TrainConfig:
     """Keep what quantizing each gradient dropped and add it to the next (needs
     --compress-reduce-scatter)."""
 
+    # -- LoRA / QLoRA fine-tuning (checked by .lora_options) --------------------------------------
+    lora_rank: int | None = field(default=None, metadata={"metavar": "R"})
+    """Train LoRA adapters (A: R x in, B: out x R, zero) beside every linear of the blocks, the
+    model frozen (docs/lora.md); with adamw, not with --tp / --ep."""
+
+    base_weights: Literal["nf4"] | None = None
+    """With --lora-rank: keep the blocks' frozen linears in NF4 (QLoRA), gathered as codes."""
+
+    nf4_block_size: int = 64
+    """Elements per NF4 scale; it must divide every linear's in-features."""
+
     seed: int = 0
     """Seed of the model initialisation and of the data order (which depends only on seed and
     step, so a run resumed at another world size sees the same batches)."""
@@ -262,26 +275,14 @@ class TrainConfig:
         except ValueError as err:
             raise ValueError(f"block_size: {err}") from None
         try:
-            self.comm_compression()
+            compression = self.comm_compression()
         except ValueError as err:
             raise ValueError(f"error_feedback: {err}") from None
         if self.inject_fault is not None:
             Fault.parse(self.inject_fault)
         self._check_parallel()
-        self._check_pipeline()
-
-    def _check_pipeline(self) -> None:
-        """``--pp``: micro-batches its schedule runs, no option it does not take (the layers:
-        :func:`~.pipeline.check_pipeline`)."""
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ValueError(f"microbatches: must be >= 1, got {self.microbatches}")
-        if self.pp == 1:
-            return
-        given = {"ep": self.ep > 1, "grad_accum": self.grad_accum > 1, "hf_config": self.vlm}
-        given["error_feedback"] = self.error_feedback
-        for name in (n for n, on in given.items() if on):
-            raise ValueError(f"{name}: {getattr(self, name)!r} with --pp: {NOT_WITH_PP[name]}")
-        check_schedule(self.pp, self.pp_schedule, self.pipeline_microbatches)
+        check_pipeline_options(self)
+        check_lora_options(self, compressed=compression is not None)
 
     @property
     def pipeline_microbatches(self) -> int:
@@ -498,10 +499,8 @@ def _coerce(name: str, value: Any) -> Any:
     else:
         ok = isinstance(value, base)
     if not ok:
-        raise ValueError(
-            f"key {name!r} must be {_describe(base, optional)}, got "
-            f"{type(value).__name__} {value!r}"
-        )
+        got = f"{type(value).__name__} {value!r}"
+        raise ValueError(f"key {name!r} must be {_describe(base, optional)}, got {got}")
     return value
 
 

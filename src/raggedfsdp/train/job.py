@@ -36,6 +36,7 @@ from .checkpoints import load_checkpoint, save_checkpoint
 from .config import TrainConfig, add_config_arguments, config_from_args
 from .failures import report_error, report_failure
 from .faults import Fault, FaultKind
+from .lora_meter import LoRAMeter
 from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
 from .pipeline import Pipeline
@@ -186,10 +187,9 @@ class _Run:
     def evaluate(self, step: int) -> None:
         """Record the validation loss now, and a VLM's held-out digit accuracy (collectives:
         every rank calls it)."""
-        if self.pipeline is not None:
-            val_loss = self.pipeline.evaluate(self.val_batches, self.device)
-        else:
-            val_loss = evaluate(self.model, self.val_batches, self.device)
+        model_loss = functools.partial(evaluate, self.model)
+        loss_of = self.pipeline.evaluate if self.pipeline else model_loss
+        val_loss = loss_of(self.val_batches, self.device)
         accuracy = None
         if self.accuracy_batches is not None:
             answer = self.cfg.image_format().answer_position
@@ -424,7 +424,6 @@ def _run_step(run: _Run, step: int) -> None:
             pipeline=run.pipeline,
         )
     stats = run.model.stats()
-    pipeline = run.pipeline
     run.monitor.step(
         done,
         loss=result.loss,
@@ -434,7 +433,7 @@ def _run_step(run: _Run, step: int) -> None:
         stats=stats,
         optimizer_bytes=optimizer_bytes(run.optimizer),
         skipped=result.skipped,
-        pipeline_s=(pipeline.span_s, pipeline.busy_s) if pipeline else None,
+        pipeline_s=(run.pipeline.span_s, run.pipeline.busy_s) if run.pipeline else None,
     )
     run.count_skip(done, result.skipped)
     if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -551,6 +550,7 @@ def _run_job(
     # -- optimizer -------------------------------------------------------------------------------
     optimizer = build_optimizer(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
+    meter = LoRAMeter(model, optimizer) if cfg.lora_rank is not None else None
 
     # -- resume ----------------------------------------------------------------------------------
     start_step = 0 if ckpt is None else _resume(ckpt, cfg, mesh, model, optimizer, sampler)
@@ -564,12 +564,12 @@ def _run_job(
     )  # fmt: skip
     monitor.print(_banner(cfg, params, mesh, backend, padding_ratio, corpus))
     parts = (model, optimizer, params, sampler, val_batches, monitor, watchdog, preemption)
-    run = _Run(
-        cfg, world, mesh, device, out, *parts, accuracy_batches=accuracy_batches, pipeline=pipeline
-    )
+    run = _Run(cfg, world, mesh, device, out, *parts, accuracy_batches, pipeline)
 
     # -- training loop ---------------------------------------------------------------------------
     _train_loop(run, start_step)
+    if meter is not None:
+        meter.report(cfg, monitor, cfg.steps)
 
     # -- the end (train() closes the watchdog and the SIGTERM handler) ----------------------------
     monitor.close(wall_s=time.perf_counter() - started)

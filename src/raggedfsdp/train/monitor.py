@@ -217,6 +217,18 @@ class Monitor:
                 if key not in ("step", "kind") and isinstance(value, (int, float)):
                     self._writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])
 
+    def lora_bytes(
+        self,
+        step: int,
+        measured: list[dict[str, int]],
+        predicted: list[dict[str, int]],
+        base_numel: int,
+    ) -> None:
+        """Rank 0: a LoRA run's tensor bytes per rank, measured and predicted
+        (:mod:`.lora_meter`), and the elements of its NF4 base, as one record."""
+        record = {"measured": measured, "predicted": predicted, "base_numel": base_numel}
+        self._write({"kind": "lora_bytes", "step": step, **record})
+
     # -- per step (every rank) -----------------------------------------------------------------
 
     def step(
@@ -441,6 +453,7 @@ class Monitor:
             ),
             ("wall time (this launch)", f"{wall_s:,.1f} s"),
         ]
+        rows += _lora_rows([r for r in self.records if r["kind"] == "lora_bytes"][-1:])
         for name, value in rows:
             table.add_row(name, value)
         return table
@@ -456,6 +469,32 @@ def _pipeline_rows(train: list[dict]) -> list[tuple[str, str]]:
         stages = ",".join(str(s) for s in entry["stages"])
         parts.append(f"stage {stages}: {100 * statistics.median(fractions):.1f}%")
     return [("pipeline bubble (median)", ", ".join(parts))]
+
+
+def _lora_rows(records: list[dict]) -> list[tuple[str, str]]:
+    """The summary's rows of a LoRA run's tensor bytes (its ``lora_bytes`` record, if any):
+    the largest rank's, measured against predicted, and the NF4 base's bytes per parameter."""
+    if not records:
+        return []
+    (record,) = records
+    measured, predicted = record["measured"], record["predicted"]
+    top = max(range(len(measured)), key=lambda r: measured[r]["total"])
+    got, want = measured[top], predicted[top]
+    parts = " + ".join(
+        f"{name} {format_bytes(got[name])}"
+        for name in ("base", "frozen", "adapters", "grads", "optimizer")
+    )
+    rows = [
+        (
+            f"LoRA tensors, rank {top} (largest)",
+            f"{parts} = {format_bytes(got['total'])} (predicted {format_bytes(want['total'])}, "
+            f"{got['total'] / max(1, want['total']):.3f}x)",
+        )
+    ]
+    if record["base_numel"]:
+        per_param = sum(m["base"] for m in measured) / record["base_numel"]
+        rows.append(("NF4 base, bytes per parameter", f"{per_param:.4f}"))
+    return rows
 
 
 def _eval_rows(evals: list[dict]) -> list[tuple[str, str]]:

@@ -28,6 +28,7 @@ from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, check_rank_files, read_meta
 from .config import TrainConfig
+from .lora_meter import predicted_lora_bytes
 from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
 
@@ -376,4 +377,11 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     ]
     lines.append("estimated memory per rank:")
     lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
+    if cfg.lora_rank is not None:
+        # The estimate above costs the NF4 base in fp32 and every parameter's AdamW state: an
+        # upper bound. The LoRA run's own tensor bytes, exactly (capacity/lora.py):
+        ranks, _ = predicted_lora_bytes(cfg, world_size)
+        top = max(ranks, key=lambda r: r.total)
+        parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in top.as_dict().items())
+        lines.append(f"LoRA tensors of the largest rank: {parts}")
     return "\n".join(lines)
