@@ -11,15 +11,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..facts.systems import System
+from ..facts.systems import System, storage_aligned
 from ..planner import ShardPlan
 from .step_shape import StepShape
 
-__all__ = ["STORAGE_ALIGN", "UnitBytes", "unit_bytes", "unit_path"]
-
-#: The runtime starts each bucket's buffer in a unit's storage on this many bytes
-#: (``runtime/_dbuffer.py``: ``packed_nbytes``).
-STORAGE_ALIGN = 256
+__all__ = ["UnitBytes", "unit_bytes", "unit_path"]
 
 
 @dataclass(frozen=True)
@@ -117,10 +113,10 @@ class UnitBytes:
     def storage_bytes(self, world_size: int, itemsize: int, *, trainable: bool = False) -> int:
         """Bytes of the unit's unsharded storage (``trainable``: its gradient block): every
         bucket's ``W S`` elements (``W`` its group's, :meth:`group`), each started on
-        :data:`STORAGE_ALIGN` bytes."""
+        :data:`~raggedfsdp.facts.STORAGE_ALIGN` bytes."""
         w = self.group(world_size)
         return sum(
-            -(-w * s * itemsize // STORAGE_ALIGN) * STORAGE_ALIGN
+            storage_aligned(w * s * itemsize)
             for s, t in zip(self.shards, self.trainable, strict=True)
             if t or not trainable
         )

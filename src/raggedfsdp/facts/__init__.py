@@ -25,6 +25,7 @@ from .schedules import (
 from .systems import (
     FSDP2,
     RAGGEDFSDP,
+    STORAGE_ALIGN,
     SYSTEMS,
     GlooReduceScatter,
     HostCopies,
@@ -32,6 +33,7 @@ from .systems import (
     Stream,
     System,
     as_system,
+    storage_aligned,
 )
 from .tp_plan import FUSED_EXPERTS, PER_HEAD, TOKEN_EMBEDDING, TP_PLAN, TPStyle, tp_dim, tp_style
 from .vision import VISION_MODULES, is_vision
@@ -43,6 +45,7 @@ __all__ = [
     "PER_HEAD",
     "PP_SCHEDULES",
     "RAGGEDFSDP",
+    "STORAGE_ALIGN",
     "SYSTEMS",
     "TOKEN_EMBEDDING",
     "TP_PLAN",
@@ -67,6 +70,7 @@ __all__ = [
     "schedule_class",
     "stage_indices",
     "stages_per_rank",
+    "storage_aligned",
     "tp_dim",
     "tp_style",
 ]

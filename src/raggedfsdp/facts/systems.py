@@ -16,6 +16,7 @@ from typing import TypeVar
 __all__ = [
     "FSDP2",
     "RAGGEDFSDP",
+    "STORAGE_ALIGN",
     "SYSTEMS",
     "GlooReduceScatter",
     "HostCopies",
@@ -23,7 +24,17 @@ __all__ = [
     "Stream",
     "System",
     "as_system",
+    "storage_aligned",
 ]
+
+#: raggedfsdp starts each buffer in a unit's storage (a bucket's shard, unsharded block or
+#: gradient block) on this many bytes: enough for any dtype and for vector loads.
+STORAGE_ALIGN = 256
+
+
+def storage_aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole :data:`STORAGE_ALIGN`: what a buffer takes in storage."""
+    return -(-nbytes // STORAGE_ALIGN) * STORAGE_ALIGN
 
 _T = TypeVar("_T")
 

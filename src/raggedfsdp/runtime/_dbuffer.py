@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..facts import storage_aligned
 from ..planner import ShardPlan
 from ._comm import AllGather, ReduceScatter
 from ._mesh import MeshInfo
@@ -21,13 +22,9 @@ from ._param import FSDPParam, Registration
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes", "storages_for", "views_of"]
 
-# Sub-buffers in a FlatStorage start on this many bytes, enough for any dtype and for vector loads.
-_STORAGE_ALIGN = 256
-
-
 def packed_nbytes(sizes: list[tuple[int, torch.dtype]]) -> int:
     """Bytes of one block holding 1-D buffers of ``(numel, dtype)`` back to back, aligned."""
-    return sum(_aligned(numel * dtype.itemsize) for numel, dtype in sizes)
+    return sum(storage_aligned(numel * dtype.itemsize) for numel, dtype in sizes)
 
 
 def carve(block: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[torch.Tensor]:
@@ -35,12 +32,8 @@ def carve(block: torch.Tensor, sizes: list[tuple[int, torch.dtype]]) -> list[tor
     views, offset = [], 0
     for numel, dtype in sizes:
         views.append(block[offset : offset + numel * dtype.itemsize].view(dtype))
-        offset += _aligned(numel * dtype.itemsize)
+        offset += storage_aligned(numel * dtype.itemsize)
     return views
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _STORAGE_ALIGN) * _STORAGE_ALIGN
 
 
 # [Note: freeing unsharded storage] Unsharded parameters are persistent views, because autograd
