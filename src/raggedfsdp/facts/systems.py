@@ -36,6 +36,7 @@ def storage_aligned(nbytes: int) -> int:
     """``nbytes`` rounded up to a whole :data:`STORAGE_ALIGN`: what a buffer takes in storage."""
     return -(-nbytes // STORAGE_ALIGN) * STORAGE_ALIGN
 
+
 _T = TypeVar("_T")
 
 

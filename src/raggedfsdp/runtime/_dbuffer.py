@@ -22,6 +22,7 @@ from ._param import FSDPParam, Registration
 
 __all__ = ["DBuffer", "FlatStorage", "carve", "packed_nbytes", "storages_for", "views_of"]
 
+
 def packed_nbytes(sizes: list[tuple[int, torch.dtype]]) -> int:
     """Bytes of one block holding 1-D buffers of ``(numel, dtype)`` back to back, aligned."""
     return sum(storage_aligned(numel * dtype.itemsize) for numel, dtype in sizes)
