@@ -8,7 +8,8 @@ FSDP2's) still load; a signed one exports; the store without ``--host`` takes ev
 signing hand-made records: tests/unit/test_verify_checkpoint.py.)
 
 The launches are real ``raggedfsdp train`` runs (2 CPU workers) of gpt-tiny: one of 2 steps
-that saves a checkpoint, whose copies the cases alter.
+that saves a checkpoint, whose copies the cases alter and whose listening sockets are sampled
+while it runs; one made with ``--user-only`` under a job secret, checked both ways.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +80,26 @@ def _refused(proc, *fragments: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, corpus) -> Path:
-    """A run folder of 2 steps with its checkpoint of step 2."""
+def sampled(tmp_path_factory, corpus) -> tuple[Path, set[tuple[str, int]]]:
+    """A run folder of 2 steps (2 workers) with its checkpoint of step 2, and every address its
+    processes listened on while it ran."""
     out = tmp_path_factory.mktemp("source") / "run"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}"))
+    train = [*COMMON, "--steps=2", "--nproc=2", f"--data={corpus}", f"--out={out}"]
+    return out, _listeners_of_a_run(cli_command("train", *train), out)
+
+
+@pytest.fixture(scope="module")
+def source(sampled) -> Path:
+    return sampled[0]
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory, corpus) -> Path:
+    """A run folder of 2 steps made with ``--user-only`` under a job secret
+    (RAGGEDFSDP_CHECKPOINT_KEY): its checkpoints signed, its files this user's alone."""
+    out = tmp_path_factory.mktemp("signed") / "run"
+    args = [*COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--user-only"]
+    ok(_run("train", *args, env={**ENV, KEY_ENV: "job-secret"}))
     return out
 
 
@@ -316,34 +334,35 @@ def _listeners_of_a_run(command: list[str], out: Path) -> set[tuple[str, int]]:
     try:
         while proc.poll() is None:
             seen |= _listeners_of([proc.pid, *descendants(proc.pid)])
+            # The sockets sampled live from a store's or a group's start to the job's end
+            # (seconds): a short pause leaves the cores to the job (a sample takes ~10 ms).
+            time.sleep(0.02)
     finally:
         kill_tree(proc)
     assert proc.returncode == 0, log.read_text()
     return seen
 
 
-def test_a_one_node_job_listens_on_loopback_alone(tmp_path, corpus):
+def test_a_one_node_job_listens_on_loopback_alone(sampled, tmp_path, corpus):
     """Every store of a one-node ``raggedfsdp train`` (the rendezvous store, the workers' store)
-    and the workers' Gloo listen on 127.0.0.1 alone. Negative control: the same workers under
-    torchrun's own ``--standalone`` listen on every address."""
-    train = [*COMMON, "--steps=6", f"--data={corpus}", "--nproc=2"]
-    ours_out = tmp_path / "ours"
-    ours = _listeners_of_a_run(cli_command("train", *train, f"--out={ours_out}"), ours_out)
+    and the workers' Gloo listen on 127.0.0.1 alone (the source run, 2 workers). Negative
+    control: the same workers under torchrun's own ``--standalone`` listen on every address."""
+    _, ours = sampled
     assert len(ours) >= 3, ours  # the workers' store and each worker's Gloo, at least
     assert {address for address, _ in ours} == {"127.0.0.1"}, ours
-    worker = [a for a in train if not a.startswith("--nproc")] + [f"--out={tmp_path / 'torch'}"]
+    worker = [*COMMON, "--steps=2", f"--data={corpus}", f"--out={tmp_path / 'torch'}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     theirs = _listeners_of_a_run([*torchrun, "-m", "raggedfsdp.train", *worker], tmp_path / "torch")
     assert {address for address, _ in theirs} & {"0.0.0.0", "::"}, theirs
 
 
-def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
+def test_a_job_secret_refuses_a_folder_altered_without_it(signed, tmp_path, corpus):
     """With RAGGEDFSDP_CHECKPOINT_KEY the run signs its checkpoints: the crafted ``.metadata``
     with its checksum re-recorded (which passes the checksums alone, above) is refused at
     resume, in one line; the untouched checkpoint exports under the same secret."""
     env = {**ENV, KEY_ENV: "job-secret"}
     out = tmp_path / "run"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", env=env))
+    shutil.copytree(signed, out)
     ok(_run("export", f"--checkpoint={out}", f"--out={tmp_path / 'model.pt'}", env=env))
     marker = tmp_path / "MARKER"
     (out / STEP2 / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
@@ -353,13 +372,11 @@ def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
     assert KEY_ENV in line and not marker.exists()
 
 
-def test_user_only_runs_write_nothing_others_may_read(source, tmp_path, corpus):
+def test_user_only_runs_write_nothing_others_may_read(signed, source):
     """``--user-only``: every file and folder of the run (checkpoints, metrics, logs, the
     lock) is this user's alone; without it (the control, the source run) modes follow the
     umask, as SECURITY.md says."""
-    out = tmp_path / "private"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--user-only"))
-    written = [out, *out.rglob("*")]
+    written = [signed, *signed.rglob("*")]
     assert len(written) > 10
     assert [p for p in written if p.stat().st_mode & 0o077] == []
     umask = os.umask(0)
