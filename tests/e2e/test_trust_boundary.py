@@ -8,8 +8,9 @@ FSDP2's) still load; a signed one exports; the store without ``--host`` takes ev
 signing hand-made records: tests/unit/test_verify_checkpoint.py.)
 
 The launches are real ``raggedfsdp train`` runs (2 CPU workers) of gpt-tiny: one of 2 steps
-that saves a checkpoint, whose copies the cases alter and whose listening sockets are sampled
-while it runs; one made with ``--user-only`` under a job secret, checked both ways.
+that saves a checkpoint, whose listening sockets are sampled while it runs and whose copies the
+cases alter, then resume side by side; one made with ``--user-only`` under a job secret, checked
+both ways.
 """
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launches import ENV, cli_command, descendants, free_port, kill_tree, ok, run_cli
+from launches import (
+    ENV,
+    cli_command,
+    descendants,
+    free_port,
+    kill_tree,
+    ok,
+    run_cli,
+    run_side_by_side,
+)
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import COMPLETE, KEY_ENV, checkpoint_files, verify_checkpoint
 
@@ -103,30 +113,68 @@ def signed(tmp_path_factory, corpus) -> Path:
     return out
 
 
-@pytest.fixture
-def run(source, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(source, out)
-    return out
+CRAFTED = (".metadata", "rng/rank_00000.pt")
+LINKED = ("metrics.jsonl", "config.json", f"{STEP2[:-1]}4.tmp")
 
 
-@pytest.mark.parametrize("file", [".metadata", "rng/rank_00000.pt"])
-def test_a_crafted_checkpoint_file_runs_nothing(run, tmp_path, corpus, file):
-    marker = tmp_path / "MARKER"
+def _plant_payload(run: Path, where: Path, file: str) -> None:
+    """``file`` of the step-2 checkpoint becomes a pickle that writes ``where/MARKER``, its
+    checksum re-recorded."""
+    marker = where / "MARKER"
     ckpt = run / STEP2
     if file == ".metadata":
         (ckpt / file).write_bytes(pickle.dumps(_Payload(marker)))
     else:
         torch.save({"torch": _Payload(marker)}, ckpt / file)
     _reseal(ckpt)
-    trained = (run / "metrics.jsonl").read_bytes()
-    resume = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+
+
+def _plant_link(run: Path, where: Path, name: str) -> None:
+    """``name`` among the run's outputs becomes a link to ``where/victim`` (a file of the
+    victim's, or for a checkpoint's temporary folder, a folder)."""
+    victim = where / "victim"
+    victim.mkdir() if name.endswith(".tmp") else victim.write_text("precious\n")
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(victim)
+
+
+@pytest.fixture(scope="module")
+def resumes(source, tmp_path_factory, corpus) -> dict[tuple[str, str], tuple[Path, Any]]:
+    """Copies of the source run, each altered by one case (``(kind, file)``), and one untouched
+    (``("genuine", "")``), resumed side by side (a refused command spends its time starting an
+    interpreter, and these starts overlap), with the crafted ``.metadata`` copy exported
+    (``("export", ".metadata")``): by case, the folder holding the copy (``run``) and what the
+    case planted, and the command's result."""
+    plants = {("crafted", file): _plant_payload for file in CRAFTED}
+    plants |= {("link", name): _plant_link for name in LINKED}
+    folders, commands = {}, {}
+    for (kind, name), plant in [*plants.items(), (("genuine", ""), None)]:
+        where = folders[kind, name] = tmp_path_factory.mktemp(kind)
+        shutil.copytree(source, where / "run")
+        if plant is not None:
+            plant(where / "run", where, name)
+        train = [*COMMON, "--steps=4", f"--data={corpus}", f"--out={where / 'run'}", "--resume"]
+        commands[kind, name] = cli_command("train", *train)
+    where = folders["export", ".metadata"] = folders["crafted", ".metadata"]
+    commands["export", ".metadata"] = cli_command(
+        "export", f"--checkpoint={where / 'run'}", f"--out={where / 'model.pt'}"
+    )
+    done = run_side_by_side(*commands.values(), timeout=300)
+    return {case: (folders[case], proc) for case, proc in zip(commands, done, strict=True)}
+
+
+@pytest.mark.parametrize("file", CRAFTED)
+def test_a_crafted_checkpoint_file_runs_nothing(resumes, source, file):
+    where, resume = resumes["crafted", file]
+    run, marker = where / "run", where / "MARKER"
+    ckpt = run / STEP2
     line = _refused(resume, f"{ckpt / file}'", "posix.system")
+    trained = (source / "metrics.jsonl").read_bytes()
     assert (run / "metrics.jsonl").read_bytes() == trained  # refused before any worker
     if file == ".metadata":  # export reads only the model: DCP's metadata and files
-        export = _run("export", f"--checkpoint={run}", f"--out={tmp_path / 'model.pt'}")
+        _, export = resumes["export", file]
         _refused(export, f"{ckpt / file}'", "posix.system")
-        assert not (tmp_path / "model.pt").exists()
+        assert not (where / "model.pt").exists()
     assert not marker.exists(), line
     # the negative control: the same payload through plain pickle does write the marker
     pickle.loads(pickle.dumps(_Payload(marker)))
@@ -173,23 +221,21 @@ def test_genuine_checkpoints_of_fsdp2_load(tmp_path):
         assert torch.equal(loaded[key], value), key
 
 
-def test_genuine_raggedfsdp_checkpoint_resumes(run, corpus):
+def test_genuine_raggedfsdp_checkpoint_resumes(resumes):
     """The negative control of the crafted files: the same folder, untouched, resumes (DCP's
     metadata, the files and the RNG states all read through the checks above)."""
-    proc = ok(_run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume"))
+    where, proc = resumes["genuine", ""]
+    ok(proc)
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
-    assert verify_checkpoint(run / "checkpoints/step_000004") is None
+    assert verify_checkpoint(where / "run/checkpoints/step_000004") is None
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json", f"{STEP2[:-1]}4.tmp"])
-def test_outputs_are_never_written_through_a_planted_link(run, tmp_path, corpus, name):
+@pytest.mark.parametrize("name", LINKED)
+def test_outputs_are_never_written_through_a_planted_link(resumes, name):
     """A link planted among a run's outputs (pointing at a file of the victim's) refuses the
     resume in one line naming it; the file it points at is untouched."""
-    victim = tmp_path / "victim"
-    victim.mkdir() if name.endswith(".tmp") else victim.write_text("precious\n")
-    (run / name).unlink(missing_ok=True)
-    (run / name).symlink_to(victim)
-    proc = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+    where, proc = resumes["link", name]
+    run, victim = where / "run", where / "victim"
     _refused(proc, f"{run / name}'", "symbolic link")
     if name.endswith(".tmp"):
         assert not any(victim.iterdir())
