@@ -1,11 +1,11 @@
 """raggedfsdp units inside torch's ``PipelineStage``, under every schedule the installed torch has,
 against one process on the global batch and against FSDP2 + PP in the same launch.
 
-One Gloo launch of 4 ranks, a mesh (pp=2, dp=2), and one of 8 for pp x HSDP and pp x dp x tp: a
-small decoder with uneven widths (37, 24, 40) cut into stages torchtitan's way
-(``tests/support/pipeline_cases.py``), 2 SGD steps of 4 micro-batches. Optimizers, clipping over
-the stages and DCP across layouts ride in the 4-rank launch. The tests judge the collected
-results.
+One Gloo launch of 8 ranks: pp x HSDP and pp x dp x tp on all 8, then a mesh (pp=2, dp=2) on ranks
+0-3 as a launch of its own (``run_world_grid``'s ``as_launches``): a small decoder with uneven
+widths (37, 24, 40) cut into stages torchtitan's way (``tests/support/pipeline_cases.py``), 2 SGD
+steps of 4 micro-batches. Optimizers, clipping over the stages and DCP across layouts ride in the
+4-rank part. The tests judge the collected results.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
-from harness import error_message, run_distributed
+from harness import Grid, error_message, run_world_grid
 from pipeline_cases import (
     DP,
     LR,
@@ -175,11 +175,6 @@ def _cases(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def grid() -> list[dict[str, Any]]:
-    return run_distributed(_cases, PP * DP)
-
-
 def _cases_8(rank: int, world: int) -> dict[str, Any]:
     """The 8-rank meshes: pp=2 x HSDP (2 replicas of 2 shards), pp=2 x dp=2 x tp=2."""
     meshes = {
@@ -196,9 +191,25 @@ def _cases_8(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def _by_world(rank: int, world: int, group: None) -> dict[str, Any]:
+    return _cases_8(rank, world) if world == 8 else _cases(rank, world)
+
+
 @pytest.fixture(scope="module")
-def grid_8() -> list[dict[str, Any]]:
-    return run_distributed(_cases_8, 8)
+def worlds() -> Grid:
+    """One launch of 8 ranks: the 8-rank meshes first, then (ranks 4-7 done and gone) the
+    4-rank cases on ranks 0-3, in a default group of their own."""
+    return run_world_grid(_by_world, [8, PP * DP], as_launches=True)
+
+
+@pytest.fixture(scope="module")
+def grid(worlds: Grid) -> list[dict[str, Any]]:
+    return worlds[PP * DP]
+
+
+@pytest.fixture(scope="module")
+def grid_8(worlds: Grid) -> list[dict[str, Any]]:
+    return worlds[8]
 
 
 def gathered(grid: list[dict[str, Any]], key: tuple[str, str, str]) -> dict[str, torch.Tensor]:

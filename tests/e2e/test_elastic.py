@@ -6,13 +6,16 @@ leave: a replaced node's run ends bit for bit where the uninterrupted run ends; 
 goes 2 -> 1 -> 2 ranks on two nodes and 3 -> 2 -> 3 on three, each time from the newest
 checkpoint. The node lost is never the first one, which hosts the rendezvous (losing that one
 ends the job), except behind a ``raggedfsdp rendezvous`` store, where any node may go. Every
-launch runs under hard timeouts, and every process a
-test started is killed in its ``finally``.
+launch runs under hard timeouts, and every process a test started is killed in its ``finally``.
+Four scenarios (a replaced node; the first node lost, with and without the store; a worker
+whose peers never come) run at once, in one module fixture: their waits (timeouts, a silent
+node's 5 s, restarts) overlap.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 import socket
@@ -20,7 +23,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -45,6 +50,8 @@ from raggedfsdp.train.run_dir import latest_checkpoint
 # other nodes' launchers, imported ahead (NODE), to join, so the job starts at full size.
 RDZV = "keep_alive_interval=1,keep_alive_max_attempt=5,last_call_timeout=5"
 DEADLINE_S = 180  # for any one wait of a test (a loaded machine is slow to start workers)
+LOSE_FIRST_STEPS = 60  # the steps of the runs that lose their first node
+REPLACED_STEPS = 50  # the steps of the fixed-size job whose second node is replaced
 
 # A node's launcher, started ahead of its time: it pays for its imports (seconds) at once, then
 # waits for its gate file and, unless it hosts the rendezvous (port 0), for the rendezvous port
@@ -193,10 +200,13 @@ def _finish(tmp: Path, *nodes: tuple[str, subprocess.Popen]) -> dict[str, str]:
     return outputs
 
 
-def test_replacement_node_joins_a_fixed_size_job(tmp_path, corpus):
-    steps = 50
-    reference = tmp_path / "reference"
-    out = tmp_path / "run"
+def _replace_a_node(tmp: Path, *, corpus: Path) -> tuple[Path, dict[str, str]]:
+    """Two nodes of a fixed-size job, the second lost after the checkpoint of step 10 and
+    replaced, into ``tmp/run``; the uninterrupted run beside them, into ``tmp/reference``:
+    ``tmp`` and the nodes' outputs."""
+    steps = REPLACED_STEPS
+    reference = tmp / "reference"
+    out = tmp / "run"
     args = [*_args(corpus, out, steps=steps, batch=4), "--nnodes=2", "--nproc=1"]
     # The uninterrupted run goes beside the cluster, whose waits leave the cores idle.
     uninterrupted = subprocess.Popen(
@@ -208,26 +218,32 @@ def test_replacement_node_joins_a_fixed_size_job(tmp_path, corpus):
         start_new_session=True,
     )
     try:
-        with _cluster(tmp_path, [*args, "--max-restarts=2"], {"a": 0, "b": 1, "c": 1}) as start:
+        with _cluster(tmp, [*args, "--max-restarts=2"], {"a": 0, "b": 1, "c": 1}) as start:
             a, b = start("a", 0), start("b", 1)
             _wait_for("the checkpoint of step 10", _complete(out, 10))
             _lose(b)
             lost = time.monotonic()
             c = start("c", 1)  # the replacement: node 1's command, on another machine
-            outputs = _finish(tmp_path, ("a", a), ("c", c))
+            outputs = _finish(tmp, ("a", a), ("c", c))
             print(f"replacement: {time.monotonic() - lost:.1f} s from the loss to the end")
         said = uninterrupted.communicate(timeout=DEADLINE_S)[0]
         assert uninterrupted.returncode == 0, f"exit {uninterrupted.returncode}\n{said}"
     finally:
         if uninterrupted.poll() is None:
             kill_tree(uninterrupted)
+    return tmp, outputs
+
+
+def test_replacement_node_joins_a_fixed_size_job(at_once):
+    tmp_path, outputs = at_once["replacement"].result()
+    reference, out = tmp_path / "reference", tmp_path / "run"
     # Rank 0 prints the resume. torchrun ranks the nodes by their agents' PIDs, so the
     # replacement is rank 0 when its PID is the smaller (after the PIDs wrap around).
     resumed = _resumed(tmp_path)
     assert len(resumed) == 1 and "saved on 2 rank(s), now 2)" in resumed.pop(), outputs
     records = metrics(out, "train")
     assert {r["world_size"] for r in records} == {2}
-    assert records[-1]["step"] == steps
+    assert records[-1]["step"] == REPLACED_STEPS
     # The one line of the survivor's worker that lost its peer; its traceback in OUT/logs.
     errors = [line for line in outputs["a"].splitlines() if line.startswith("raggedfsdp: error")]
     assert len(errors) == 1 and "(traceback in " in errors[0], outputs["a"]
@@ -277,29 +293,56 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
-@pytest.mark.parametrize("store", [True, False], ids=["own-store", "node-hosts-store"])
-def test_losing_the_first_node_behind_a_rendezvous_store(tmp_path, corpus, store):
-    """With ``raggedfsdp rendezvous`` hosting the store, losing the first node (the one that
-    would host it) leaves the other training alone to the end. Without it (the negative
-    control) the rendezvous goes with that node and the survivor ends in one line."""
-    steps = 60
-    out = tmp_path / "run"
-    args = [*_args(corpus, out, steps=steps, batch=8), "--nnodes=1:2", "--nproc=1"]
-    with _cluster(tmp_path, [*args, "--max-restarts=2"], {"a": 0, "b": 1}, store=store) as start:
+@pytest.fixture(scope="module")
+def at_once(tmp_path_factory, corpus) -> dict[str, Future]:
+    """The scenarios run at once, each in a folder of its own: by name, the future of what its
+    test judges (an assertion inside a scenario is raised by its test's ``result()``)."""
+    scenarios: dict[str, Callable[[Path], Any]] = {
+        "replacement": functools.partial(_replace_a_node, corpus=corpus),
+        "own-store": functools.partial(_lose_the_first_node, corpus=corpus, store=True),
+        "node-hosts-store": functools.partial(_lose_the_first_node, corpus=corpus, store=False),
+        "cannot-meet": functools.partial(_a_worker_that_cannot_meet_its_peers, corpus=corpus),
+    }
+    with ThreadPoolExecutor(len(scenarios)) as pool:
+        futures = {
+            name: pool.submit(scenario, tmp_path_factory.mktemp(name))
+            for name, scenario in scenarios.items()
+        }
+    return futures  # all done: the pool waits for them as it closes
+
+
+def _lose_the_first_node(tmp: Path, *, corpus: Path, store: bool) -> dict[str, Any]:
+    """Two nodes, the first lost after the checkpoint of step 20: without ``store``, the
+    survivor's exit status and output lines; with it, its output, the resumes and the train
+    records."""
+    out = tmp / "run"
+    args = [*_args(corpus, out, steps=LOSE_FIRST_STEPS, batch=8), "--nnodes=1:2", "--nproc=1"]
+    with _cluster(tmp, [*args, "--max-restarts=2"], {"a": 0, "b": 1}, store=store) as start:
         a, b = start("a", 0), start("b", 1)
         _wait_for("the checkpoint of step 20", _complete(out, 20))
         _lose(a)
         if not store:
             b.wait(timeout=DEADLINE_S)
-            lines = (tmp_path / "b.txt").read_text().splitlines()
-            assert b.returncode == 1, lines
-            assert lines[-1].startswith("raggedfsdp: error: the nodes did not meet at"), lines
-            return
-        outputs = _finish(tmp_path, ("b", b))
-    assert "now 1)" in "".join(_resumed(tmp_path)), outputs
-    sizes = [r["world_size"] for r in metrics(out, "train")]
+            return {"status": b.returncode, "lines": (tmp / "b.txt").read_text().splitlines()}
+        outputs = _finish(tmp, ("b", b))
+    return {"outputs": outputs, "resumed": _resumed(tmp), "records": metrics(out, "train")}
+
+
+@pytest.mark.parametrize("store", [True, False], ids=["own-store", "node-hosts-store"])
+def test_losing_the_first_node_behind_a_rendezvous_store(at_once, store):
+    """With ``raggedfsdp rendezvous`` hosting the store, losing the first node (the one that
+    would host it) leaves the other training alone to the end. Without it (the negative
+    control) the rendezvous goes with that node and the survivor ends in one line."""
+    got = at_once["own-store" if store else "node-hosts-store"].result()
+    if not store:
+        lines = got["lines"]
+        assert got["status"] == 1, lines
+        assert lines[-1].startswith("raggedfsdp: error: the nodes did not meet at"), lines
+        return
+    assert "now 1)" in "".join(got["resumed"]), got["outputs"]
+    sizes = [r["world_size"] for r in got["records"]]
     assert [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]] == [2, 1], sizes
-    assert metrics(out, "train")[-1]["step"] == steps
+    assert got["records"][-1]["step"] == LOSE_FIRST_STEPS
 
 
 def _text(path: Path) -> str:
@@ -370,6 +413,7 @@ def _wait_for_step_at(out: Path, *, world_size: int) -> int:
 
 
 def test_a_node_alone_ends_in_one_line_within_the_startup_timeout(tmp_path, corpus):
+    # Not among the scenarios run at once: its bound is on its own wall time.
     out = tmp_path / "run"
     args = [*_args(corpus, out, steps=4, batch=4), "--nnodes=2", "--nproc=1"]
     started = time.monotonic()
@@ -385,7 +429,8 @@ def test_a_node_alone_ends_in_one_line_within_the_startup_timeout(tmp_path, corp
     assert not out.exists()  # a refused start leaves nothing
 
 
-def test_a_worker_that_cannot_meet_its_peers_ends_in_one_line(tmp_path, corpus):
+def _a_worker_that_cannot_meet_its_peers(tmp: Path, *, corpus: Path) -> subprocess.CompletedProcess:
+    """A worker of rank 1 whose rank 0 never comes, started without a launcher."""
     env = {
         **ENV,
         "MASTER_ADDR": "127.0.0.1",
@@ -395,8 +440,12 @@ def test_a_worker_that_cannot_meet_its_peers_ends_in_one_line(tmp_path, corpus):
         "LOCAL_RANK": "0",
     }
     command = [sys.executable, "-m", "raggedfsdp.train", "--model=gpt-tiny", f"--data={corpus}"]
-    command += [f"--out={tmp_path / 'run'}", "--startup-timeout-s=2"]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+    command += [f"--out={tmp / 'run'}", "--startup-timeout-s=2"]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_a_worker_that_cannot_meet_its_peers_ends_in_one_line(at_once):
+    proc = at_once["cannot-meet"].result()
     assert proc.returncode == health.WATCHDOG_EXIT_CODE, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

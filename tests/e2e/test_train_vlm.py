@@ -13,6 +13,8 @@ tests/unit/test_vlm.py.)
 from __future__ import annotations
 
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from raggedfsdp.data import load_corpus
 from raggedfsdp.digits import ImageTextSampler, load_digits
 from raggedfsdp.models import hf
 from raggedfsdp.train.checkpoints import export_checkpoint
+from raggedfsdp.train.run_dir import COMPLETE
 
 pytest.importorskip("transformers")
 pytest.importorskip("sklearn")
@@ -51,21 +54,31 @@ COMMON = [
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus) -> dict[str, Path]:
     """The W=2 run (its console output beside it), the single-process run, and the W=2 run
-    resumed from its step-3 checkpoint."""
+    resumed from its step-3 checkpoint, started as soon as that checkpoint is complete (beside
+    the others' last steps)."""
     root = tmp_path_factory.mktemp("vlm")
     found = {k: root / k for k in ("w2", "w1", "resumed")}
     data = f"--data={corpus}"
-    w2, _ = run_side_by_side(
-        cli_command("train", *COMMON, data, f"--out={found['w2']}"),
-        workers_in_one_process([*COMMON, data, f"--out={found['w1']}"]),
-    )
+    step3 = found["w2"] / "checkpoints" / "step_000003"
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(
+            run_side_by_side,
+            cli_command("train", *COMMON, data, f"--out={found['w2']}"),
+            workers_in_one_process([*COMMON, data, f"--out={found['w1']}"]),
+        )
+        # Bounded by run_side_by_side's own timeout, after which the runs are done.
+        while not ((step3 / COMPLETE).exists() or first.done()):
+            time.sleep(0.05)
+        if not (step3 / COMPLETE).exists():  # the W=2 run ended without it: say how
+            ok(first.result()[0])
+            pytest.fail("the W=2 run saved no step-3 checkpoint")
+        shutil.copytree(step3, found["resumed"] / "checkpoints" / "step_000003")
+        (resumed,) = run_side_by_side(
+            cli_command("train", *COMMON, data, f"--out={found['resumed']}", "--resume")
+        )
+        w2, _ = first.result()
     ok(w2)
     (root / "w2.stdout").write_text(w2.stdout)
-    step3 = found["w2"] / "checkpoints" / "step_000003"
-    shutil.copytree(step3, found["resumed"] / "checkpoints" / "step_000003")
-    (resumed,) = run_side_by_side(
-        cli_command("train", *COMMON, data, f"--out={found['resumed']}", "--resume")
-    )
     ok(resumed)
     return found
 

@@ -8,7 +8,9 @@ FSDP2's) still load; a signed one exports; the store without ``--host`` takes ev
 signing hand-made records: tests/unit/test_verify_checkpoint.py.)
 
 The launches are real ``raggedfsdp train`` runs (2 CPU workers) of gpt-tiny: one of 2 steps
-that saves a checkpoint, whose copies the cases alter.
+that saves a checkpoint, whose listening sockets are sampled while it runs and whose copies the
+cases alter, then resume side by side; one made with ``--user-only`` under a job secret, checked
+both ways.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from launches import ENV, cli_command, descendants, free_port, kill_tree, ok, run_cli
+from launches import (
+    ENV,
+    cli_command,
+    descendants,
+    free_port,
+    kill_tree,
+    ok,
+    run_cli,
+    run_side_by_side,
+)
 from raggedfsdp.train.checkpoints import load_full
 from raggedfsdp.train.run_dir import COMPLETE, KEY_ENV, checkpoint_files, verify_checkpoint
 
@@ -78,37 +90,91 @@ def _refused(proc, *fragments: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory, corpus) -> Path:
-    """A run folder of 2 steps with its checkpoint of step 2."""
+def sampled(tmp_path_factory, corpus) -> tuple[Path, set[tuple[str, int]]]:
+    """A run folder of 2 steps (2 workers) with its checkpoint of step 2, and every address its
+    processes listened on while it ran."""
     out = tmp_path_factory.mktemp("source") / "run"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}"))
+    train = [*COMMON, "--steps=2", "--nproc=2", f"--data={corpus}", f"--out={out}"]
+    return out, _listeners_of_a_run(cli_command("train", *train), out)
+
+
+@pytest.fixture(scope="module")
+def source(sampled) -> Path:
+    return sampled[0]
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory, corpus) -> Path:
+    """A run folder of 2 steps made with ``--user-only`` under a job secret
+    (RAGGEDFSDP_CHECKPOINT_KEY): its checkpoints signed, its files this user's alone."""
+    out = tmp_path_factory.mktemp("signed") / "run"
+    args = [*COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--user-only"]
+    ok(_run("train", *args, env={**ENV, KEY_ENV: "job-secret"}))
     return out
 
 
-@pytest.fixture
-def run(source, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(source, out)
-    return out
+CRAFTED = (".metadata", "rng/rank_00000.pt")
+LINKED = ("metrics.jsonl", "config.json", f"{STEP2[:-1]}4.tmp")
 
 
-@pytest.mark.parametrize("file", [".metadata", "rng/rank_00000.pt"])
-def test_a_crafted_checkpoint_file_runs_nothing(run, tmp_path, corpus, file):
-    marker = tmp_path / "MARKER"
+def _plant_payload(run: Path, where: Path, file: str) -> None:
+    """``file`` of the step-2 checkpoint becomes a pickle that writes ``where/MARKER``, its
+    checksum re-recorded."""
+    marker = where / "MARKER"
     ckpt = run / STEP2
     if file == ".metadata":
         (ckpt / file).write_bytes(pickle.dumps(_Payload(marker)))
     else:
         torch.save({"torch": _Payload(marker)}, ckpt / file)
     _reseal(ckpt)
-    trained = (run / "metrics.jsonl").read_bytes()
-    resume = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+
+
+def _plant_link(run: Path, where: Path, name: str) -> None:
+    """``name`` among the run's outputs becomes a link to ``where/victim`` (a file of the
+    victim's, or for a checkpoint's temporary folder, a folder)."""
+    victim = where / "victim"
+    victim.mkdir() if name.endswith(".tmp") else victim.write_text("precious\n")
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to(victim)
+
+
+@pytest.fixture(scope="module")
+def resumes(source, tmp_path_factory, corpus) -> dict[tuple[str, str], tuple[Path, Any]]:
+    """Copies of the source run, each altered by one case (``(kind, file)``), and one untouched
+    (``("genuine", "")``), resumed side by side (a refused command spends its time starting an
+    interpreter, and these starts overlap), with the crafted ``.metadata`` copy exported
+    (``("export", ".metadata")``): by case, the folder holding the copy (``run``) and what the
+    case planted, and the command's result."""
+    plants = {("crafted", file): _plant_payload for file in CRAFTED}
+    plants |= {("link", name): _plant_link for name in LINKED}
+    folders, commands = {}, {}
+    for (kind, name), plant in [*plants.items(), (("genuine", ""), None)]:
+        where = folders[kind, name] = tmp_path_factory.mktemp(kind)
+        shutil.copytree(source, where / "run")
+        if plant is not None:
+            plant(where / "run", where, name)
+        train = [*COMMON, "--steps=4", f"--data={corpus}", f"--out={where / 'run'}", "--resume"]
+        commands[kind, name] = cli_command("train", *train)
+    where = folders["export", ".metadata"] = folders["crafted", ".metadata"]
+    commands["export", ".metadata"] = cli_command(
+        "export", f"--checkpoint={where / 'run'}", f"--out={where / 'model.pt'}"
+    )
+    done = run_side_by_side(*commands.values(), timeout=300)
+    return {case: (folders[case], proc) for case, proc in zip(commands, done, strict=True)}
+
+
+@pytest.mark.parametrize("file", CRAFTED)
+def test_a_crafted_checkpoint_file_runs_nothing(resumes, source, file):
+    where, resume = resumes["crafted", file]
+    run, marker = where / "run", where / "MARKER"
+    ckpt = run / STEP2
     line = _refused(resume, f"{ckpt / file}'", "posix.system")
+    trained = (source / "metrics.jsonl").read_bytes()
     assert (run / "metrics.jsonl").read_bytes() == trained  # refused before any worker
     if file == ".metadata":  # export reads only the model: DCP's metadata and files
-        export = _run("export", f"--checkpoint={run}", f"--out={tmp_path / 'model.pt'}")
+        _, export = resumes["export", file]
         _refused(export, f"{ckpt / file}'", "posix.system")
-        assert not (tmp_path / "model.pt").exists()
+        assert not (where / "model.pt").exists()
     assert not marker.exists(), line
     # the negative control: the same payload through plain pickle does write the marker
     pickle.loads(pickle.dumps(_Payload(marker)))
@@ -155,23 +221,21 @@ def test_genuine_checkpoints_of_fsdp2_load(tmp_path):
         assert torch.equal(loaded[key], value), key
 
 
-def test_genuine_raggedfsdp_checkpoint_resumes(run, corpus):
+def test_genuine_raggedfsdp_checkpoint_resumes(resumes):
     """The negative control of the crafted files: the same folder, untouched, resumes (DCP's
     metadata, the files and the RNG states all read through the checks above)."""
-    proc = ok(_run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume"))
+    where, proc = resumes["genuine", ""]
+    ok(proc)
     assert "resumed from" in proc.stdout and "step_000002" in proc.stdout
-    assert verify_checkpoint(run / "checkpoints/step_000004") is None
+    assert verify_checkpoint(where / "run/checkpoints/step_000004") is None
 
 
-@pytest.mark.parametrize("name", ["metrics.jsonl", "config.json", f"{STEP2[:-1]}4.tmp"])
-def test_outputs_are_never_written_through_a_planted_link(run, tmp_path, corpus, name):
+@pytest.mark.parametrize("name", LINKED)
+def test_outputs_are_never_written_through_a_planted_link(resumes, name):
     """A link planted among a run's outputs (pointing at a file of the victim's) refuses the
     resume in one line naming it; the file it points at is untouched."""
-    victim = tmp_path / "victim"
-    victim.mkdir() if name.endswith(".tmp") else victim.write_text("precious\n")
-    (run / name).unlink(missing_ok=True)
-    (run / name).symlink_to(victim)
-    proc = _run("train", *COMMON, "--steps=4", f"--data={corpus}", f"--out={run}", "--resume")
+    where, proc = resumes["link", name]
+    run, victim = where / "run", where / "victim"
     _refused(proc, f"{run / name}'", "symbolic link")
     if name.endswith(".tmp"):
         assert not any(victim.iterdir())
@@ -316,34 +380,35 @@ def _listeners_of_a_run(command: list[str], out: Path) -> set[tuple[str, int]]:
     try:
         while proc.poll() is None:
             seen |= _listeners_of([proc.pid, *descendants(proc.pid)])
+            # The sockets sampled live from a store's or a group's start to the job's end
+            # (seconds): a short pause leaves the cores to the job (a sample takes ~10 ms).
+            time.sleep(0.02)
     finally:
         kill_tree(proc)
     assert proc.returncode == 0, log.read_text()
     return seen
 
 
-def test_a_one_node_job_listens_on_loopback_alone(tmp_path, corpus):
+def test_a_one_node_job_listens_on_loopback_alone(sampled, tmp_path, corpus):
     """Every store of a one-node ``raggedfsdp train`` (the rendezvous store, the workers' store)
-    and the workers' Gloo listen on 127.0.0.1 alone. Negative control: the same workers under
-    torchrun's own ``--standalone`` listen on every address."""
-    train = [*COMMON, "--steps=6", f"--data={corpus}", "--nproc=2"]
-    ours_out = tmp_path / "ours"
-    ours = _listeners_of_a_run(cli_command("train", *train, f"--out={ours_out}"), ours_out)
+    and the workers' Gloo listen on 127.0.0.1 alone (the source run, 2 workers). Negative
+    control: the same workers under torchrun's own ``--standalone`` listen on every address."""
+    _, ours = sampled
     assert len(ours) >= 3, ours  # the workers' store and each worker's Gloo, at least
     assert {address for address, _ in ours} == {"127.0.0.1"}, ours
-    worker = [a for a in train if not a.startswith("--nproc")] + [f"--out={tmp_path / 'torch'}"]
+    worker = [*COMMON, "--steps=2", f"--data={corpus}", f"--out={tmp_path / 'torch'}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     theirs = _listeners_of_a_run([*torchrun, "-m", "raggedfsdp.train", *worker], tmp_path / "torch")
     assert {address for address, _ in theirs} & {"0.0.0.0", "::"}, theirs
 
 
-def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
+def test_a_job_secret_refuses_a_folder_altered_without_it(signed, tmp_path, corpus):
     """With RAGGEDFSDP_CHECKPOINT_KEY the run signs its checkpoints: the crafted ``.metadata``
     with its checksum re-recorded (which passes the checksums alone, above) is refused at
     resume, in one line; the untouched checkpoint exports under the same secret."""
     env = {**ENV, KEY_ENV: "job-secret"}
     out = tmp_path / "run"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", env=env))
+    shutil.copytree(signed, out)
     ok(_run("export", f"--checkpoint={out}", f"--out={tmp_path / 'model.pt'}", env=env))
     marker = tmp_path / "MARKER"
     (out / STEP2 / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
@@ -353,13 +418,11 @@ def test_a_job_secret_refuses_a_folder_altered_without_it(tmp_path, corpus):
     assert KEY_ENV in line and not marker.exists()
 
 
-def test_user_only_runs_write_nothing_others_may_read(source, tmp_path, corpus):
+def test_user_only_runs_write_nothing_others_may_read(signed, source):
     """``--user-only``: every file and folder of the run (checkpoints, metrics, logs, the
     lock) is this user's alone; without it (the control, the source run) modes follow the
     umask, as SECURITY.md says."""
-    out = tmp_path / "private"
-    ok(_run("train", *COMMON, "--steps=2", f"--data={corpus}", f"--out={out}", "--user-only"))
-    written = [out, *out.rglob("*")]
+    written = [signed, *signed.rglob("*")]
     assert len(written) > 10
     assert [p for p in written if p.stat().st_mode & 0o077] == []
     umask = os.umask(0)
