@@ -13,9 +13,10 @@ experts, top 3, and 2 shared, in 5 of 6 layers). ``--pp`` and ``--ep`` are torch
 ``parallelism.pipeline_parallel_degree`` and ``expert_parallel_degree``; the data-parallel
 shard degree is the rest of ``--nproc`` (torchtitan's -1), and expert parallelism borrows its
 ranks from it. So ``--nproc 4 --pp 2`` is pp 2 x FSDP 2 with llama3's own schedule,
-Interleaved1F1B (two stages a rank, 2 micro-batches of 1 sample), and ``--nproc 4 --ep 2`` is
-FSDP 4 for the dense parameters and, for the routed experts, ep 2 x FSDP 2 over a mesh of their
-own (torchtitan's ``shard_placement_fn`` returning ``ShardPlacementResult``). What the script
+Interleaved1F1B (two stages a rank, 2 micro-batches of 1 sample); ``--ep 2`` (2 ranks) is FSDP
+2 for the dense parameters and, for the routed experts, ep 2 over an expert-FSDP mesh of their
+own, of 1 rank (torchtitan's ``shard_placement_fn`` returning ``ShardPlacementResult``), and
+``--nproc 4 --ep 2`` FSDP 4 and ep 2 x expert-FSDP 2. What the script
 does, each step a ``torchrun`` of ``--nproc`` Gloo ranks (2 by default) running torchtitan's own
 ``Trainer`` (the chosen config, with the CPU settings below):
 
@@ -27,15 +28,15 @@ does, each step a ``torchrun`` of ``--nproc`` Gloo ranks (2 by default) running 
 
 then prints the loss table (Markdown) and writes it, with every loss and gradient norm (and that
 norm in fp64, from the gathered gradients; recording it changes no number), to
-``OUT/losses.json``; the docs section (``--write-docs``) is named for the model and the degrees,
-``torchtitan_llama3_debug_pp2`` for instance. ``--norm-from-full-gradients`` is for diagnosis:
-gradients are clipped by the fp32 norm of the gathered full gradients, one computation for both
-implementations, instead of torchtitan's norm of each rank's pieces, which rounds differently
-for different shards (docs/results/frameworks.md, "bf16"). Under pipeline parallelism both norms
-are summed over the stages as torchtitan sums its own. Otherwise the only change to torchtitan
-is the name ``fully_shard`` in ``torchtitan.distributed.fsdp``, the module whose
-``apply_fsdp_to_decoder`` every model's ``parallelize`` calls: ``rf.fully_shard`` in its place
-(docs/migrating-from-fsdp2.md, "Frameworks").
+``OUT/losses.json``; the docs section (``--write-docs``) is named for the model, the degrees and
+the ranks, ``torchtitan_llama3_debug_pp2_4ranks`` for instance. ``--norm-from-full-gradients``
+is for diagnosis: gradients are clipped by the fp32 norm of the gathered full gradients, one
+computation for both implementations, instead of torchtitan's norm of each rank's pieces, which
+rounds differently for different shards (docs/results/frameworks.md, "bf16"). Under pipeline
+parallelism both norms are summed over the stages as torchtitan sums its own. Otherwise the
+only change to torchtitan is the name ``fully_shard`` in ``torchtitan.distributed.fsdp``, the
+module whose ``apply_fsdp_to_decoder`` every model's ``parallelize`` calls: ``rf.fully_shard`` in
+its place (docs/migrating-from-fsdp2.md, "Frameworks").
 
 What torchtitan 0.3 on torch 2.13 needs on a machine without an accelerator, FSDP2 as much as
 raggedfsdp, applied here in the worker and nowhere else:
@@ -172,10 +173,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_name(args: argparse.Namespace) -> str:
     """The name of a run's docs section and results file: ``torchtitan_<model>_debug``, then the
-    parallelism degrees above 1, the dtype when bf16 and the diagnosis when on."""
+    parallelism degrees above 1, the ranks when not 2, the dtype when bf16 and the diagnosis
+    when on."""
     name = f"torchtitan_{args.model}_debug"
     name += f"_pp{args.pp}" if args.pp > 1 else ""
     name += f"_ep{args.ep}" if args.ep > 1 else ""
+    name += f"_{args.nproc}ranks" if args.nproc != 2 else ""
     name += "_bf16" if args.param_dtype == "bfloat16" else ""
     return name + ("_full_norm" if args.norm_from_full_gradients else "")
 
