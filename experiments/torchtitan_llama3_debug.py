@@ -403,25 +403,26 @@ def _watch_clipping(trainer: Any, fp64: dict[str, float], full_norm: bool) -> No
         parameters = list(parameters)
         pp_mesh = kwargs.get("pp_mesh")
         full = [p.grad.full_tensor() for p in parameters if p.grad is not None]
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in full]
-        fp64[str(trainer.step)] = _over_stages(torch.stack(norms), pp_mesh).item()
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in full])
+        fp64[str(trainer.step)] = _over_stages(torch.linalg.vector_norm(norms), pp_mesh).item()
         if not full_norm:
             return clip(parameters, max_norm, *args, **kwargs)
-        total = _over_stages(torch.nn.utils.get_total_norm(full).reshape(1), pp_mesh)[0]
+        total = _over_stages(torch.nn.utils.get_total_norm(full), pp_mesh)
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
         return total
 
     titan_trainer.dist_utils.clip_grad_norm_ = clip_grad_norm_
 
 
-def _over_stages(norms: Any, pp_mesh: Any) -> Any:
-    """The 2-norm of ``norms`` (a rank's per-tensor norms), over every pipeline stage: the
-    squares summed over ``pp_mesh`` when there is one."""
+def _over_stages(norm: Any, pp_mesh: Any) -> Any:
+    """``norm`` (the 2-norm of this rank's stages' gradients) over every pipeline stage, the
+    squares summed over ``pp_mesh`` as torchtitan sums its own; ``norm`` itself without one."""
     import torch.distributed as dist
 
-    squares = norms.square().sum().reshape(1)
-    if pp_mesh is not None:
-        dist.all_reduce(squares, group=pp_mesh.get_group())
+    if pp_mesh is None:
+        return norm
+    squares = norm.square()
+    dist.all_reduce(squares, group=pp_mesh.get_group())
     return squares.sqrt()
 
 
