@@ -325,6 +325,8 @@ def _schedules_take_microbatches() -> None:
     torch's ``step``); torch 2.13's ``step`` takes the whole batch and splits it, and has the
     micro-batch path under its private ``_step_microbatches``. Each schedule class's ``step``
     is wrapped to take that path when handed micro-batches, after the same per-step set-up."""
+    import inspect
+
     from torch.distributed.pipelining import schedules
 
     def takes_microbatches(step: Any) -> Any:
@@ -357,7 +359,8 @@ def _schedules_take_microbatches() -> None:
         return wrapper
 
     for schedule in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
-        schedule.step = takes_microbatches(schedule.step)
+        if "arg_mbs" not in inspect.signature(schedule.step).parameters:  # a later torch's has
+            schedule.step = takes_microbatches(schedule.step)
 
 
 def _flex_attention_as_sdpa(
@@ -408,7 +411,13 @@ def _watch_clipping(trainer: Any, fp64: dict[str, float], full_norm: bool) -> No
         if not full_norm:
             return clip(parameters, max_norm, *args, **kwargs)
         total = _over_stages(torch.nn.utils.get_total_norm(full), pp_mesh)
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        # one call per mesh: under expert parallelism the experts' mesh is not the others'
+        # (torch's foreach multiply refuses DTensors of two meshes); the same scale for all
+        by_mesh: dict[Any, list[Any]] = {}
+        for p in parameters:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     titan_trainer.dist_utils.clip_grad_norm_ = clip_grad_norm_
