@@ -1,30 +1,42 @@
-"""torchtitan's llama3 debug model, 10 steps and a resume, with raggedfsdp and with FSDP2, on CPU.
+"""torchtitan's debug models, 10 steps and a resume, with raggedfsdp and with FSDP2, on CPU.
 
     pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
     python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
+        [--model llama3|deepseek_v3] [--nproc N] [--pp N] [--ep N] \
         [--param-dtype bfloat16] [--norm-from-full-gradients] \
         [--write-docs docs/results/frameworks.md]
 
 ``--tokenizer`` is torchtitan's test tokenizer, ``tests/assets/tokenizer`` of its repository
-(the debug model's 2,048-token vocabulary). What the script does, each step a ``torchrun`` of 2
-Gloo ranks running torchtitan's own ``Trainer`` (its ``llama3_debugmodel`` config, with the
-CPU settings below):
+(the debug models' 2,048-token vocabulary). ``--model`` picks torchtitan's config:
+``llama3_debugmodel`` (the default) or ``deepseek_v3_debugmodel``, its MoE debug model (8 routed
+experts, top 3, and 2 shared, in 5 of 6 layers). ``--pp`` and ``--ep`` are torchtitan's
+``parallelism.pipeline_parallel_degree`` and ``expert_parallel_degree``; the data-parallel
+shard degree is the rest of ``--nproc`` (torchtitan's -1), and expert parallelism borrows its
+ranks from it. So ``--nproc 4 --pp 2`` is pp 2 x FSDP 2 with llama3's own schedule,
+Interleaved1F1B (two stages a rank, 2 micro-batches of 1 sample); ``--ep 2`` (2 ranks) is FSDP
+2 for the dense parameters and, for the routed experts, ep 2 over an expert-FSDP mesh of their
+own, of 1 rank (torchtitan's ``shard_placement_fn`` returning ``ShardPlacementResult``), and
+``--nproc 4 --ep 2`` FSDP 4 and ep 2 x expert-FSDP 2. What the script
+does, each step a ``torchrun`` of ``--nproc`` Gloo ranks (2 by default) running torchtitan's own
+``Trainer`` (the chosen config, with the CPU settings below):
 
-1. a seed checkpoint, made by torchtitan on one process (``--checkpoint.create_seed_checkpoint``),
-   so that both implementations start from the same weights;
+1. a seed checkpoint, made by torchtitan on one process (``--checkpoint.create_seed_checkpoint``,
+   no pipeline or expert parallelism), so that both implementations start from the same weights;
 2. for FSDP2 and for raggedfsdp: 10 steps from the seed, checkpointing at step 5 and 10;
 3. for each: a resume from its step-5 checkpoint (model, optimizer, lr scheduler, data loader)
    to step 10;
 
 then prints the loss table (Markdown) and writes it, with every loss and gradient norm (and that
 norm in fp64, from the gathered gradients; recording it changes no number), to
-``OUT/losses.json``. ``--norm-from-full-gradients`` is for diagnosis: gradients are clipped by
-the fp32 norm of the gathered full gradients, one computation for both implementations, instead
-of torchtitan's norm of each rank's pieces, which rounds differently for different shards
-(docs/results/frameworks.md, "bf16"). Otherwise the only change to torchtitan is the name
-``fully_shard`` in ``torchtitan.distributed.fsdp``, the module whose ``apply_fsdp_to_decoder``
-every model's ``parallelize`` calls: ``rf.fully_shard`` in its place (docs/migrating-from-fsdp2.md,
-"Frameworks").
+``OUT/losses.json``; the docs section (``--write-docs``) is named for the model, the degrees and
+the ranks, ``torchtitan_llama3_debug_pp2_4ranks`` for instance. ``--norm-from-full-gradients``
+is for diagnosis: gradients are clipped by the fp32 norm of the gathered full gradients, one
+computation for both implementations, instead of torchtitan's norm of each rank's pieces, which
+rounds differently for different shards (docs/results/frameworks.md, "bf16"). Under pipeline
+parallelism both norms are summed over the stages as torchtitan sums its own. Otherwise the
+only change to torchtitan is the name ``fully_shard`` in ``torchtitan.distributed.fsdp``, the
+module whose ``apply_fsdp_to_decoder`` every model's ``parallelize`` calls: ``rf.fully_shard`` in
+its place (docs/migrating-from-fsdp2.md, "Frameworks").
 
 What torchtitan 0.3 on torch 2.13 needs on a machine without an accelerator, FSDP2 as much as
 raggedfsdp, applied here in the worker and nowhere else:
@@ -47,6 +59,11 @@ raggedfsdp, applied here in the worker and nowhere else:
   ``set_force_sum_reduction_for_comms(True)`` on every unit (raggedfsdp takes it; same numbers);
 - ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step, is not in
   torch 2.13 (a later torch's): the worker binds it to 2.13's ``_set_pg_timeout``;
+- under pipeline parallelism torchtitan 0.3 steps the schedule with micro-batches it split
+  itself (``schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)``, a later torch's
+  signature); torch 2.13's ``step`` splits a whole batch, so it takes the lists for one
+  micro-batch ("Expecting 2 arg_mbs but got 1"): the worker routes such calls to 2.13's
+  ``_step_microbatches``, after the per-step set-up its ``step`` does;
 - ``training.disable_cuda_graphs``, ``mixed_precision_param="float32"`` unless
   ``--param-dtype bfloat16`` (torchtitan's default; bf16 matmuls on a CPU are slow), validation
   off (it reads c4 from the Hugging Face hub);
@@ -58,6 +75,7 @@ raggedfsdp, applied here in the worker and nowhere else:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -75,6 +93,11 @@ STEPS = 10
 RESUME_FROM = 5
 IMPLS = ("fsdp2", "rf")
 PARAM_DTYPES = ("float32", "bfloat16")
+# --model: torchtitan's debug configs, by module and function
+MODELS = {
+    "llama3": ("torchtitan.models.llama3.config_registry", "llama3_debugmodel"),
+    "deepseek_v3": ("torchtitan.models.deepseek_v3.config_registry", "deepseek_v3_debugmodel"),
+}
 
 
 # -- the driver ------------------------------------------------------------------------------------
@@ -88,7 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, required=True, help="a folder for checkpoints and results"
     )
+    parser.add_argument(
+        "--model", choices=MODELS, default="llama3", help="torchtitan's debug model (llama3)"
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks per run (default 2)")
+    parser.add_argument(
+        "--pp", type=int, default=1, help="parallelism.pipeline_parallel_degree (default 1)"
+    )
+    parser.add_argument(
+        "--ep", type=int, default=1, help="parallelism.expert_parallel_degree (default 1)"
+    )
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per sample (default 256)")
     parser.add_argument(
         "--batch", type=int, default=2, help="samples per rank and step (default 2)"
@@ -129,31 +161,34 @@ def main(argv: list[str] | None = None) -> int:
         _torchrun(args, args.nproc, "--impl", impl, "--phase", f"{impl}-resume")
         for run in (impl, f"{impl}-resume"):
             results[run] = json.loads((out / run / "metrics.json").read_text())
-    norms = {run: r["grad_norm"] for run, r in results.items()}
-    gap = max(abs(norms["rf"][k] - norms["fsdp2"][k]) for k in norms["rf"])
-    error = {impl: _norm_error(results[impl]) for impl in IMPLS}
-    table = _table(results) + (
-        f"\n\nLargest gradient-norm difference, raggedfsdp - FSDP2: {gap:.1e}; the norms' mean "
-        f"relative error against their fp64 value: FSDP2 {error['fsdp2']:.2e}, raggedfsdp "
-        f"{error['rf']:.2e}; parameters: {results['fsdp2']['parameter_types']} and "
-        f"{results['rf']['parameter_types']}."
-    )
+    table = _report(results)
     print(table)
     (out / "losses.json").write_text(json.dumps(results, indent=1))
     (out / "losses.md").write_text(table + "\n")
     if args.write_docs:
-        script = "torchtitan_llama3_debug"
-        name = script if args.param_dtype == "float32" else f"{script}_bf16"
-        name += "_full_norm" if args.norm_from_full_gradients else ""
-        write_section(args.write_docs, name, table, script=script, folder="experiments")
+        script = Path(__file__).stem
+        write_section(args.write_docs, _run_name(args), table, script=script, folder="experiments")
     return 0
+
+
+def _run_name(args: argparse.Namespace) -> str:
+    """The name of a run's docs section and results file: ``torchtitan_<model>_debug``, then the
+    parallelism degrees above 1, the ranks when not 2, the dtype when bf16 and the diagnosis
+    when on."""
+    name = f"torchtitan_{args.model}_debug"
+    name += f"_pp{args.pp}" if args.pp > 1 else ""
+    name += f"_ep{args.ep}" if args.ep > 1 else ""
+    name += f"_{args.nproc}ranks" if args.nproc != 2 else ""
+    name += "_bf16" if args.param_dtype == "bfloat16" else ""
+    return name + ("_full_norm" if args.norm_from_full_gradients else "")
 
 
 def _torchrun(args: argparse.Namespace, nproc: int, *extra: str) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
         __file__, "--worker", "--tokenizer", str(args.tokenizer.resolve()),
-        "--out", str(args.out.resolve()),
+        "--out", str(args.out.resolve()), "--model", args.model,
+        "--pp", str(args.pp), "--ep", str(args.ep),
         "--seq-len", str(args.seq_len), "--batch", str(args.batch),
         "--param-dtype", args.param_dtype,
         *(["--norm-from-full-gradients"] if args.norm_from_full_gradients else []), *extra,
@@ -173,6 +208,26 @@ def _write_data(folder: Path) -> None:
     with path.open("w") as f:
         for module in sorted(stdlib.glob("*.py"))[:200]:
             f.write(json.dumps({"text": module.read_text(errors="replace")}) + "\n")
+
+
+def _report(results: dict[str, Any]) -> str:
+    """The loss table and, under it, the largest differences, the gradient norms' error and the
+    parameters' types."""
+    error = {impl: _norm_error(results[impl]) for impl in IMPLS}
+    return _table(results) + (
+        f"\n\nLargest loss difference, raggedfsdp - FSDP2: {_largest_gap(results, 'loss'):.1e}; "
+        f"largest gradient-norm difference: {_largest_gap(results, 'grad_norm'):.1e}; the norms' "
+        f"mean relative error against their fp64 value: FSDP2 {error['fsdp2']:.2e}, raggedfsdp "
+        f"{error['rf']:.2e}; parameters: {results['fsdp2']['parameter_types']} and "
+        f"{results['rf']['parameter_types']}."
+    )
+
+
+def _largest_gap(results: dict[str, Any], metric: str) -> float:
+    """The largest difference of ``metric`` (``loss`` or ``grad_norm``) between raggedfsdp's run
+    and FSDP2's, over the steps."""
+    ours, theirs = results["rf"][metric], results["fsdp2"][metric]
+    return max(abs(ours[step] - theirs[step]) for step in ours)
 
 
 def _norm_error(run: dict[str, Any]) -> float:
@@ -253,6 +308,7 @@ def _import_torchtitan_on_cpu() -> None:
         from torch.distributed.distributed_c10d import _set_pg_timeout
 
         torch.distributed.set_timeout = _set_pg_timeout
+    _schedules_take_microbatches()
     # flex attention, the debug model's: compiled for an accelerator at import, and without a
     # backward on a CPU at all: its block masks built eagerly, and the attention itself run as
     # SDPA under the same mask, made dense (the same function: causal within each document)
@@ -261,6 +317,50 @@ def _import_torchtitan_on_cpu() -> None:
 
     attention._compiled_create_block_mask = create_block_mask
     attention.FlexAttention._compiled_flex_attn = _flex_attention_as_sdpa
+
+
+def _schedules_take_microbatches() -> None:
+    """torchtitan 0.3 steps its pipeline schedule with micro-batches it split itself
+    (``step(arg_mbs=..., kwarg_mbs=..., target_mbs=..., losses=..., loss_kwargs=...)``, a later
+    torch's ``step``); torch 2.13's ``step`` takes the whole batch and splits it, and has the
+    micro-batch path under its private ``_step_microbatches``. Each schedule class's ``step``
+    is wrapped to take that path when handed micro-batches, after the same per-step set-up."""
+    import inspect
+
+    from torch.distributed.pipelining import schedules
+
+    def takes_microbatches(step: Any) -> Any:
+        def wrapper(
+            self: Any,
+            *args: Any,
+            arg_mbs: list | None = None,
+            kwarg_mbs: list | None = None,
+            target_mbs: list | None = None,
+            losses: list | None = None,
+            return_outputs: bool = True,
+            loss_kwargs: dict | None = None,
+            **kwargs: Any,
+        ) -> Any:
+            if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+                return step(
+                    self, *args, losses=losses, return_outputs=return_outputs,
+                    loss_kwargs=loss_kwargs, **kwargs,
+                )  # fmt: skip
+            stages = self._stages if hasattr(self, "_stages") else [self._stage]
+            for stage in stages:  # what 2.13's step does before splitting
+                stage.has_backward = self._has_backward
+                stage.clear_runtime_states()
+            self._step_microbatches(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs
+            )
+            last = [stage for stage in stages if stage.is_last]
+            return self._merge_outputs(last[0].output_chunks) if last and return_outputs else None
+
+        return wrapper
+
+    for schedule in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "arg_mbs" not in inspect.signature(schedule.step).parameters:  # a later torch's has
+            schedule.step = takes_microbatches(schedule.step)
 
 
 def _flex_attention_as_sdpa(
@@ -294,7 +394,9 @@ def _watch_clipping(trainer: Any, fp64: dict[str, float], full_norm: bool) -> No
     """Wrap torchtitan's ``clip_grad_norm_``: each step, record in ``fp64`` the norm of the
     gathered full gradients computed in fp64 (what each implementation's fp32 norm is measured
     against); with ``full_norm``, clip by the fp32 norm of the gathered gradients instead of
-    torchtitan's norm of each rank's pieces."""
+    torchtitan's norm of each rank's pieces. Under pipeline parallelism a rank holds its stages'
+    gradients only: both norms are then combined over the stages as torchtitan combines its own
+    (the squares summed over the ``pp`` mesh)."""
     import torch
     import torchtitan.trainer as titan_trainer
 
@@ -302,23 +404,41 @@ def _watch_clipping(trainer: Any, fp64: dict[str, float], full_norm: bool) -> No
 
     def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
         parameters = list(parameters)
+        pp_mesh = kwargs.get("pp_mesh")
         full = [p.grad.full_tensor() for p in parameters if p.grad is not None]
         norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in full])
-        fp64[str(trainer.step)] = torch.linalg.vector_norm(norms).item()
+        fp64[str(trainer.step)] = _over_stages(torch.linalg.vector_norm(norms), pp_mesh).item()
         if not full_norm:
             return clip(parameters, max_norm, *args, **kwargs)
-        total = torch.nn.utils.get_total_norm(full)
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+        total = _over_stages(torch.nn.utils.get_total_norm(full), pp_mesh)
+        # one call per mesh: under expert parallelism the experts' mesh is not the others'
+        # (torch's foreach multiply refuses DTensors of two meshes); the same scale for all
+        by_mesh: dict[Any, list[Any]] = {}
+        for p in parameters:
+            by_mesh.setdefault(getattr(p, "device_mesh", None), []).append(p)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
         return total
 
     titan_trainer.dist_utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def _over_stages(norm: Any, pp_mesh: Any) -> Any:
+    """``norm`` (the 2-norm of this rank's stages' gradients) over every pipeline stage, the
+    squares summed over ``pp_mesh`` as torchtitan sums its own; ``norm`` itself without one."""
+    import torch.distributed as dist
+
+    if pp_mesh is None:
+        return norm
+    squares = norm.square()
+    dist.all_reduce(squares, group=pp_mesh.get_group())
+    return squares.sqrt()
 
 
 def _worker(args: argparse.Namespace) -> int:
     _import_torchtitan_on_cpu()
     from datasets import load_dataset
     from torchtitan.hf_datasets import DatasetConfig, text_datasets
-    from torchtitan.models.llama3.config_registry import llama3_debugmodel
     from torchtitan.tools.logging import init_logger
 
     init_logger()
@@ -348,7 +468,8 @@ def _worker(args: argparse.Namespace) -> int:
 
         titan_fsdp.fully_shard = rf.fully_shard  # the one change
 
-    config = llama3_debugmodel()
+    module, function = MODELS[args.model]
+    config = getattr(importlib.import_module(module), function)()
     config.hf_assets_path = str(args.tokenizer)
     config.dump_folder = str(args.out / args.phase)
     config.dataloader.dataset = "local_text"
@@ -358,6 +479,9 @@ def _worker(args: argparse.Namespace) -> int:
     config.training.mixed_precision_param = args.param_dtype
     config.training.disable_cuda_graphs = True
     config.parallelism.spmd_backend = "partial_dtensor"
+    if not args.seed:  # the seed checkpoint is the whole model, made by one process
+        config.parallelism.pipeline_parallel_degree = args.pp
+        config.parallelism.expert_parallel_degree = args.ep
     config.validator.enable = False
     config.debug.seed = 0
     config.checkpoint.enable = True
@@ -390,7 +514,10 @@ def _worker(args: argparse.Namespace) -> int:
         trainer.close()
     import torch.distributed as dist
 
-    if dist.get_rank() == 0 and not args.seed:
+    # the rank that logs the loss under pipeline parallelism: the first of the last stage
+    # (torchtitan's ensure_pp_loss_visible); rank 0 without
+    logging_rank = dist.get_world_size() // args.pp * (args.pp - 1)
+    if dist.get_rank() == logging_rank and not args.seed:
         kinds = sorted({type(p).__name__ for p in trainer.model_parts[0].parameters()})
         metrics["parameter_types"] = kinds  # type: ignore[assignment]
         (args.out / args.phase / "metrics.json").write_text(json.dumps(metrics, indent=1))
