@@ -1,7 +1,7 @@
 """torchtitan's debug models, 10 steps and a resume, with raggedfsdp and with FSDP2, on CPU.
 
     pip install -e '.[torchtitan]'          # torchtitan 0.3 (and triton, which it imports)
-    python experiments/torchtitan_llama3_debug.py --tokenizer DIR --out DIR \
+    python experiments/torchtitan_debug_models.py --tokenizer DIR --out DIR \
         [--model llama3|deepseek_v3] [--nproc N] [--pp N] [--ep N] \
         [--param-dtype bfloat16] [--norm-from-full-gradients] \
         [--write-docs docs/results/frameworks.md]
