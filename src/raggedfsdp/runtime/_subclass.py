@@ -6,6 +6,12 @@ metadata) and ``fsdp_post_all_gather`` (every rank's tensors, concatenated along
 unsharded parameter, or refill ``out=`` in place). raggedfsdp cannot put such a parameter in a
 bucket's flat buffer as it puts a plain one (its data is not one tensor of its dtype), so it has
 to follow the protocol, or refuse the parameter: never train its inner data in its place.
+
+Under CPU offload (as FSDP2's ``FSDPParam`` does) a protocol parameter's shard, inner tensors and
+all, lives on the host: it is moved to the compute device (the subclass's own ``.to``) for
+``fsdp_pre_all_gather``, and its reduced gradient shard is copied back to the host, where the
+optimizer steps. The host shard is pageable, its copies blocking: pinning it would need every
+subclass to keep its class through ``aten._pin_memory``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ from ..layout import RaggedShard, ShardLayout
 from ..planner import block_layout, block_numel_of
 from ..tensor import RaggedTensor, placed_like
 from ._collectives import all_gather, all_reduce, reduce_scatter
-from ._fsdp_module import unsupported
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
@@ -45,6 +50,8 @@ __all__ = [
     "split_protocol",
     "unit_group",
 ]
+
+_HOST = torch.device("cpu")
 
 # Packed tensors start on this many bytes, so each is read back as a view of its own dtype.
 _ALIGN = 16
@@ -127,6 +134,7 @@ class SubclassParam:
         mesh_info: MeshInfo,
         device: torch.device,
     ) -> None:
+        """``device``: where the shard lives (the host under CPU offload)."""
         self.fqn = registration.fqn
         self.owners = registration.owners
         self.layout = layout
@@ -173,6 +181,16 @@ class SubclassParam:
     def named_in(self, paths: dict[int, str], prefix: str) -> list[tuple[str, nn.Parameter]]:
         return named_in(self.owners, paths, prefix)
 
+    def persistent_bytes(self) -> int:
+        """Bytes this shard holds between steps: its inner tensors, and its gradient while it
+        has one."""
+        local = self.local
+        flatten = getattr(local, "__tensor_flatten__", None)  # a plain tensor has no inner ones
+        inner = [getattr(local, name) for name in flatten()[0]] if flatten else [local]
+        total = sum(_nbytes(tensor) for tensor in inner)
+        grad = self.sharded.grad
+        return total + (_nbytes(grad.to_local()) if grad is not None else 0)
+
     def free(self) -> None:
         """Give back the memory of the all-gather outputs and of what post_all_gather said may
         go, resized to zero as FSDP2 does: the tensors stay valid objects, to be refilled."""
@@ -206,6 +224,10 @@ class SubclassParam:
                 output.untyped_storage().resize_(0)
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 def _releases_outputs(local: torch.Tensor) -> bool:
     """Whether the subclass says its all-gather outputs may go as soon as
     ``fsdp_post_all_gather`` has built the unsharded parameter (its unsharded form keeps none of
@@ -228,17 +250,21 @@ class SubclassParams:
         mp_policy: MixedPrecisionPolicy,
         policy: RaggedShard,
         device: torch.device,
+        offload: HostOffload | None = None,
     ) -> None:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
-        self.device = device
+        self.device = device  # the compute device: all-gather, reduce-scatter
+        #: CPU offload: the shards and their gradients on the host
+        self.offload = offload
+        home = _HOST if offload is not None else device
         world = mesh_info.shard_size
         self.params = [
             SubclassParam(
                 r,
                 block_layout(r.fqn, r.param.shape, world, block_numel_of(r.local), policy),
                 mesh_info,
-                device,
+                home,
             )
             for r in registrations
         ]
@@ -248,6 +274,11 @@ class SubclassParams:
         self._gathered_versions: list[int] = []
         for param in self.params:
             param.hold(unsharded=False)
+
+    def persistent_bytes(self) -> int:
+        """Bytes the shards and their gradients hold between steps (on the host under
+        offload)."""
+        return sum(param.persistent_bytes() for param in self.params)
 
     def versions(self) -> list[int]:
         """How often each shard was updated in place (an optimizer step, a load)."""
@@ -259,8 +290,12 @@ class SubclassParams:
 
     def _pre_all_gather(self, param: SubclassParam) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The tensors this rank sends for ``param``, through whichever of FSDP2's two
-        signatures its class defines."""
-        method = param.local.fsdp_pre_all_gather
+        signatures its class defines, on the compute device (the host shard moved there under
+        offload, as FSDP2's ``all_gather_inputs``)."""
+        local = param.local
+        if self.offload is not None:
+            local = local.to(self.device)
+        method = local.fsdp_pre_all_gather
         if len(inspect.signature(method).parameters) == 1:  # (mesh)
             return method(self.mesh_info.mesh)
         mp = self.mp_policy
@@ -393,6 +428,8 @@ class SubclassParams:
                 continue
             sharded = param.sharded
             piece = piece.to(sharded.dtype)
+            if self.offload is not None:  # the host, where the optimizer steps
+                piece = piece.to(_HOST)
             if sharded.grad is not None:
                 sharded.grad.to_local().view(-1).add_(piece)
             else:
@@ -453,6 +490,9 @@ class SubclassGroup(FSDPParamGroup):
     def sharded_parameters(self) -> list[nn.Parameter]:
         return super().sharded_parameters() + [p.sharded for p in self.subclass.params]
 
+    def persistent_bytes(self) -> int:
+        return super().persistent_bytes() + self.subclass.persistent_bytes()
+
     def named_parameters_in(self, root: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
         paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
         named = [item for p in self.subclass.params for item in p.named_in(paths, prefix)]
@@ -472,17 +512,12 @@ def unit_group(
     in_buckets, protocol = split_protocol(registrations)
     if not protocol:
         return FSDPParamGroup(registrations, offload=offload, **kwargs)
-    if offload is not None:
-        unsupported(
-            f"offload_policy=CPUOffloadPolicy() with parameter {protocol[0].fqn!r}, a tensor "
-            f"subclass with FSDP2's all-gather extension protocol",
-            "raggedfsdp keeps such parameters on the compute device; drop the offload",
-        )
     subclass = SubclassParams(
         protocol,
         mesh_info=kwargs["mesh_info"],
         mp_policy=kwargs["mp_policy"],
         policy=kwargs["planner"].shard_policy,
         device=kwargs["device"],
+        offload=offload,
     )
     return SubclassGroup(in_buckets, subclass=subclass, offload=offload, **kwargs)
