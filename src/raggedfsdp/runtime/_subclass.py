@@ -7,6 +7,11 @@ unsharded parameter, or refill ``out=`` in place). raggedfsdp cannot put such a 
 bucket's flat buffer as it puts a plain one (its data is not one tensor of its dtype), so it has
 to follow the protocol, or refuse the parameter: never train its inner data in its place.
 
+Beside tensor parallelism (a DTensor over ``mesh["tp"]`` whose local tensor is the subclass,
+sharded over ``mesh["dp"]``) the protocol sees the local tensor, as FSDP2's does: its local
+shape, the dp mesh; what ``fsdp_post_all_gather`` builds becomes the DTensor over tp again, with
+the parameter's placements, and its gradient is reduced over dp as its local tensor.
+
 Under CPU offload (as FSDP2's ``FSDPParam`` does) a protocol parameter's shard, inner tensors and
 all, lives on the host: it is moved to the compute device (the subclass's own ``.to``) for
 ``fsdp_pre_all_gather``, and its reduced gradient shard is copied back to the host, where the
@@ -25,17 +30,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from ..layout import RaggedShard, ShardLayout
 from ..planner import block_layout, block_numel_of
-from ..tensor import RaggedTensor, placed_like
+from ..tensor import placed_like
 from ._collectives import all_gather, all_reduce, reduce_scatter
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import Registration, named_in
 from ._param_group import FSDPParamGroup
-from ._param_placement import Plain
+from ._param_placement import ParamPlacement, Plain, SubMesh
 from ._state_machine import ShardedState, TrainingState
 from ._streams import wait_all
 from .api import CommCompression, MixedPrecisionPolicy
@@ -87,12 +93,13 @@ def check_subclasses(
     for registration in registrations:
         local, fqn = registration.local, registration.fqn
         if speaks_protocol(local):
-            if not isinstance(registration.placement, Plain):
+            if not isinstance(registration.placement, (Plain, SubMesh)):
                 raise NotImplementedError(
                     f"parameter {fqn!r} is a DTensor whose local tensor is a "
                     f"{_class_name(local)} with FSDP2's all-gather extension protocol: "
                     f"raggedfsdp follows the protocol for parameters on the data-parallel mesh "
-                    f"alone, not beside tensor or expert parallelism yet"
+                    f"or beside it on a sibling mesh (mesh['dp'] beside mesh['tp']), not on the "
+                    f"full SPMD mesh nor with shard_placement_fn's Shard(dim > 0) yet"
                 )
             if compression is not None and compression.enabled:
                 raise ValueError(
@@ -138,8 +145,10 @@ class SubclassParam:
         self.fqn = registration.fqn
         self.owners = registration.owners
         self.layout = layout
-        self.shape = registration.param.shape
-        self.stride = registration.param.stride()
+        #: plain, or a DTensor over a sibling mesh (``_param_placement.py``)
+        self.placement: ParamPlacement = registration.placement
+        self.shape = registration.local.shape  # what is sharded: a DTensor's local shape
+        self.stride = registration.local.stride()
         self.requires_grad = registration.param.requires_grad
         start, end = layout.ranges[mesh_info.shard_rank]
         dim_0_slice = math.prod(self.shape[1:]) or 1  # elements per index of dim 0
@@ -147,8 +156,7 @@ class SubclassParam:
         with torch.no_grad():  # the subclass's own slice keeps its class (FSDP2: its chunk)
             piece = registration.local.detach()[rows].clone().to(device)
         self.sharded = nn.Parameter(
-            RaggedTensor.from_piece(piece, layout, mesh_info.mesh, mesh_dim=mesh_info.shard_dim),
-            requires_grad=self.requires_grad,
+            self.placement.sharded(piece, layout, mesh_info), requires_grad=self.requires_grad
         )
         self.unsharded: nn.Parameter | None = None
         #: the all-gather outputs, the same tensors every time (``None`` until the first)
@@ -191,6 +199,18 @@ class SubclassParam:
         grad = self.sharded.grad
         return total + (_nbytes(grad.to_local()) if grad is not None else 0)
 
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The unsharded gradient's tensor to reduce over dp: itself, or beside tensor
+        parallelism its local tensor, placed as the parameter over tp first (as FSDP2's
+        ``_get_grad_inner_tensor``)."""
+        split = self.placement.split
+        if split is None:
+            return grad
+        assert isinstance(grad, DTensor), type(grad)
+        if grad.placements != split.placements:
+            grad = grad.redistribute(placements=split.placements)
+        return grad.to_local()
+
     def free(self) -> None:
         """Give back the memory of the all-gather outputs and of what post_all_gather said may
         go, resized to zero as FSDP2 does: the tensors stay valid objects, to be refilled."""
@@ -216,7 +236,10 @@ class SubclassParam:
             post(tuple(self.outputs), metadata, param_dtype, out=self.unsharded)
         else:
             tensor, to_free = post(tuple(self.outputs), metadata, param_dtype)
-            self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
+            # beside tensor parallelism: the DTensor over tp again (FSDP2 refills it through
+            # ``out=`` as it is, so a subclass finds its own tensor at ``out._local_tensor``)
+            unsharded = self.placement.around(tensor)
+            self.unsharded = nn.Parameter(unsharded, requires_grad=self.requires_grad)
             everything = (*self.outputs, *to_free)
             self._storages = [(t, t.untyped_storage().nbytes()) for t in everything]
         if _releases_outputs(self.local):  # not kept inside the unsharded form: free them now
@@ -262,7 +285,7 @@ class SubclassParams:
         self.params = [
             SubclassParam(
                 r,
-                block_layout(r.fqn, r.param.shape, world, block_numel_of(r.local), policy),
+                block_layout(r.fqn, r.local.shape, world, block_numel_of(r.local), policy),
                 mesh_info,
                 home,
             )
@@ -402,6 +425,7 @@ class SubclassParams:
             grad = param.unsharded.grad
             if grad is not None:
                 full.view(world, slot)[:, used_at + index] = 1
+                grad = param.local_grad(grad)
                 if is_subclass(grad):
                     raise TypeError(
                         f"parameter {param.fqn!r}: its gradient is a {_class_name(grad)}; "
