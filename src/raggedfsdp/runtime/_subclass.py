@@ -91,7 +91,10 @@ def check_subclasses(
     be gathered and trained in its place; with it, where the protocol's path does not reach
     (beside tensor parallelism, under compressed communication)."""
     for registration in registrations:
-        local, fqn = registration.local, registration.fqn
+        # the parameter's own local tensor, before a placement transforms it (DimShard's
+        # movedim computes a plain tensor of a subclass: its inner data, silently)
+        param, fqn = registration.param, registration.fqn
+        local = param.to_local() if isinstance(param, DTensor) else param
         if speaks_protocol(local):
             if not isinstance(registration.placement, (Plain, SubMesh)):
                 raise NotImplementedError(
