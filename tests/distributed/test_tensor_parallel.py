@@ -4,7 +4,8 @@ mesh["tp"]; a second model with SequenceParallel norms) and then sharded over me
 rf.fully_shard and with FSDP2 in the same launch, against one process on the global batch; the
 parameters carry both placements, the gradients are reduced over dp only, and a checkpoint moves
 between the two and across dp sizes. A block whose weights are DTensors over tp with an fp8-cast
-tensor subclass (FSDP2's all-gather extension protocol) as local tensors trains under both too.
+tensor subclass (FSDP2's all-gather extension protocol) as local tensors trains under both too,
+with the same gradient norm, and goes through DCP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -211,7 +213,7 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     out["muon"] = _muon(base, mesh)
     out["errors"] = _errors(base, mesh)
-    out["subclass"] = _subclass_weights(base, mesh, dp_rank)
+    out["subclass"] = _subclass_weights(base, mesh, dp_rank, path)
     return out
 
 
@@ -249,40 +251,65 @@ def _tp_local_whole(model: nn.Module, dp_group: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _subclass_weights(base: Net, mesh: Any, dp_rank: int) -> dict[str, Any]:
+def _fp8_block(block: Block, mesh: Any, shard: Callable[..., Any], cast: bool = True) -> Block:
+    """``block`` tensor-parallel over tp, its weights fp8-cast subclasses (``cast``), sharded
+    over dp by ``shard``."""
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if cast:
+        _fp8_weights(block)
+    shard(block, mesh=mesh["dp"])
+    return block
+
+
+def _subclass_weights(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
     """A tensor-parallel block whose weights' local tensors are fp8-cast subclasses, sharded over
     dp by raggedfsdp and by FSDP2 and trained: each rank's tp-local parameters whole over dp,
-    the sharded weights' placements and local class, and raggedfsdp's all-gathered bytes by
-    dtype; the negative control: the block with plain fp32 weights under raggedfsdp."""
+    the sharded weights' placements and local class, the first step's gradient norm
+    (``rf.clip_grad_norm_``'s; FSDP2's from its whole gradients), and raggedfsdp's all-gathered
+    bytes by dtype; the negative control: the block with plain fp32 weights under raggedfsdp.
+    Then raggedfsdp's trained state through DCP into a block of other values."""
     out: dict[str, Any] = {}
+    group = mesh.get_group("dp")
     for name, shard, cast in (
         ("rf", rf.fully_shard, True),
         ("fsdp2", fsdp2_fully_shard, True),
         ("rf_fp32", rf.fully_shard, False),
     ):
-        block = copy.deepcopy(base.blocks[0])
-        parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        if cast:
-            _fp8_weights(block)
-        shard(block, mesh=mesh["dp"])
+        block = _fp8_block(copy.deepcopy(base.blocks[0]), mesh, shard, cast)
         optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2)
         generator = torch.Generator().manual_seed(7)
-        for _ in range(3):
+        for step in range(3):
             x = torch.randn(BATCH * DP, 8, generator=generator)
             block(x[dp_rank * BATCH : (dp_rank + 1) * BATCH]).pow(2).mean().backward()
+            if step == 0 and shard is rf.fully_shard:  # a max norm that clips nothing
+                out[f"{name}/norm"] = float(rf.clip_grad_norm_(list(block.parameters()), 1e9))
+            elif step == 0:
+                grads = [p.grad.full_tensor() for p in block.parameters()]
+                out[f"{name}/norm"] = float(torch.stack([g.norm() for g in grads]).norm())
             optimizer.step()
             optimizer.zero_grad()
-        out[name] = _tp_local_whole(block, mesh.get_group("dp"))
+        out[name] = _tp_local_whole(block, group)
         weights = (block.up.weight, block.down.weight)
         out[f"{name}/placements"] = [[str(p) for p in w.placements] for w in weights]
         out[f"{name}/classes"] = [type(w.to_local()).__name__ for w in weights]
         if name == "rf":
+            trained = block
             gathered: dict[str, int] = {}
             for state in states_under(block):
                 if isinstance(state.group, SubclassGroup):
                     for dtype, nbytes in state.group.subclass.gathered_bytes.items():
                         gathered[str(dtype)] = gathered.get(str(dtype), 0) + nbytes
             out["rf/bytes"] = gathered
+    torch.serialization.add_safe_globals([Fp8CastWeight])  # the shards pickled as their class
+    dcp.save(get_model_state_dict(trained), checkpoint_id=f"{path}/subclass")
+    torch.manual_seed(9)  # other values, which the load must replace
+    fresh = _fp8_block(Block(8), mesh, rf.fully_shard)
+    out["dcp/before"] = _tp_local_whole(fresh, group)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=f"{path}/subclass")
+    set_model_state_dict(fresh, state)
+    out["dcp/loaded"] = _tp_local_whole(fresh, group)
+    out["dcp/classes"] = [type(w.to_local()).__name__ for w in (fresh.up.weight, fresh.down.weight)]
     return out
 
 
@@ -492,5 +519,18 @@ def test_subclass_local_tensors_beside_tensor_parallelism_train_as_fsdp2(grid):
         gathers = fp8 // (2 * 16 * 8)
         assert gathers >= 3 and fp8 == gathers * 2 * 16 * 8 and fp32 == gathers * 4 * (16 + 8)
         assert_close_dicts(got["rf"], got["fsdp2"])
+        assert got["rf/norm"] == pytest.approx(got["fsdp2/norm"], rel=1e-6)
         moved = (got["rf"]["up.weight"] - got["rf_fp32"]["up.weight"]).abs().max()
         assert moved > 1e-3
+
+
+def test_subclass_local_tensors_beside_tensor_parallelism_go_through_dcp(grid):
+    """raggedfsdp's trained tp x dp block with fp8-cast local tensors, saved by DCP and loaded
+    into a block of other values (the negative control: it differed): bit for bit, the class
+    kept."""
+    for rank in grid:
+        got = rank["subclass"]
+        assert got["dcp/classes"] == ["Fp8CastWeight"] * 2
+        for key, want in got["rf"].items():
+            assert (got["dcp/before"][key] - want).abs().max() > 1e-3, key
+            assert torch.equal(got["dcp/loaded"][key], want), key
