@@ -3,7 +3,9 @@ Gloo ranks trains a model whose blocks are tensor-parallel (ColwiseParallel / Ro
 mesh["tp"]; a second model with SequenceParallel norms) and then sharded over mesh["dp"], with
 rf.fully_shard and with FSDP2 in the same launch, against one process on the global batch; the
 parameters carry both placements, the gradients are reduced over dp only, and a checkpoint moves
-between the two and across dp sizes.
+between the two and across dp sizes. A block whose weights are DTensors over tp with an fp8-cast
+tensor subclass (FSDP2's all-gather extension protocol) as local tensors trains under both too,
+with the same gradient norm, and goes through DCP.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -36,6 +40,9 @@ from harness import (
     run_distributed,
 )
 from optim_grid import muon_on_one_device, set_whole_grads
+from raggedfsdp.runtime._hooks import states_under
+from raggedfsdp.runtime._subclass import SubclassGroup
+from subclasses import Fp8CastWeight
 
 WORLD, DP, TP = 4, 2, 2
 BATCH = 3  # per data-parallel rank
@@ -206,6 +213,103 @@ def _grid(rank: int, world: int, path: str) -> dict[str, Any]:
     }
     out["muon"] = _muon(base, mesh)
     out["errors"] = _errors(base, mesh)
+    out["subclass"] = _subclass_weights(base, mesh, dp_rank, path)
+    return out
+
+
+def _fp8_weights(block: Block) -> None:
+    """The tensor-parallel weights' local tensors as :class:`Fp8CastWeight`: up's Shard(0),
+    down's Shard(1)."""
+    for linear in (block.up, block.down):
+        weight = linear.weight
+        local = Fp8CastWeight(weight.to_local().detach().clone())
+        linear.weight = nn.Parameter(
+            DTensor.from_local(
+                local,
+                weight.device_mesh,
+                weight.placements,
+                shape=weight.shape,
+                stride=weight.stride(),
+                run_check=False,
+            )
+        )
+
+
+def _tp_local_whole(model: nn.Module, dp_group: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's tensor-parallel local tensor, whole over dp (its values: a subclass's
+    fp32 data), from each dp rank's piece."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local()
+        local = local._data if isinstance(local, Fp8CastWeight) else local
+        pieces: list[Any] = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(pieces, local.detach().clone(), group=dp_group)
+        if isinstance(param, rf.RaggedTensor):
+            out[name] = param.shard_layout.from_locals(pieces)
+        else:  # FSDP2's Shard(0) over dp: its chunks
+            out[name] = torch.cat(pieces)
+    return out
+
+
+def _fp8_block(block: Block, mesh: Any, shard: Callable[..., Any], cast: bool = True) -> Block:
+    """``block`` tensor-parallel over tp, its weights fp8-cast subclasses (``cast``), sharded
+    over dp by ``shard``."""
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if cast:
+        _fp8_weights(block)
+    shard(block, mesh=mesh["dp"])
+    return block
+
+
+def _subclass_weights(base: Net, mesh: Any, dp_rank: int, path: str) -> dict[str, Any]:
+    """A tensor-parallel block whose weights' local tensors are fp8-cast subclasses, sharded over
+    dp by raggedfsdp and by FSDP2 and trained: each rank's tp-local parameters whole over dp,
+    the sharded weights' placements and local class, the first step's gradient norm
+    (``rf.clip_grad_norm_``'s; FSDP2's from its whole gradients), and raggedfsdp's all-gathered
+    bytes by dtype; the negative control: the block with plain fp32 weights under raggedfsdp.
+    Then raggedfsdp's trained state through DCP into a block of other values."""
+    out: dict[str, Any] = {}
+    group = mesh.get_group("dp")
+    for name, shard, cast in (
+        ("rf", rf.fully_shard, True),
+        ("fsdp2", fsdp2_fully_shard, True),
+        ("rf_fp32", rf.fully_shard, False),
+    ):
+        block = _fp8_block(copy.deepcopy(base.blocks[0]), mesh, shard, cast)
+        optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2)
+        generator = torch.Generator().manual_seed(7)
+        for step in range(3):
+            x = torch.randn(BATCH * DP, 8, generator=generator)
+            block(x[dp_rank * BATCH : (dp_rank + 1) * BATCH]).pow(2).mean().backward()
+            if step == 0 and shard is rf.fully_shard:  # a max norm that clips nothing
+                out[f"{name}/norm"] = float(rf.clip_grad_norm_(list(block.parameters()), 1e9))
+            elif step == 0:
+                grads = [p.grad.full_tensor() for p in block.parameters()]
+                out[f"{name}/norm"] = float(torch.stack([g.norm() for g in grads]).norm())
+            optimizer.step()
+            optimizer.zero_grad()
+        out[name] = _tp_local_whole(block, group)
+        weights = (block.up.weight, block.down.weight)
+        out[f"{name}/placements"] = [[str(p) for p in w.placements] for w in weights]
+        out[f"{name}/classes"] = [type(w.to_local()).__name__ for w in weights]
+        if name == "rf":
+            trained = block
+            gathered: dict[str, int] = {}
+            for state in states_under(block):
+                if isinstance(state.group, SubclassGroup):
+                    for dtype, nbytes in state.group.subclass.gathered_bytes.items():
+                        gathered[str(dtype)] = gathered.get(str(dtype), 0) + nbytes
+            out["rf/bytes"] = gathered
+    torch.serialization.add_safe_globals([Fp8CastWeight])  # the shards pickled as their class
+    dcp.save(get_model_state_dict(trained), checkpoint_id=f"{path}/subclass")
+    torch.manual_seed(9)  # other values, which the load must replace
+    fresh = _fp8_block(Block(8), mesh, rf.fully_shard)
+    out["dcp/before"] = _tp_local_whole(fresh, group)
+    state = get_model_state_dict(fresh)
+    dcp.load(state, checkpoint_id=f"{path}/subclass")
+    set_model_state_dict(fresh, state)
+    out["dcp/loaded"] = _tp_local_whole(fresh, group)
+    out["dcp/classes"] = [type(w.to_local()).__name__ for w in (fresh.up.weight, fresh.down.weight)]
     return out
 
 
@@ -399,3 +503,34 @@ def test_muon_orthogonalises_whole_matrices_as_one_device(grid):
         for key in ("blocks.0.up.weight", "blocks.1.down.weight"):  # split by rows, by columns
             moved = (muon["slices"][key] - muon["reference"][key]).abs().max()
             assert moved > 1e-4, key
+
+
+def test_subclass_local_tensors_beside_tensor_parallelism_train_as_fsdp2(grid):
+    """DTensor weights over tp (Shard(0), Shard(1)) whose local tensors are fp8-cast subclasses,
+    sharded over dp: they keep both placements and the class, travel as fp8 codes and fp32
+    scales (the protocol followed, not the fp32 data gathered), and train to FSDP2's numbers;
+    the fp8 cast matters (plain fp32 weights end elsewhere: the negative control)."""
+    for rank in grid:
+        got = rank["subclass"]
+        assert got["rf/placements"] == [["RS", str(Shard(0))], ["RS", str(Shard(1))]]
+        assert got["rf/classes"] == got["fsdp2/classes"] == ["Fp8CastWeight"] * 2
+        # per gather, both weights' tp-local codes (16 x 8 and 8 x 16) and one scale a row
+        fp8, fp32 = got["rf/bytes"]["torch.float8_e4m3fn"], got["rf/bytes"]["torch.float32"]
+        gathers = fp8 // (2 * 16 * 8)
+        assert gathers >= 3 and fp8 == gathers * 2 * 16 * 8 and fp32 == gathers * 4 * (16 + 8)
+        assert_close_dicts(got["rf"], got["fsdp2"])
+        assert got["rf/norm"] == pytest.approx(got["fsdp2/norm"], rel=1e-6)
+        moved = (got["rf"]["up.weight"] - got["rf_fp32"]["up.weight"]).abs().max()
+        assert moved > 1e-3
+
+
+def test_subclass_local_tensors_beside_tensor_parallelism_go_through_dcp(grid):
+    """raggedfsdp's trained tp x dp block with fp8-cast local tensors, saved by DCP and loaded
+    into a block of other values (the negative control: it differed): bit for bit, the class
+    kept."""
+    for rank in grid:
+        got = rank["subclass"]
+        assert got["dcp/classes"] == ["Fp8CastWeight"] * 2
+        for key, want in got["rf"].items():
+            assert (got["dcp/before"][key] - want).abs().max() > 1e-3, key
+            assert torch.equal(got["dcp/loaded"][key], want), key

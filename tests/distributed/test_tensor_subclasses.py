@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor
@@ -268,6 +269,53 @@ def _release(base: Net, rank: int, world: int) -> dict[str, Any]:
     return {"params": _full(model, None), "held": held}
 
 
+def _subclass_shard_bytes(model: MPNet) -> int:
+    """This rank's bytes of the two subclass shards, from their shapes: the fp8-cast weight's
+    fp32 data, the NF4 base's packed codes and one fp32 scale per block."""
+    fp8, nf4 = model.fp8.weight.to_local(), model.qlora.weight.to_local()
+    return fp8.numel() * 4 + nf4.numel() // 2 + nf4.numel() // BLOCK * 4
+
+
+def _offload(rank: int, world: int) -> dict[str, Any]:
+    """``CPUOffloadPolicy(pin_memory=False)`` with protocol parameters: raggedfsdp (through its
+    offload copies, ``host_copies_on_cpu``, as on an accelerator) and FSDP2 with the policy, and
+    raggedfsdp without it, train the same model in one launch; with the device of each subclass
+    shard's inner tensors and the bytes ``stats()`` says are on the host."""
+    torch.manual_seed(4)
+    base = MPNet()
+    policy = CPUOffloadPolicy(pin_memory=False)
+    on_host = {
+        "offload_policy": policy,
+        "dbuffer_config": rf.DBufferConfig(host_copies_on_cpu=True),
+    }
+    runs = {
+        "rf": (rf.fully_shard, on_host),
+        "fsdp2": (fsdp2_fully_shard, {"offload_policy": policy}),
+        "rf_device": (rf.fully_shard, {}),
+    }
+    out: dict[str, Any] = {}
+    for name, (shard, kwargs) in runs.items():
+        model = copy.deepcopy(base)
+        for unit in (model.fp8, model.qlora, model):
+            shard(unit, **kwargs)
+        _train(model, rank, world)
+        out[name] = _full(model, None)
+        if shard is not rf.fully_shard:
+            continue
+        stats = model.stats()
+        local = (model.fp8.weight.to_local(), model.qlora.weight.to_local())
+        out[f"{name}/classes"] = [type(t).__name__ for t in local]
+        out[f"{name}/devices"] = {
+            t.device.type for t in (local[0]._data, local[1].codes, local[1].scales)
+        }
+        out[f"{name}/offloaded"] = stats["offloaded_bytes"]
+        out[f"{name}/persistent"] = stats["persistent_bytes"]
+        groups = [s.group for s in states_under(model)]
+        out[f"{name}/plain_bytes"] = sum(b.persistent_bytes() for g in groups for b in g.buckets)
+        out[f"{name}/subclass_bytes"] = _subclass_shard_bytes(model)
+    return out
+
+
 class Unused(nn.Module):
     """Two fp8-cast linears; forward uses ``a`` alone."""
 
@@ -324,6 +372,7 @@ def _cases(rank: int, world: int, group: Any) -> dict[str, Any]:
     out["mixed_precision"] = _mixed_precision(rank, world)
     out["release"] = _release(base, rank, world)
     out["unused"] = _unused(rank, world)
+    out["offload"] = _offload(rank, world)
     if HAS_TORCHAO:
         out["torchao"] = _torchao_float8(rank, world)
     return out
@@ -440,3 +489,23 @@ def test_a_protocol_parameter_no_rank_used_keeps_no_gradient(grid: Grid, world: 
         got = results["unused"]
         assert got["grads"] == [(True, True)] * STEPS
         assert got["b_unchanged"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_cpu_offload_equals_fsdp2_and_the_device_run(grid: Grid, world: int) -> None:
+    """Under ``CPUOffloadPolicy(pin_memory=False)`` the subclass shards keep their class, live
+    on the host, and ``stats()`` counts their bytes there (the shards' inner tensors, from their
+    shapes: without offload none are counted, the negative control); the numbers are FSDP2's
+    with the policy and raggedfsdp's without it."""
+    for results in grid[world]:
+        got = results["offload"]
+        assert got["rf/classes"] == ["Fp8CastWeight", "NF4Weight"]
+        assert got["rf/devices"] == {"cpu"}
+        assert got["rf/subclass_bytes"] > 0
+        assert got["rf/offloaded"] == got["rf/persistent"]
+        assert got["rf/offloaded"] == got["rf/plain_bytes"] + got["rf/subclass_bytes"]
+        assert got["rf_device/offloaded"] == 0
+        assert got["rf_device/persistent"] == got["rf/persistent"]
+        assert_close_dicts(got["rf"], got["fsdp2"])
+        for key, want in got["rf_device"].items():
+            assert torch.equal(got["rf"][key], want), key

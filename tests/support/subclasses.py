@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.tensor import DTensor
 
 __all__ = ["Fp8CastWeight", "Fp8CastWeightReleasing", "Opaque", "fp8_qdq"]
 
@@ -118,6 +119,8 @@ class Fp8CastWeight(Opaque):
         codes, scale = outputs
         assert codes.dtype == FP8 and scale.dtype == torch.float32, (codes.dtype, scale.dtype)
         value = codes.to(param_dtype) * scale.to(param_dtype)
+        if isinstance(out, DTensor):  # beside tensor parallelism: its local tensor (as torchao)
+            out = out._local_tensor
         if out is not None:  # the unsharded parameter of an earlier step, refilled in place
             # FSDP2 refills outside no_grad, raggedfsdp inside: either way not for autograd
             with torch.no_grad(), _unsafe_preserve_version_counter(out):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import raggedfsdp as rf
 from fake_ranks import fake_world
@@ -68,4 +69,16 @@ def test_a_protocol_parameter_under_comm_compression_is_one_error_naming_it() ->
         rf.fully_shard(model, compression=compression)
     message = str(error.value)
     assert "'1.weight'" in message and "Fp8CastWeight" in message and "CommCompression" in message
+    assert not isinstance(model, rf.FSDPModule)
+
+
+def test_a_protocol_parameter_sharded_on_another_dim_is_one_error_naming_it() -> None:
+    """FSDP2's ``Shard(dim > 0)`` (``shard_placement_fn``) is not followed for a protocol
+    parameter yet: one error naming it, before any collective (the TP sub-mesh and CPU offload
+    are followed: tests/distributed/test_tensor_parallel.py, test_tensor_subclasses.py)."""
+    model = _fp8_model()
+    with fake_world(0, 2), pytest.raises(NotImplementedError) as error:
+        rf.fully_shard(model, shard_placement_fn=lambda param: Shard(param.dim() - 1))
+    message = str(error.value)
+    assert "'1.weight'" in message and "Fp8CastWeight" in message and "Shard(dim > 0)" in message
     assert not isinstance(model, rf.FSDPModule)

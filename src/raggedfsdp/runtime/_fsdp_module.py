@@ -267,13 +267,12 @@ class FSDPModule(TorchFSDPModule):
         stats = state.ctx.shared.stats if state.ctx else RuntimeStats()
         out = stats.snapshot()
         residuals = [r for s in states for r in unit_residuals(s.group).values()]
-        buckets = [b for s in states for b in s.group.buckets]
         out["persistent_bytes"] = sum(r.numel() * r.element_size() for r in residuals) + sum(
-            b.persistent_bytes() for b in buckets
+            s.group.persistent_bytes() for s in states
         )
         # under CPU offload the shards and their gradients are on the host (residuals are not)
-        offloaded = [b for s in states if s.group.offload is not None for b in s.group.buckets]
-        out["offloaded_bytes"] = sum(b.persistent_bytes() for b in offloaded)
+        offloaded = [s.group for s in states if s.group.offload is not None]
+        out["offloaded_bytes"] = sum(group.persistent_bytes() for group in offloaded)
         plans = [b.plan for s in states for b in s.group.buckets]  # the numbers, not the names
         out["padding_numel"] = sum(p.padding_numel for p in plans)
         out["param_numel"] = sum(p.param_numel for p in plans)

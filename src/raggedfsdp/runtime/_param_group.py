@@ -252,6 +252,11 @@ class FSDPParamGroup:
     def sharded_parameters(self) -> list[nn.Parameter]:
         return [param.sharded for param in self.params]
 
+    def persistent_bytes(self) -> int:
+        """Bytes the unit's shards and their gradients hold between steps (on the host under
+        offload)."""
+        return sum(bucket.persistent_bytes() for bucket in self.buckets)
+
     def named_parameters_in(self, root: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
         """``(state-dict key, what its module holds)`` for every name of every parameter of
         this unit, ``root`` being the unit's module (for its state-dict hooks)."""

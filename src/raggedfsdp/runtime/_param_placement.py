@@ -87,6 +87,12 @@ class ParamPlacement:
         """Make ``view`` the unsharded parameter's values."""
         raise NotImplementedError
 
+    def around(self, local: torch.Tensor) -> torch.Tensor:
+        """The unsharded parameter whose tensor the unit gathers is ``local`` (a tensor
+        subclass's, built by its ``fsdp_post_all_gather``): ``local`` itself, or placed over the
+        parallel dims as the parameter is. Only for the forms that follow FSDP2's protocol."""
+        raise NotImplementedError
+
     def values(self, unsharded: torch.Tensor) -> torch.Tensor:
         """The unsharded parameter's values, as ``.data``: a copy into them bumps no version
         counter."""
@@ -122,6 +128,9 @@ class Plain(ParamPlacement):
 
     def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(0, dtype=dtype, device=device)
+
+    def around(self, local: torch.Tensor) -> torch.Tensor:
+        return local
 
     def bind(self, unsharded: torch.Tensor, view: torch.Tensor) -> None:
         unsharded.data = view
@@ -178,12 +187,15 @@ class SubMesh(_Distributed):
         )
 
     def unsharded(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.around(torch.empty(0, dtype=dtype, device=device))
+
+    def around(self, local: torch.Tensor) -> torch.Tensor:
         meta = self.split.tensor_meta
         assert meta is not None
         spec = DTensorSpec(
-            self.split.mesh, self.split.placements, TensorMeta(meta.shape, meta.stride, dtype)
+            self.split.mesh, self.split.placements, TensorMeta(meta.shape, meta.stride, local.dtype)
         )
-        return DTensor(torch.empty(0, dtype=dtype, device=device), spec, requires_grad=False)
+        return DTensor(local, spec, requires_grad=False)
 
     def grad(self, view: torch.Tensor, unsharded: torch.Tensor) -> torch.Tensor:
         return DTensor(view, unsharded._spec, requires_grad=False)  # type: ignore[attr-defined]

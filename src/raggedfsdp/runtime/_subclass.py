@@ -6,6 +6,17 @@ metadata) and ``fsdp_post_all_gather`` (every rank's tensors, concatenated along
 unsharded parameter, or refill ``out=`` in place). raggedfsdp cannot put such a parameter in a
 bucket's flat buffer as it puts a plain one (its data is not one tensor of its dtype), so it has
 to follow the protocol, or refuse the parameter: never train its inner data in its place.
+
+Beside tensor parallelism (a DTensor over ``mesh["tp"]`` whose local tensor is the subclass,
+sharded over ``mesh["dp"]``) the protocol sees the local tensor, as FSDP2's does: its local
+shape, the dp mesh; what ``fsdp_post_all_gather`` builds becomes the DTensor over tp again, with
+the parameter's placements, and its gradient is reduced over dp as its local tensor.
+
+Under CPU offload (as FSDP2's ``FSDPParam`` does) a protocol parameter's shard, inner tensors and
+all, lives on the host: it is moved to the compute device (the subclass's own ``.to``) for
+``fsdp_pre_all_gather``, and its reduced gradient shard is copied back to the host, where the
+optimizer steps. The host shard is pageable, its copies blocking: pinning it would need every
+subclass to keep its class through ``aten._pin_memory``.
 """
 
 from __future__ import annotations
@@ -19,18 +30,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 from ..layout import RaggedShard, ShardLayout
 from ..planner import block_layout, block_numel_of
-from ..tensor import RaggedTensor, placed_like
+from ..tensor import placed_like
 from ._collectives import all_gather, all_reduce, reduce_scatter
-from ._fsdp_module import unsupported
 from ._mesh import MeshInfo
 from ._metrics import RuntimeStats
 from ._offload import HostOffload
 from ._param import Registration, named_in
 from ._param_group import FSDPParamGroup
-from ._param_placement import Plain
+from ._param_placement import ParamPlacement, Plain, SubMesh
 from ._state_machine import ShardedState, TrainingState
 from ._streams import wait_all
 from .api import CommCompression, MixedPrecisionPolicy
@@ -45,6 +56,8 @@ __all__ = [
     "split_protocol",
     "unit_group",
 ]
+
+_HOST = torch.device("cpu")
 
 # Packed tensors start on this many bytes, so each is read back as a view of its own dtype.
 _ALIGN = 16
@@ -78,14 +91,18 @@ def check_subclasses(
     be gathered and trained in its place; with it, where the protocol's path does not reach
     (beside tensor parallelism, under compressed communication)."""
     for registration in registrations:
-        local, fqn = registration.local, registration.fqn
+        # the parameter's own local tensor, before a placement transforms it (DimShard's
+        # movedim computes a plain tensor of a subclass: its inner data, silently)
+        param, fqn = registration.param, registration.fqn
+        local = param.to_local() if isinstance(param, DTensor) else param
         if speaks_protocol(local):
-            if not isinstance(registration.placement, Plain):
+            if not isinstance(registration.placement, (Plain, SubMesh)):
                 raise NotImplementedError(
                     f"parameter {fqn!r} is a DTensor whose local tensor is a "
                     f"{_class_name(local)} with FSDP2's all-gather extension protocol: "
                     f"raggedfsdp follows the protocol for parameters on the data-parallel mesh "
-                    f"alone, not beside tensor or expert parallelism yet"
+                    f"or beside it on a sibling mesh (mesh['dp'] beside mesh['tp']), not on the "
+                    f"full SPMD mesh nor with shard_placement_fn's Shard(dim > 0) yet"
                 )
             if compression is not None and compression.enabled:
                 raise ValueError(
@@ -127,11 +144,14 @@ class SubclassParam:
         mesh_info: MeshInfo,
         device: torch.device,
     ) -> None:
+        """``device``: where the shard lives (the host under CPU offload)."""
         self.fqn = registration.fqn
         self.owners = registration.owners
         self.layout = layout
-        self.shape = registration.param.shape
-        self.stride = registration.param.stride()
+        #: plain, or a DTensor over a sibling mesh (``_param_placement.py``)
+        self.placement: ParamPlacement = registration.placement
+        self.shape = registration.local.shape  # what is sharded: a DTensor's local shape
+        self.stride = registration.local.stride()
         self.requires_grad = registration.param.requires_grad
         start, end = layout.ranges[mesh_info.shard_rank]
         dim_0_slice = math.prod(self.shape[1:]) or 1  # elements per index of dim 0
@@ -139,8 +159,7 @@ class SubclassParam:
         with torch.no_grad():  # the subclass's own slice keeps its class (FSDP2: its chunk)
             piece = registration.local.detach()[rows].clone().to(device)
         self.sharded = nn.Parameter(
-            RaggedTensor.from_piece(piece, layout, mesh_info.mesh, mesh_dim=mesh_info.shard_dim),
-            requires_grad=self.requires_grad,
+            self.placement.sharded(piece, layout, mesh_info), requires_grad=self.requires_grad
         )
         self.unsharded: nn.Parameter | None = None
         #: the all-gather outputs, the same tensors every time (``None`` until the first)
@@ -173,6 +192,28 @@ class SubclassParam:
     def named_in(self, paths: dict[int, str], prefix: str) -> list[tuple[str, nn.Parameter]]:
         return named_in(self.owners, paths, prefix)
 
+    def persistent_bytes(self) -> int:
+        """Bytes this shard holds between steps: its inner tensors, and its gradient while it
+        has one."""
+        local = self.local
+        flatten = getattr(local, "__tensor_flatten__", None)  # a plain tensor has no inner ones
+        inner = [getattr(local, name) for name in flatten()[0]] if flatten else [local]
+        total = sum(_nbytes(tensor) for tensor in inner)
+        grad = self.sharded.grad
+        return total + (_nbytes(grad.to_local()) if grad is not None else 0)
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The unsharded gradient's tensor to reduce over dp: itself, or beside tensor
+        parallelism its local tensor, placed as the parameter over tp first (as FSDP2's
+        ``_get_grad_inner_tensor``)."""
+        split = self.placement.split
+        if split is None:
+            return grad
+        assert isinstance(grad, DTensor), type(grad)
+        if grad.placements != split.placements:
+            grad = grad.redistribute(placements=split.placements)
+        return grad.to_local()
+
     def free(self) -> None:
         """Give back the memory of the all-gather outputs and of what post_all_gather said may
         go, resized to zero as FSDP2 does: the tensors stay valid objects, to be refilled."""
@@ -198,12 +239,19 @@ class SubclassParam:
             post(tuple(self.outputs), metadata, param_dtype, out=self.unsharded)
         else:
             tensor, to_free = post(tuple(self.outputs), metadata, param_dtype)
-            self.unsharded = nn.Parameter(tensor, requires_grad=self.requires_grad)
+            # beside tensor parallelism: the DTensor over tp again (FSDP2 refills it through
+            # ``out=`` as it is, so a subclass finds its own tensor at ``out._local_tensor``)
+            unsharded = self.placement.around(tensor)
+            self.unsharded = nn.Parameter(unsharded, requires_grad=self.requires_grad)
             everything = (*self.outputs, *to_free)
             self._storages = [(t, t.untyped_storage().nbytes()) for t in everything]
         if _releases_outputs(self.local):  # not kept inside the unsharded form: free them now
             for output in self.outputs:
                 output.untyped_storage().resize_(0)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _releases_outputs(local: torch.Tensor) -> bool:
@@ -228,17 +276,21 @@ class SubclassParams:
         mp_policy: MixedPrecisionPolicy,
         policy: RaggedShard,
         device: torch.device,
+        offload: HostOffload | None = None,
     ) -> None:
         self.mesh_info = mesh_info
         self.mp_policy = mp_policy
-        self.device = device
+        self.device = device  # the compute device: all-gather, reduce-scatter
+        #: CPU offload: the shards and their gradients on the host
+        self.offload = offload
+        home = _HOST if offload is not None else device
         world = mesh_info.shard_size
         self.params = [
             SubclassParam(
                 r,
-                block_layout(r.fqn, r.param.shape, world, block_numel_of(r.local), policy),
+                block_layout(r.fqn, r.local.shape, world, block_numel_of(r.local), policy),
                 mesh_info,
-                device,
+                home,
             )
             for r in registrations
         ]
@@ -248,6 +300,11 @@ class SubclassParams:
         self._gathered_versions: list[int] = []
         for param in self.params:
             param.hold(unsharded=False)
+
+    def persistent_bytes(self) -> int:
+        """Bytes the shards and their gradients hold between steps (on the host under
+        offload)."""
+        return sum(param.persistent_bytes() for param in self.params)
 
     def versions(self) -> list[int]:
         """How often each shard was updated in place (an optimizer step, a load)."""
@@ -259,8 +316,12 @@ class SubclassParams:
 
     def _pre_all_gather(self, param: SubclassParam) -> tuple[tuple[torch.Tensor, ...], Any]:
         """The tensors this rank sends for ``param``, through whichever of FSDP2's two
-        signatures its class defines."""
-        method = param.local.fsdp_pre_all_gather
+        signatures its class defines, on the compute device (the host shard moved there under
+        offload, as FSDP2's ``all_gather_inputs``)."""
+        local = param.local
+        if self.offload is not None:
+            local = local.to(self.device)
+        method = local.fsdp_pre_all_gather
         if len(inspect.signature(method).parameters) == 1:  # (mesh)
             return method(self.mesh_info.mesh)
         mp = self.mp_policy
@@ -367,6 +428,7 @@ class SubclassParams:
             grad = param.unsharded.grad
             if grad is not None:
                 full.view(world, slot)[:, used_at + index] = 1
+                grad = param.local_grad(grad)
                 if is_subclass(grad):
                     raise TypeError(
                         f"parameter {param.fqn!r}: its gradient is a {_class_name(grad)}; "
@@ -393,6 +455,8 @@ class SubclassParams:
                 continue
             sharded = param.sharded
             piece = piece.to(sharded.dtype)
+            if self.offload is not None:  # the host, where the optimizer steps
+                piece = piece.to(_HOST)
             if sharded.grad is not None:
                 sharded.grad.to_local().view(-1).add_(piece)
             else:
@@ -453,6 +517,9 @@ class SubclassGroup(FSDPParamGroup):
     def sharded_parameters(self) -> list[nn.Parameter]:
         return super().sharded_parameters() + [p.sharded for p in self.subclass.params]
 
+    def persistent_bytes(self) -> int:
+        return super().persistent_bytes() + self.subclass.persistent_bytes()
+
     def named_parameters_in(self, root: nn.Module, prefix: str) -> list[tuple[str, nn.Parameter]]:
         paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
         named = [item for p in self.subclass.params for item in p.named_in(paths, prefix)]
@@ -472,17 +539,12 @@ def unit_group(
     in_buckets, protocol = split_protocol(registrations)
     if not protocol:
         return FSDPParamGroup(registrations, offload=offload, **kwargs)
-    if offload is not None:
-        unsupported(
-            f"offload_policy=CPUOffloadPolicy() with parameter {protocol[0].fqn!r}, a tensor "
-            f"subclass with FSDP2's all-gather extension protocol",
-            "raggedfsdp keeps such parameters on the compute device; drop the offload",
-        )
     subclass = SubclassParams(
         protocol,
         mesh_info=kwargs["mesh_info"],
         mp_policy=kwargs["mp_policy"],
         policy=kwargs["planner"].shard_policy,
         device=kwargs["device"],
+        offload=offload,
     )
     return SubclassGroup(in_buckets, subclass=subclass, offload=offload, **kwargs)
