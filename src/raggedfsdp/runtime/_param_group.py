@@ -171,11 +171,10 @@ class FSDPParamGroup:
         self._bind_storages()
 
     def bind(self, shared: SharedResources, paths: list[str], *, replace: bool = False) -> None:
-        """Join the root, once, at its lazy init: use its shared resources, and take the unit's
-        names, its modules' ``paths`` below the root (as FSDP2's ``_init_fqns``): errors,
-        profiler ranges and the parameters named in them say them from now on. The root then
-        sets ``data_ranks`` ([Note: units on different meshes] in ``_data_parallel.py``).
-        ``replace``: leaving a root that never ran a forward."""
+        """Join the root, once (``replace``: leaving a root that never ran a forward), at its
+        lazy init: use its shared resources, and take the unit's names, its modules' ``paths``
+        below the root (as FSDP2's ``_init_fqns``), which errors and profiler ranges say from
+        now on. The root then sets ``data_ranks`` ([Note: units on different meshes])."""
         if self._shared is not None and self._shared is not shared and not replace:
             raise RuntimeError(
                 f"raggedfsdp: unit {self.label!r} already belongs to another root; apply "
