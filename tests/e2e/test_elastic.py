@@ -266,6 +266,8 @@ def test_elastic_range_scales_down_and_back_up(tmp_path, corpus):
         lost = time.monotonic()
         _wait_for("the survivor to resume alone", lambda: _resumed_since(tmp_path, set(), 1))
         alone = time.monotonic()
+        # a step trained alone first: a joiner arriving at once regroups before any (at load)
+        _wait_for_step_at(out, world_size=1)
         c = start("c", 1)  # a late joiner
         # Rank 0 of the grown job, which prints the resume, may be either node (the one whose
         # agent has the smaller PID).
@@ -367,6 +369,8 @@ def test_three_nodes_lose_one_and_take_a_late_joiner(tmp_path, corpus):
         lost = time.monotonic()
         _wait_for("the survivors to resume at 2", lambda: _resumed_since(tmp_path, before, 2))
         survived = time.monotonic()
+        # a step trained at 2 first: a joiner arriving at once regroups before any (at load)
+        _wait_for_step_at(out, world_size=2, after=at_three)
         d = start("d", 2)  # a late joiner
         _wait_for("the job to grow again", lambda: _resumed_since(tmp_path, before, 3))
         print(
@@ -397,8 +401,9 @@ def _resumed_since(tmp: Path, before: set[str], world_size: int) -> bool:
     return any(f"now {world_size})" in line for line in _resumed(tmp) - before)
 
 
-def _wait_for_step_at(out: Path, *, world_size: int) -> int:
-    """The first logged step that ``world_size`` ranks trained (waiting for one)."""
+def _wait_for_step_at(out: Path, *, world_size: int, after: int = -1) -> int:
+    """The first logged step after ``after`` that ``world_size`` ranks trained (waiting for
+    one)."""
 
     def steps() -> list[int]:
         if not (out / "metrics.jsonl").exists():
@@ -406,7 +411,7 @@ def _wait_for_step_at(out: Path, *, world_size: int) -> int:
         lines = (out / "metrics.jsonl").read_text().splitlines()
         records = [json.loads(line) for line in lines if line.endswith("}")]
         trained = (r for r in records if r["kind"] == "train")
-        return [r["step"] for r in trained if r["world_size"] == world_size]
+        return [r["step"] for r in trained if r["world_size"] == world_size and r["step"] > after]
 
     _wait_for(f"a step at {world_size} ranks", lambda: bool(steps()))
     return steps()[0]
