@@ -45,6 +45,7 @@ __all__ = [
     "WorldCapacity",
     "capacity_planner",
     "capacity_report",
+    "divisors",
     "plan_buckets",
     "plan_capacity",
     "search_mesh",
@@ -454,7 +455,8 @@ def _split_and_shape(
     return split, model_shape(module, experts_per_token=experts_per_token, split=split)
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The degrees ``n`` ranks split into evenly, ascending (the layout searches' candidates)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -475,8 +477,8 @@ def search_mesh(
     fit (:class:`MeshSearch`)."""
     name = model_name or type(module).__name__
     fits, tried = [], 0
-    for tp in [d for d in _divisors(world_size) if d <= hw.devices_per_node]:
-        for ep in _divisors(world_size // tp):
+    for tp in [d for d in divisors(world_size) if d <= hw.devices_per_node]:
+        for ep in divisors(world_size // tp):
             opts = dataclasses.replace(options, tp=tp, ep=ep)
             try:
                 split, shape = _split_and_shape(module, opts, experts_per_token, name)

@@ -24,6 +24,7 @@ from .capacity import (
     MeshFit,
     UnshardableWorld,
     capacity_planner,
+    divisors,
     plan_buckets,
     search_mesh,
 )
@@ -422,10 +423,6 @@ class PipelineSearch:
         return max(self.fits, key=lambda f: f.tokens_per_s, default=None)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def search_pipeline(
     module: nn.Module,
     world_size: int,
@@ -450,8 +447,8 @@ def search_pipeline(
     fits = [_flat_fit(flat.fastest)] if flat.fastest is not None else []
     tried = flat.tried
     cut = StageCut.of(module, model)
-    for tp in [d for d in _divisors(world_size) if d <= hw.devices_per_node]:
-        for ep in _divisors(world_size // tp):
+    for tp in [d for d in divisors(world_size) if d <= hw.devices_per_node]:
+        for ep in divisors(world_size // tp):
             opts = _options_for(options, tp, ep)
             try:
                 split, full = _split_and_shape(module, cut, opts, experts_per_token, model)
@@ -493,7 +490,7 @@ class _Layout:
         """raggedfsdp's plan at each ``pp`` the world leaves, skipping those the schedule, the
         cut or the world refuses."""
         dims = self.options.dims
-        for pp in _divisors(self.world_size // (dims.tp * dims.ep))[1:]:
+        for pp in divisors(self.world_size // (dims.tp * dims.ep))[1:]:
             try:
                 sched = PipelineSchedule(schedule, pp, microbatches or 4 * pp, stages_per_rank)
                 stage_layers(len(self.cut.blocks), sched.stages)
