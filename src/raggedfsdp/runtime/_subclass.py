@@ -6,17 +6,6 @@ metadata) and ``fsdp_post_all_gather`` (every rank's tensors, concatenated along
 unsharded parameter, or refill ``out=`` in place). raggedfsdp cannot put such a parameter in a
 bucket's flat buffer as it puts a plain one (its data is not one tensor of its dtype), so it has
 to follow the protocol, or refuse the parameter: never train its inner data in its place.
-
-Beside tensor parallelism (a DTensor over ``mesh["tp"]`` whose local tensor is the subclass,
-sharded over ``mesh["dp"]``) the protocol sees the local tensor, as FSDP2's does: its local
-shape, the dp mesh; what ``fsdp_post_all_gather`` builds becomes the DTensor over tp again, with
-the parameter's placements, and its gradient is reduced over dp as its local tensor.
-
-Under CPU offload (as FSDP2's ``FSDPParam`` does) a protocol parameter's shard, inner tensors and
-all, lives on the host: it is moved to the compute device (the subclass's own ``.to``) for
-``fsdp_pre_all_gather``, and its reduced gradient shard is copied back to the host, where the
-optimizer steps. The host shard is pageable, its copies blocking: pinning it would need every
-subclass to keep its class through ``aten._pin_memory``.
 """
 
 from __future__ import annotations
@@ -58,6 +47,17 @@ __all__ = [
 ]
 
 _HOST = torch.device("cpu")
+
+# [Note: subclass parameters beside TP, offloaded]
+# Beside tensor parallelism (a DTensor over ``mesh["tp"]`` whose local tensor is the subclass,
+# sharded over ``mesh["dp"]``) the protocol sees the local tensor, as FSDP2's does: its local
+# shape, the dp mesh; what ``fsdp_post_all_gather`` builds becomes the DTensor over tp again, with
+# the parameter's placements, and its gradient is reduced over dp as its local tensor.
+# Under CPU offload (as FSDP2's ``FSDPParam`` does) a protocol parameter's shard, inner tensors and
+# all, lives on the host: it is moved to the compute device (the subclass's own ``.to``) for
+# ``fsdp_pre_all_gather``, and its reduced gradient shard is copied back to the host, where the
+# optimizer steps. The host shard is pageable, its copies blocking: pinning it would need every
+# subclass to keep its class through ``aten._pin_memory``.
 
 # Packed tensors start on this many bytes, so each is read back as a view of its own dtype.
 _ALIGN = 16
