@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import raggedfsdp as rf
 from harness import run_distributed
+from optim_grid import structured_optimizer, structured_planner
 from raggedfsdp.models import GPT, GPT_CONFIGS
 
 CFG = GPT_CONFIGS["gpt-tiny"]
@@ -17,25 +18,9 @@ AUX = ("tok_emb.weight", "pos_emb.weight")
 
 
 def _optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=1e-2)
-    if kind == "muon":
-        aux = {id(p) for name, p in model.named_parameters() if name in AUX}
-        return rf.optim.Muon(
-            params, lr=0.02, adamw_params=lambda p, shape: id(p) in aux or len(shape) < 2
-        )
-    if kind == "shampoo":
-        return rf.optim.Shampoo(
-            params, lr=1e-2, max_preconditioner_dim=16, precondition_frequency=1
-        )
-    return rf.optim.AdamW8bit(params, lr=1e-2, min_8bit_numel=1024)
-
-
-def _planner(kind: str) -> rf.StructAwarePlanner:
-    if kind == "shampoo":
-        return rf.StructAwarePlanner("shampoo", max_preconditioner_dim=16)
-    return rf.StructAwarePlanner(kind)
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return structured_optimizer(kind, model, lambda name: name in AUX, 1024)
 
 
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -55,7 +40,7 @@ def _run(rank: int, world: int) -> dict[str, float]:
         torch.manual_seed(0)
         reference = GPT(CFG)
         model = copy.deepcopy(reference)
-        rf.FSDPBackend(model, planner=_planner(kind))
+        rf.FSDPBackend(model, planner=structured_planner(kind))
         opt, ref_opt = _optimizer(kind, model), _optimizer(kind, reference)
         ref_params = dict(reference.named_parameters())
         g = torch.Generator().manual_seed(1)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import raggedfsdp as rf
 from harness import Grid, error_message, run_world_grid
+from optim_grid import structured_optimizer, structured_planner
 from pipeline_cases import (
     DP,
     LR,
@@ -51,32 +52,16 @@ OPTIMIZERS = ("muon", "shampoo", "adamw8bit")
 
 
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
-    params = list(model.parameters())
-    if kind == "muon":
-        embeddings = {
-            id(p) for name, p in model.named_parameters() if "emb" in name or "head" in name
-        }
-        return rf.optim.Muon(
-            params, lr=0.02, adamw_params=lambda p, shape: id(p) in embeddings or len(shape) < 2
-        )
-    if kind == "shampoo":
-        return rf.optim.Shampoo(
-            params, lr=1e-2, max_preconditioner_dim=16, precondition_frequency=1
-        )
-    return rf.optim.AdamW8bit(params, lr=1e-2, min_8bit_numel=256)
-
-
-def _planner(kind: str) -> rf.StructAwarePlanner:
-    if kind == "shampoo":
-        return rf.StructAwarePlanner("shampoo", max_preconditioner_dim=16)
-    return rf.StructAwarePlanner(kind)
+    """Muon's AdamW takes the embeddings and the head."""
+    return structured_optimizer(kind, model, lambda n: "emb" in n or "head" in n, 256)
 
 
 def optimizer_twins(kind: str, mesh: DeviceMesh) -> float:
     """``kind`` on each stage's shards (planned for it) against the same optimizer on an
     unsharded copy of the stage given the same gradients, gathered whole: the largest difference
     of their parameters after 2 steps (1F1B, torchtitan's settings)."""
-    parts, run, mine, stages = build("rf", "Schedule1F1B", mesh, titan=True, planner=_planner(kind))
+    planner = structured_planner(kind)
+    parts, run, mine, stages = build("rf", "Schedule1F1B", mesh, titan=True, planner=planner)
     twins = [cut(initial_model(), index, stages) for index in mine]
     opts = [_optimizer(kind, m) for m in parts + twins]
     dp = mesh["dp"].get_group()

@@ -1,7 +1,8 @@
 """What the optimizer tests share: the world sizes of their grid (run by
 :func:`harness.run_world_grid`), sharded parameters on random layouts, stepping them beside their
 single-device twins, the state dict round trip, gradients given to the parameters of a sharded
-model from whole tensors, and Muon on one device."""
+model from whole tensors, Muon on one device, and each structure-aware optimizer with the planner
+that keeps its structures whole."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+import raggedfsdp as rf
 from harness import Group, sharded_param
 from raggedfsdp.layout import ShardLayout
 from raggedfsdp.tensor import local_piece, local_range, placed_like
@@ -126,3 +128,29 @@ def muon_on_one_device(
         for optimizer in optimizers:
             optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def structured_optimizer(
+    kind: str, model: nn.Module, aux: Callable[[str], bool], min_8bit_numel: int
+) -> torch.optim.Optimizer:
+    """``rf.optim``'s ``kind`` (muon, shampoo, adamw8bit) over ``model``'s parameters, with the
+    settings of :func:`structured_planner`; Muon hands the parameters ``aux`` names (and every
+    one below 2-D) to its AdamW."""
+    params = list(model.parameters())
+    if kind == "muon":
+        to_adamw = {id(p) for name, p in model.named_parameters() if aux(name)}
+        return rf.optim.Muon(
+            params, lr=0.02, adamw_params=lambda p, shape: id(p) in to_adamw or len(shape) < 2
+        )
+    if kind == "shampoo":
+        return rf.optim.Shampoo(
+            params, lr=1e-2, max_preconditioner_dim=16, precondition_frequency=1
+        )
+    return rf.optim.AdamW8bit(params, lr=1e-2, min_8bit_numel=min_8bit_numel)
+
+
+def structured_planner(kind: str) -> rf.StructAwarePlanner:
+    """The planner that keeps ``kind``'s structures whole (Shampoo's blocks of 16)."""
+    if kind == "shampoo":
+        return rf.StructAwarePlanner("shampoo", max_preconditioner_dim=16)
+    return rf.StructAwarePlanner(kind)
