@@ -143,8 +143,8 @@ def agree(
         else:
             values = mask
         again = again or values[0] > 0
-        alike = alike and _agrees(values[:2]) and _agrees(values[2:18])
-        pos = 18
+        alike = alike and _agrees(values[:2]) and _agrees(values[2:_REVISIT_BYTES])
+        pos = _REVISIT_BYTES
         for i in members:
             ran, late, most, least = *values[pos : pos + 3], 255 - values[pos + 3]
             runs[i], early[i], differ[i] = bool(ran), most > 0 and not late, most != least
@@ -174,6 +174,11 @@ def _all_reduce_max(
                 dist.all_reduce(mask, op=dist.ReduceOp.MAX, group=pg)
                 stats.usage_all_reduces += 1
     return mask
+
+
+#: The message's head: whether this rank runs a unit again and its complement (2 bytes), then the
+#: unit's position as a digest and its complement (16).
+_REVISIT_BYTES = 18
 
 
 def _revisit_bytes(revisit: int | None) -> bytes:
