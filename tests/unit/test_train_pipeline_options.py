@@ -17,7 +17,7 @@ from raggedfsdp.models import GPT, GPT_CONFIGS, hf
 from raggedfsdp.train.build import job_mesh, new_model
 from raggedfsdp.train.config import TrainConfig
 from raggedfsdp.train.mesh import JobMesh
-from raggedfsdp.train.pipeline import cut
+from raggedfsdp.train.stages import cut
 
 
 def test_the_mesh_places_pp_outermost():

@@ -199,6 +199,12 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+def _meta_embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding on meta without torch's init: ``normal_`` on meta runs a Python decomposition
+    that loads ``torch._dynamo`` (0.4 s a process, every launch's three)."""
+    return nn.Embedding.from_pretrained(torch.empty(num, dim, device="meta"), freeze=False)
+
+
 class GPT(nn.Module):
     """nanoGPT-style decoder: token + learned position embeddings, blocks, LayerNorm, head.
 
@@ -217,8 +223,8 @@ class GPT(nn.Module):
         # init_weights overwrites anyway, and skipping them keeps the constructor's RNG use equal
         # to init_weights' alone (see the module docstring).
         with torch.device("meta"):
-            self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+            self.tok_emb = _meta_embedding(cfg.vocab_size, cfg.d_model)
+            self.pos_emb = _meta_embedding(cfg.seq_len, cfg.d_model)
             self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
             self.ln_f = nn.LayerNorm(cfg.d_model)
             self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -245,7 +251,7 @@ class GPT(nn.Module):
     def block_list(self) -> list[nn.Module]:
         """The blocks in model order: all of them, or a pipeline stage's share (its ``blocks``
         then an ``nn.ModuleDict`` keyed by their indices, so their names stay the whole
-        model's: :mod:`raggedfsdp.train.pipeline`)."""
+        model's: :mod:`raggedfsdp.train.stages`)."""
         blocks = self.blocks
         return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,10 @@ from ..runtime import MixedPrecisionPolicy
 from ..tensor import local_piece
 from .config import TrainConfig
 from .mesh import JobMesh, check_model, device_mesh_of, shard_model
-from .pipeline import Pipeline, StageSet, build_schedule, check_pipeline, cut
+from .stages import StageSet, check_pipeline, cut
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
 
 __all__ = [
     "BETAS",
@@ -193,9 +196,11 @@ def build_model(cfg: TrainConfig, device: torch.device, mesh: JobMesh | None = N
 
 def build_pipeline(cfg: TrainConfig, device: torch.device, mesh: JobMesh) -> Pipeline:
     """:func:`build_model`'s model cut into this rank's pipeline stages
-    (:func:`~.pipeline.cut`), each prepared, split and sharded as that model is (over the
+    (:func:`~.stages.cut`), each prepared, split and sharded as that model is (over the
     stage's data-parallel ranks, no reshard after forward: torchtitan's setting under PP), under
     ``--pp-schedule``. Needs the process group."""
+    from .pipeline import build_schedule  # torch's pipelining loads torch._dynamo: only under --pp
+
     torch.manual_seed(cfg.seed)
     model = new_model(cfg, device)
     device_mesh = device_mesh_of(mesh, device)

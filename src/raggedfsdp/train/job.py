@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,13 @@ from .faults import Fault, FaultKind
 from .lora_meter import LoRAMeter
 from .mesh import JobMesh, degrees_text
 from .monitor import Monitor
-from .pipeline import Pipeline
 from .preemption import PREEMPTED_EXIT_CODE, Preempted, Preemption
 from .preflight import dry_run_report
 from .run_dir import current_job, prepare_out_dir, remove_partial, resume_checkpoint
 from .step import train_step
+
+if TYPE_CHECKING:  # its module loads torch's pipelining: only under --pp
+    from .pipeline import Pipeline
 
 __all__ = ["build_parser", "digit_accuracy", "evaluate", "main", "train"]
 
@@ -180,13 +182,11 @@ class _Run:
 
     @property
     def crash_rank(self) -> int:
-        """The rank ``--inject-fault kill-at-step=N`` kills: not rank 0 when there is another,
-        so the crash is a worker's, not the one that writes the reports."""
+        """The rank ``--inject-fault kill-at-step=N`` kills: a worker, not reporting rank 0."""
         return 1 if self.world.size > 1 else 0
 
     def evaluate(self, step: int) -> None:
-        """Record the validation loss now, and a VLM's held-out digit accuracy (collectives:
-        every rank calls it)."""
+        """Record the validation loss now, and a VLM's held-out digit accuracy (on every rank)."""
         model_loss = functools.partial(evaluate, self.model)
         loss_of = self.pipeline.evaluate if self.pipeline else model_loss
         val_loss = loss_of(self.val_batches, self.device)

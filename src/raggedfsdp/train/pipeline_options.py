@@ -26,7 +26,7 @@ class PipelineOptions(Protocol):
 
 def check_pipeline_options(cfg: PipelineOptions) -> None:
     """``ValueError`` naming the option: micro-batches below 1, what ``--pp`` does not take, and
-    micro-batches its schedule cannot run (the layers: :func:`~.pipeline.check_pipeline`)."""
+    micro-batches its schedule cannot run (the layers: :func:`~.stages.check_pipeline`)."""
     if cfg.microbatches is not None and cfg.microbatches < 1:
         raise ValueError(f"microbatches: must be >= 1, got {cfg.microbatches}")
     if cfg.pp == 1:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,7 +22,9 @@ from . import health
 from .build import lr_factor
 from .config import TrainConfig
 from .monitor import StepTimes
-from .pipeline import Pipeline
+
+if TYPE_CHECKING:  # its module loads torch's pipelining: only under --pp
+    from .pipeline import Pipeline
 
 __all__ = ["StepResult", "train_step"]
 
