@@ -46,13 +46,7 @@ def run_on_ranks(
     process group exists, so their traffic crosses its loopback (the slow-link bed of
     ``raggedfsdp bench --link-gbit``; needs root).
     """
-    import torch.multiprocessing as mp
-
-    # A rank forked from multiprocessing's server, which imports torch and raggedfsdp once (and
-    # never initialises CUDA), starts in milliseconds; a spawned interpreter pays seconds of
-    # imports per rank (the multi-process tests: 313 s -> 166 s on two cores).
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["raggedfsdp"])
+    ctx = _forkserver()
     with tempfile.TemporaryDirectory(prefix="raggedfsdp-ranks-") as tmp:
         procs = [
             ctx.Process(
@@ -89,6 +83,19 @@ def run_on_ranks(
         if errors:
             raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed:\n" + "\n".join(errors))
         return results
+
+
+def _forkserver() -> Any:
+    """multiprocessing's forkserver context, its server importing raggedfsdp (and torch) once.
+
+    A rank forked from it starts in milliseconds; a spawned interpreter pays seconds of imports
+    per rank (the multi-process tests: 313 s -> 166 s on two cores). The server never
+    initialises CUDA, so its children may."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["raggedfsdp"])
+    return ctx
 
 
 def _rank_entry(
