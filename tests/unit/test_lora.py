@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from raggedfsdp.capacity.lora import lora_bytes
+from raggedfsdp.capacity.cost import buffer_bytes
+from raggedfsdp.capacity.lora import lora_bytes, lora_units
+from raggedfsdp.facts import RAGGEDFSDP
 from raggedfsdp.models.lora import LoRALinear, apply_lora
 from raggedfsdp.models.nf4 import NF4_CODE_BOOK, NF4Weight, nf4_bytes
 from raggedfsdp.planner import StructAwarePlanner
@@ -129,6 +131,21 @@ def test_capacity_lora_bytes_against_hand_counts() -> None:
         for key in ("frozen", "adapters", "grads"):
             assert sum(getattr(r, key) for r in ranks) == getattr(one, key)
         assert sum(r.optimizer for r in ranks) == one.optimizer + (world - 1) * 4 * 4
+
+
+def test_capacity_lora_units_gather_the_base_as_codes_and_scales() -> None:
+    """At W=2 each block unit's buckets hold its bias and adapters (no NF4 weight), and its
+    NF4 weight all-gathers whole as codes and scales: 4096 / 2 + 4096 / 64 * 4 bytes, no
+    gradient; the embedding's unit has none."""
+    *blocks, root = lora_units(_qlora_net(), StructAwarePlanner(), 2)
+    for unit in blocks:
+        assert unit.subclass_bytes == 64 * 64 // 2 + 64 * 4
+        assert unit.param_numel == 64 + 2 * (2 * 64)  # the bias, the adapters
+        assert unit.trainable == (False, True)
+    assert root.subclass_bytes == 0 and root.param_numel == 10 * 64
+    held = buffer_bytes(blocks[:1], 4, 2, RAGGEDFSDP)  # fp32, unsharded
+    assert held.params == [(64 + 256) * 4 + 64 * 64 // 2 + 64 * 4]  # + codes and scales
+    assert held.grads == [256 * 4]  # the adapters' alone
 
 
 @pytest.mark.parametrize(

@@ -305,11 +305,13 @@ class Buffers(NamedTuple):
 def buffer_bytes(units: Sequence[UnitBytes], comm: int, w: int, system: System) -> Buffers:
     """``system``'s sharded elements and their gradients' per rank, and per unit the bytes of
     its unsharded parameters, of its unsharded gradients and of its all-gather output, each
-    ``comm`` bytes an element, over groups of ``w``."""
+    ``comm`` bytes an element, over groups of ``w``; a unit's subclass parameters
+    (:attr:`UnitBytes.subclass_bytes`) add their gathered bytes to its parameters and
+    all-gather output, never to its gradients."""
     local = sum(u.shard(system) for u in units)
     local_grads = sum(u.trainable_shard(system) for u in units)
     if system.zero_copy:  # parameters, gradients and the all-gather: views of one storage
-        params = [u.storage_bytes(w, comm) for u in units]
+        params = [u.storage_bytes(w, comm) + u.subclass_bytes for u in units]
         grads = [u.storage_bytes(w, comm, trainable=True) for u in units]
         return Buffers(local, local_grads, params, grads, params)
     # copied-out parameters and autograd's gradients are per parameter, unpadded; what an
@@ -317,9 +319,9 @@ def buffer_bytes(units: Sequence[UnitBytes], comm: int, w: int, system: System) 
     return Buffers(
         local,
         local_grads,
-        [u.param_numel * comm for u in units],
+        [u.param_numel * comm + u.subclass_bytes for u in units],
         [u.param_numel * comm if u.trainable_shard_numel else 0 for u in units],
-        [u.group(w) * u.shard(system) * comm for u in units],
+        [u.group(w) * u.shard(system) * comm + u.subclass_bytes for u in units],
     )
 
 

@@ -34,6 +34,10 @@ class UnitBytes:
     #: size. Under expert parallelism the routed experts' units are sharded over fewer ranks
     #: than the rest (:mod:`.parallel`), so every ``W`` of a formula is the unit's own.
     world_size: int | None = None
+    #: bytes of the unit's parameters held outside its buckets once all-gathered: tensor
+    #: subclasses that follow FSDP2's protocol (``runtime/_subclass.py``), an NF4 base as its
+    #: codes and scales (:func:`.lora.lora_units`); frozen, so no gradient
+    subclass_bytes: int = 0
 
     def group(self, world_size: int) -> int:
         """The ranks the unit is sharded over in a run of ``world_size``."""

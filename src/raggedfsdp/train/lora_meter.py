@@ -14,14 +14,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..capacity.lora import LoRABytes, lora_bytes
+from ..capacity.lora import LoRABytes, lora_bytes, lora_units
+from ..capacity.units import UnitBytes
 from ..models.nf4 import NF4Weight
 from ..tensor import local_piece
 from .build import build_planner, meta_model, mp_policy, optimizer_bytes, wrap_policy
 from .config import TrainConfig
 from .monitor import Monitor
 
-__all__ = ["LoRAMeter", "lora_tensor_bytes", "predicted_lora_bytes"]
+__all__ = ["LoRAMeter", "lora_tensor_bytes", "predicted_lora_bytes", "predicted_lora_units"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -76,12 +77,21 @@ def predicted_lora_bytes(cfg: TrainConfig, world_size: int) -> tuple[list[LoRABy
     """What :func:`~raggedfsdp.capacity.lora.lora_bytes` predicts each rank of the run holds,
     and the elements of its NF4 base."""
     model = meta_model(cfg)
-    policy = mp_policy(cfg)
-    predicted = lora_bytes(
-        model,
-        build_planner(cfg),
-        world_size,
-        wrap=wrap_policy(model),
-        param_dtype=policy.param_dtype if policy is not None else None,
-    )
+    predicted = lora_bytes(model, build_planner(cfg), world_size, **_as_run(cfg, model))
     return predicted, sum(p.numel() for p in model.parameters() if isinstance(p, NF4Weight))
+
+
+def predicted_lora_units(cfg: TrainConfig, world_size: int) -> list[UnitBytes]:
+    """The run's FSDP units as the runtime holds them
+    (:func:`~raggedfsdp.capacity.lora.lora_units`: an NF4 base as codes and scales)."""
+    model = meta_model(cfg)
+    return lora_units(model, build_planner(cfg), world_size, **_as_run(cfg, model))
+
+
+def _as_run(cfg: TrainConfig, model: nn.Module) -> dict[str, Any]:
+    """The run's units and mixed precision, as the capacity model's LoRA functions take them."""
+    policy = mp_policy(cfg)
+    return {
+        "wrap": wrap_policy(model),
+        "param_dtype": policy.param_dtype if policy is not None else None,
+    }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ from ..capacity.cost import (
     optimizer_state_bytes,
     unit_bytes,
 )
+from ..capacity.lora import LoRABytes
 from ..capacity.parallel import UnsplittableModel, split_model
 from ..capacity.shapes import ModelShape, model_shape
 from ..data import load_corpus
@@ -28,7 +29,7 @@ from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, check_rank_files, read_meta
 from .config import TrainConfig
-from .lora_meter import predicted_lora_bytes
+from .lora_meter import predicted_lora_bytes, predicted_lora_units
 from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
 
@@ -229,20 +230,38 @@ def predicted_memory(cfg: TrainConfig, world_size: int) -> MemoryBreakdown:
 
 
 def _memory(cfg: TrainConfig, world_size: int, run: _RunPlans) -> MemoryBreakdown:
-    """:func:`predicted_memory` from the run's plans, made already."""
+    """:func:`predicted_memory` from the run's plans, made already. A LoRA run's units are
+    the runtime's (an NF4 base all-gathered as its codes and scales, outside the buckets) and
+    its persistent terms the largest rank's own tensor bytes (:mod:`raggedfsdp.capacity.lora`):
+    the base in NF4, gradients and AdamW's state for the adapters alone."""
+    step = _step_shape(cfg, world_size)
+    if cfg.lora_rank is None:
+        plans = run.plans
+        state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
+        return memory_breakdown(run.shape, unit_bytes(plans), step, state, world_size=world_size)
+    top = _largest_lora_rank(cfg, world_size)
+    units = predicted_lora_units(cfg, world_size)
+    memory = memory_breakdown(run.shape, units, step, top.optimizer, world_size=world_size)
+    return replace(memory, params=top.base + top.frozen + top.adapters, grads=top.grads)
+
+
+def _largest_lora_rank(cfg: TrainConfig, world_size: int) -> LoRABytes:
+    """The LoRA tensor bytes of the rank that holds the most (every rank must fit)."""
+    ranks, _ = predicted_lora_bytes(cfg, world_size)
+    return max(ranks, key=lambda r: r.total)
+
+
+def _step_shape(cfg: TrainConfig, world_size: int) -> StepShape:
+    """One rank's step of the run: its micro-batch, mixed precision and checkpointing."""
     policy = mp_policy(cfg)
-    param_dtype = policy.param_dtype if policy is not None else torch.float32
-    step = StepShape(
+    return StepShape(
         batch=_micro_batch(cfg, world_size),
         seq_len=cfg.tokens_per_seq,
-        param_dtype=param_dtype,
+        param_dtype=policy.param_dtype if policy is not None else torch.float32,
         reduce_dtype=policy.reduce_dtype if policy is not None else None,
         checkpointing=cfg.activation_checkpointing,
         gloo=not torch.cuda.is_available(),
     )
-    state = optimizer_state_bytes(run.plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
-    units = unit_bytes(run.plans)
-    return memory_breakdown(run.shape, units, step, state, world_size=world_size)
 
 
 def _micro_batch(cfg: TrainConfig, world_size: int) -> int:
@@ -323,10 +342,13 @@ def check_memory(cfg: TrainConfig, world_size: int, ranks_per_node: int) -> None
     if cfg.mixed_precision == "none":
         advice.append("--mixed-precision bf16")
     advice.append(f"more ranks (persistent state {format_bytes(memory.persistent)} per rank)")
+    held = "shards, gradients and optimizer state"
+    if cfg.lora_rank is not None:
+        held = "frozen base, adapters, their gradients and AdamW state"
     raise ValueError(
-        f"memory: each rank needs about {format_bytes(memory.peak)} at its peak (shards, "
-        f"gradients and optimizer state {format_bytes(memory.persistent)}, unsharded "
-        f"parameters and gradients {format_bytes(memory.unsharded)}, activations "
+        f"memory: each rank needs about {format_bytes(memory.peak)} at its peak ({held} "
+        f"{format_bytes(memory.persistent)}, unsharded parameters and gradients "
+        f"{format_bytes(memory.unsharded)}, activations "
         f"{format_bytes(memory.activations)}), but {format_bytes(usable)} is usable: "
         f"{source}, with {100 * DEFAULT_RESERVE:.0f}% in reserve. Try "
         f"{', '.join(advice)}; or --force to start anyway"
@@ -365,7 +387,8 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
         f"{'total':<28}{'':>8}{numel:>12,}{shard:>12,}{100 * padding / max(1, numel):>9.3f}%"
     )
     # Per rank, the capacity planner's model of this run (docs/capacity.md), as the preflight
-    # checks it: the peak frees the previous step's gradients (zero_grad) before forward.
+    # checks it: the peak frees the previous step's gradients (zero_grad) before forward. A
+    # LoRA run's shards, gradients and optimizer state: its largest rank's, itemised below.
     memory = _memory(cfg, world_size, run)
     micro = _micro_batch(cfg, world_size)
     estimates = [
@@ -378,10 +401,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     lines.append("estimated memory per rank:")
     lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
     if cfg.lora_rank is not None:
-        # The estimate above costs the NF4 base in fp32 and every parameter's AdamW state: an
-        # upper bound. The LoRA run's own tensor bytes, exactly (capacity/lora.py):
-        ranks, _ = predicted_lora_bytes(cfg, world_size)
-        top = max(ranks, key=lambda r: r.total)
+        top = _largest_lora_rank(cfg, world_size)
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in top.as_dict().items())
         lines.append(f"LoRA tensors of the largest rank: {parts}")
     return "\n".join(lines)
