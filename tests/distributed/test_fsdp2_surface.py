@@ -68,24 +68,38 @@ def _train(model: nn.Module, rank: int, steps: int = 2, *, peek: bool = False) -
 
 
 def _accumulate(
-    model: nn.Module, rank: int, steps: int = 2, micro: int = 3, *, hsdp: bool = False
+    model: nn.Module,
+    rank: int,
+    steps: int = 2,
+    micro: int = 3,
+    *,
+    hsdp: bool = False,
+    manual: bool = False,
 ) -> torch.Tensor:
     """Gradient accumulation with FSDP2's knobs, the last micro-batch doing everything:
     torchtitan's (no reduction and no reshard in between), or HSDP's (``hsdp``: reduce-scatter
-    every micro-batch, all-reduce over the replicas on the last only)."""
+    every micro-batch, all-reduce over the replicas on the last only), or torch 2.15's
+    pipelining's (``manual``: no micro-batch reduces; ``finalize_backward`` does, after)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = list(make_batches(steps * micro, 2 * WORLD))
     for step in range(steps):
         for k in range(micro):
             idx, targets = batches[step * micro + k]
-            last = k == micro - 1
+            last = k == micro - 1 and not manual
             if hsdp:
                 model.set_requires_all_reduce(last)
             else:
                 model.set_requires_gradient_sync(last)
                 model.set_reshard_after_backward(last)
+            if manual:
+                model.set_manual_backward_finalization(True)
             mine = idx[rank * 2 : rank * 2 + 2], targets[rank * 2 : rank * 2 + 2]
             (model(*mine) / micro).backward()
+        if manual:
+            model.set_requires_gradient_sync(True)
+            model.set_reshard_after_backward(True)
+            model.finalize_backward(async_op=True).wait()
+            model.set_manual_backward_finalization(False)
         opt.step()
         opt.zero_grad()
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -200,6 +214,8 @@ def _equivalences(rank: int) -> dict[str, Any]:
                 res[f"gathers_unshard_in_backward_{unshard}"] = model.stats()["all_gather_calls"]
         accumulating = _shard(impl, _fresh())
         res["accumulate"] = _accumulate(accumulating, rank)
+        if impl == "rf":  # torch 2.15's pipelining; FSDP2 before 2.15 has no such methods
+            res["accumulate_manual"] = _accumulate(_shard(impl, _fresh()), rank, manual=True)
         replicas = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
         hsdp = _shard(impl, _fresh(), mesh=replicas)
         res["hsdp_accumulate"] = _accumulate(hsdp, rank, hsdp=True)
@@ -425,6 +441,19 @@ CASES = (
 def test_same_training_as_fsdp2(results, case):
     for rank in results:
         torch.testing.assert_close(rank["same"]["rf"][case], rank["same"]["torch"][case])
+
+
+def test_manual_backward_finalization_accumulates_as_fsdp2(results):
+    """Micro-batches with no reduction, then ``finalize_backward``: FSDP2's accumulation (its
+    last micro-batch reducing) to the bit; a ``finalize_backward`` that reduced nothing would
+    leave the shards without gradients and the parameters elsewhere."""
+    for rank in results:
+        assert torch.equal(
+            rank["same"]["rf"]["accumulate_manual"], rank["same"]["rf"]["accumulate"]
+        )
+        torch.testing.assert_close(
+            rank["same"]["rf"]["accumulate_manual"], rank["same"]["torch"]["accumulate"]
+        )
 
 
 def test_torch_traversals_take_units_as_nested_fully_shard(results):

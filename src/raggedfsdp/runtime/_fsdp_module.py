@@ -24,6 +24,7 @@ from ._hooks import FSDPState, named_states_under, state_of, states_under
 from ._metrics import RuntimeStats
 from ._param_group import FSDPParamGroup
 from ._reshard_to import reshard_to
+from ._torch_state import finalize_backward
 from .residuals import unit_residuals
 
 __all__ = [
@@ -168,6 +169,27 @@ class FSDPModule(TorchFSDPModule):
         (FSDP2's ``True``). With ``False`` FSDP2 lets them run on into the next micro-batch,
         which changes when they finish, not the gradients."""
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """Accepted either way (torch 2.15's pipelining turns it on around a step's
+        micro-batches): with it on, the caller ends a backward spread over micro-batches with
+        :meth:`finalize_backward`. Each raggedfsdp backward still ends itself, which with
+        gradient sync off only accumulates, so the mode changes who reduces, not the result."""
+
+    def finalize_backward(self, *, async_op: bool = False) -> _Finalized | None:
+        """Reduce what every unit under this root accumulated since the last reduction (under
+        the gradient sync and resharding now set) and end the backward: FSDP2's manual
+        finalization. A no-op before the first forward. The reductions are waited for here, so
+        with ``async_op`` the handle returned has nothing left to wait for."""
+        state = self._fsdp_state
+        if state.ctx is not None:
+            if state.ctx.root is not state:
+                raise RuntimeError(
+                    f"finalize_backward must be called on the root module, not on "
+                    f"{state.group.label!r}"
+                )
+            finalize_backward(state)
+        return _Finalized() if async_op else None
+
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers wait for ``event`` (recorded after the optimizer step) instead
         of for everything queued on the compute stream so far (FSDP2's): compute queued after
@@ -306,6 +328,13 @@ class UnshardHandle:
         if self._group is not None:
             self._group.wait_for_unshard()
             self._group = None
+
+
+class _Finalized:
+    """What :meth:`FSDPModule.finalize_backward` returns with ``async_op``: done already."""
+
+    def wait(self) -> None:
+        """Nothing left to wait for."""
 
 
 _OWN_COLLECTIVES = (

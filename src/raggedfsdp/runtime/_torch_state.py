@@ -21,7 +21,7 @@ from ._param_group import FSDPParamGroup
 from ._root import RootContext
 from ._state_machine import TrainingState, check_state
 
-__all__ = ["TorchFacingState", "expose_to_torch", "torch_facing_state"]
+__all__ = ["TorchFacingState", "expose_to_torch", "finalize_backward", "torch_facing_state"]
 
 # [Note: torch's pipelining]
 # torch's pipelining takes any torch ``FSDPModule`` for FSDP2's. Each micro-batch's backward runs
@@ -37,7 +37,9 @@ __all__ = ["TorchFacingState", "expose_to_torch", "torch_facing_state"]
 # callback is the end of a raggedfsdp backward (reductions waited for, the usage agreement, every
 # unit idle and sharded). ``fully_shard`` registers it on each module of a unit under torch's own
 # key (:func:`expose_to_torch`), so torch's ``fully_shard.state`` finds it with torch unchanged;
-# ``rf.fully_shard.state`` is the same lookup.
+# ``rf.fully_shard.state`` is the same lookup. torch 2.15's pipelining asks the same through
+# FSDP2's public ``set_manual_backward_finalization`` and ``finalize_backward``:
+# :func:`finalize_backward` is those steps.
 
 # The function torch's ``contract`` keys a module's composable states by: FSDP2's undecorated
 # ``fully_shard`` (``contract`` wraps it with functools.wraps).
@@ -92,6 +94,17 @@ class _GroupFacingPostBackward:
         check_state(group.training_state, TrainingState.IDLE, unit=group.label)
         group.training_state = TrainingState.PRE_BACKWARD
         group.post_backward()
+
+
+def finalize_backward(root: FSDPState) -> None:
+    """End a backward spread over micro-batches under ``root`` (a root unit): each unit reduces
+    what it accumulated (under the sync and resharding now set), then the root's end of
+    backward ([Note: torch's pipelining])."""
+    ctx = root.ctx
+    assert ctx is not None and ctx.root is root, "finalize_backward needs a root after forward"
+    for state in ctx.states:
+        _GroupFacingPostBackward(state.group).post_backward()
+    ctx.finish_backward()
 
 
 def expose_to_torch(state: FSDPState) -> None:
