@@ -22,7 +22,7 @@ from .build import build_planner, meta_model, mp_policy, optimizer_bytes, wrap_p
 from .config import TrainConfig
 from .monitor import Monitor
 
-__all__ = ["LoRAMeter", "lora_tensor_bytes", "predicted_lora_bytes", "predicted_lora_units"]
+__all__ = ["LoRAMeter", "lora_tensor_bytes", "predicted_lora", "predicted_lora_bytes"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -81,11 +81,14 @@ def predicted_lora_bytes(cfg: TrainConfig, world_size: int) -> tuple[list[LoRABy
     return predicted, sum(p.numel() for p in model.parameters() if isinstance(p, NF4Weight))
 
 
-def predicted_lora_units(cfg: TrainConfig, world_size: int) -> list[UnitBytes]:
-    """The run's FSDP units as the runtime holds them
-    (:func:`~raggedfsdp.capacity.lora.lora_units`: an NF4 base as codes and scales)."""
-    model = meta_model(cfg)
-    return lora_units(model, build_planner(cfg), world_size, **_as_run(cfg, model))
+def predicted_lora(cfg: TrainConfig, world_size: int) -> tuple[list[LoRABytes], list[UnitBytes]]:
+    """:func:`predicted_lora_bytes`' bytes per rank, and the run's FSDP units as the runtime
+    holds them (:func:`~raggedfsdp.capacity.lora.lora_units`: an NF4 base as codes and
+    scales), from one meta model."""
+    model, planner = meta_model(cfg), build_planner(cfg)
+    run = _as_run(cfg, model)
+    ranks = lora_bytes(model, planner, world_size, **run)
+    return ranks, lora_units(model, planner, world_size, **run)
 
 
 def _as_run(cfg: TrainConfig, model: nn.Module) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from ..planner import ShardPlan, model_buckets, wrap_units
 from .build import build_planner, job_mesh, meta_model, mp_policy, wrap_policy
 from .checkpoints import check_entries, check_rank_files, read_meta
 from .config import TrainConfig
-from .lora_meter import predicted_lora_bytes, predicted_lora_units
+from .lora_meter import predicted_lora, predicted_lora_bytes
 from .mesh import JobMesh
 from .run_dir import check_out_dir, free_space, resume_checkpoint
 
@@ -239,15 +239,14 @@ def _memory(cfg: TrainConfig, world_size: int, run: _RunPlans) -> MemoryBreakdow
         plans = run.plans
         state = optimizer_state_bytes(plans, cfg.optimizer, shampoo_dim=cfg.max_preconditioner_dim)
         return memory_breakdown(run.shape, unit_bytes(plans), step, state, world_size=world_size)
-    top = _largest_lora_rank(cfg, world_size)
-    units = predicted_lora_units(cfg, world_size)
+    ranks, units = predicted_lora(cfg, world_size)
+    top = _largest(ranks)
     memory = memory_breakdown(run.shape, units, step, top.optimizer, world_size=world_size)
     return replace(memory, params=top.base + top.frozen + top.adapters, grads=top.grads)
 
 
-def _largest_lora_rank(cfg: TrainConfig, world_size: int) -> LoRABytes:
+def _largest(ranks: list[LoRABytes]) -> LoRABytes:
     """The LoRA tensor bytes of the rank that holds the most (every rank must fit)."""
-    ranks, _ = predicted_lora_bytes(cfg, world_size)
     return max(ranks, key=lambda r: r.total)
 
 
@@ -401,7 +400,7 @@ def dry_run_report(cfg: TrainConfig, world_size: int) -> str:
     lines.append("estimated memory per rank:")
     lines += [f"  {name:<48}{n / 2**20:>10,.1f} MiB" for name, n in estimates]
     if cfg.lora_rank is not None:
-        top = _largest_lora_rank(cfg, world_size)
+        top = _largest(predicted_lora_bytes(cfg, world_size)[0])
         parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in top.as_dict().items())
         lines.append(f"LoRA tensors of the largest rank: {parts}")
     return "\n".join(lines)
