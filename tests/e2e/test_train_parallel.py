@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from launches import (
+    FIVE_STEPS,
     cli_command,
     metrics,
     ok,
@@ -33,17 +34,7 @@ from launches import (
     workers_in_one_process,
 )
 
-COMMON = [
-    "--steps=5",
-    "--batch-size=8",
-    "--seq-len=32",
-    "--warmup-steps=2",
-    "--lr=1e-2",
-    "--log-every=1",
-    "--eval-every=0",
-    "--eval-batches=1",
-    "--checkpoint-every=3",
-]
+COMMON = FIVE_STEPS
 #: name -> (the model's options, the split's, the mesh its checkpoints record)
 CASES: dict[str, tuple[list[str], list[str], dict[str, int]]] = {
     "gpt-tp": (["--model=gpt-tiny", "--optimizer=muon"], ["--tp=2"], {"dp": 2, "tp": 2}),

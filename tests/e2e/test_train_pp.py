@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from launches import (
+    FIVE_STEPS,
     cli_command,
     metrics,
     ok,
@@ -28,18 +29,7 @@ from launches import (
     workers_in_one_process,
 )
 
-COMMON = [
-    "--model=gpt-tiny",
-    "--steps=5",
-    "--batch-size=8",
-    "--seq-len=32",
-    "--warmup-steps=2",
-    "--lr=1e-2",
-    "--log-every=1",
-    "--eval-every=0",
-    "--eval-batches=1",
-    "--checkpoint-every=3",
-]
+COMMON = ["--model=gpt-tiny", *FIVE_STEPS]
 PIPELINE = ["--pp=2", "--pp-schedule=1f1b", "--microbatches=2"]
 #: Options refused before launch, and what their one line names.
 BAD = {

@@ -21,6 +21,21 @@ import torch
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
+#: A short run's options (the model aside): five steps of 8 sequences of 32 bytes, every loss
+#: logged, the end's evaluation, a step-3 checkpoint to resume from.
+FIVE_STEPS = [
+    "--steps=5",
+    "--batch-size=8",
+    "--seq-len=32",
+    "--warmup-steps=2",
+    "--lr=1e-2",
+    "--log-every=1",
+    "--eval-every=0",
+    "--eval-batches=1",
+    "--checkpoint-every=3",
+]
+
+
 def cli_command(*args: str) -> list[str]:
     """``raggedfsdp ARGS`` in a fresh interpreter (the launcher then starts the workers)."""
     return [sys.executable, "-m", "raggedfsdp.cli", *args]
